@@ -1,0 +1,1 @@
+"""ratchet: durable, event-driven AI agents and incremental, verified check pipelines."""

@@ -1,0 +1,112 @@
+"""Atomic file writes, content hashes and seals, shared by the agent store and `checks`."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SEAL_FIELD = "seal"
+SEAL_ALGORITHM = "sha256"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` so that readers see either the old file or the whole new one, never a mix.
+
+    The bytes go to a temporary file in the same directory, are fsynced, and replace the
+    target with a rename; a failure at any step leaves the previous file intact.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(target.parent)
+
+
+def canonical_json(payload: Any) -> bytes:
+    """One byte string per value: sorted keys, no whitespace, UTF-8, no NaN."""
+    return json.dumps(
+        payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def atomic_json(path: str | os.PathLike[str], payload: Any) -> None:
+    """Atomically write `payload` as indented JSON (readable by people, stable for diffs)."""
+    data = json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    atomic_write_bytes(path, data.encode("utf-8"))
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Read a JSON file; a broken file raises ValueError naming the path."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """Hash a file's bytes in chunks, so large logs do not load into memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def compute_seal(payload: dict[str, Any], key: bytes | None = None) -> str:
+    """The seal of a dict: a digest of its canonical JSON without the seal field itself.
+
+    Without a key it is a plain SHA-256 (detects corruption and edits by anyone who does not
+    recompute it); with a key it is an HMAC, so only a holder of the key can forge one.
+    """
+    body = {k: v for k, v in payload.items() if k != SEAL_FIELD}
+    data = canonical_json(body)
+    if key is None:
+        return f"{SEAL_ALGORITHM}:{hashlib.sha256(data).hexdigest()}"
+    return f"hmac-{SEAL_ALGORITHM}:{hmac.new(key, data, hashlib.sha256).hexdigest()}"
+
+
+def seal(payload: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
+    """Return a copy of `payload` with its seal set."""
+    sealed = {k: v for k, v in payload.items() if k != SEAL_FIELD}
+    sealed[SEAL_FIELD] = compute_seal(sealed, key)
+    return sealed
+
+
+def verify_seal(payload: dict[str, Any], key: bytes | None = None) -> bool:
+    """True only if the payload carries a seal and it matches its content."""
+    recorded = payload.get(SEAL_FIELD)
+    if not isinstance(recorded, str):
+        return False
+    return hmac.compare_digest(recorded, compute_seal(payload, key))

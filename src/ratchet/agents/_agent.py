@@ -1,0 +1,132 @@
+"""`Agent` and `@action`: how a user declares which code reacts to which events."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ratchet._errors import ConfigError
+from ratchet.agents._events import Event
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ACTION_ATTR = "__ratchet_action__"
+
+
+@dataclass(frozen=True)
+class _ActionMark:
+    event_types: tuple[type[Event], ...]
+    inline: bool
+    name: str | None
+
+
+def action(
+    *event_types: type[Event], inline: bool = False, name: str | None = None
+) -> Callable[[F], F]:
+    """Mark a method (or staticmethod taking `(event, ctx)`) as an action on `event_types`.
+
+    Sync actions run on worker threads so a blocking call never stalls other keys;
+    `inline=True` runs a CPU-trivial sync action on the engine's loop instead.
+    `name` overrides the action's stored name (default: the function name); the name is
+    part of every task id in the journal, so renaming an action invalidates state.
+    """
+    if not event_types:
+        raise ConfigError("@action() needs at least one event type, e.g. @action(InputEvent)")
+    for et in event_types:
+        if not (isinstance(et, type) and issubclass(et, Event)):
+            raise ConfigError(f"@action() takes Event subclasses; got {et!r}")
+
+    def mark(fn: F) -> F:
+        target = fn.__func__ if isinstance(fn, staticmethod) else fn
+        setattr(target, _ACTION_ATTR, _ActionMark(tuple(event_types), inline, name))
+        return fn
+
+    return mark
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """One action of an agent, resolved for the engine."""
+
+    index: int
+    name: str
+    event_types: tuple[type[Event], ...]
+    fn: Callable[..., Any]
+    is_async: bool
+    inline: bool
+
+
+class Agent:
+    """Subclass this and decorate methods with `@action`.
+
+    Instance attributes are configuration, not state: they are not checkpointed, and
+    a restart builds a fresh instance. Keep anything that must survive in
+    `ctx.short_term_memory` (per key) or `ctx.sensory_memory` (per run).
+    """
+
+
+class AgentSpec:
+    """The actions of one agent instance, in definition order, and a dispatch table."""
+
+    def __init__(self, agent: Agent) -> None:
+        if not isinstance(agent, Agent):
+            raise ConfigError(f"{agent!r} is not an instance of ratchet.Agent")
+        self.agent = agent
+        self.agent_name = f"{type(agent).__module__}.{type(agent).__qualname__}"
+        actions: list[ActionSpec] = []
+        seen: dict[str, str] = {}
+        for klass in reversed(type(agent).__mro__):
+            for attr, raw in vars(klass).items():
+                target = raw.__func__ if isinstance(raw, staticmethod) else raw
+                mark = getattr(target, _ACTION_ATTR, None)
+                if not isinstance(mark, _ActionMark):
+                    continue
+                action_name = mark.name or attr
+                if action_name in seen and seen[action_name] != attr:
+                    raise ConfigError(f"two actions of {self.agent_name} are named {action_name!r}")
+                bound = getattr(agent, attr)
+                spec = ActionSpec(
+                    index=0,
+                    name=action_name,
+                    event_types=mark.event_types,
+                    fn=bound,
+                    is_async=inspect.iscoroutinefunction(target),
+                    inline=mark.inline,
+                )
+                # An override in a subclass replaces the base's action in place.
+                actions = [a for a in actions if a.name != action_name]
+                actions.append(spec)
+                seen[action_name] = attr
+        if not actions:
+            raise ConfigError(
+                f"{self.agent_name} has no actions; decorate a method with @action(...)"
+            )
+        self.actions: tuple[ActionSpec, ...] = tuple(
+            ActionSpec(i, a.name, a.event_types, a.fn, a.is_async, a.inline)
+            for i, a in enumerate(actions)
+        )
+        self._by_type: dict[type[Event], tuple[ActionSpec, ...]] = {}
+
+    def listeners(self, event_type: type[Event]) -> tuple[ActionSpec, ...]:
+        """Actions on `event_type` (or a base class of it), in definition order."""
+        found = self._by_type.get(event_type)
+        if found is None:
+            found = tuple(
+                a for a in self.actions if any(issubclass(event_type, t) for t in a.event_types)
+            )
+            self._by_type[event_type] = found
+        return found
+
+    def fingerprint(self) -> str:
+        """What a state directory must match: the action names and the event names they hear."""
+        text = ";".join(
+            f"{a.name}<-{','.join(sorted(t.event_name for t in a.event_types))}"
+            for a in self.actions
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> list[str]:
+        return [f"{a.name}({', '.join(t.event_name for t in a.event_types)})" for a in self.actions]

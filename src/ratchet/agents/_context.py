@@ -1,0 +1,392 @@
+"""`RunnerContext`, what an action receives, and the binding that lets the engine run actions."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextvars
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from ratchet._errors import NonDeterminismError, RatchetError
+from ratchet.agents._agent import Agent, AgentSpec
+from ratchet.agents._events import (
+    ErrorEvent,
+    Event,
+    InputEvent,
+    OutputEvent,
+    event_from_wire,
+    event_to_wire,
+)
+from ratchet.agents._memory import MemoryBuffer, MemoryObject
+from ratchet.runtime._engine import TaskCalls
+from ratchet.runtime._machine import Output, Task, TaskResult
+from ratchet.store import codec
+
+log = logging.getLogger("ratchet.agents")
+
+T = TypeVar("T")
+
+_current: contextvars.ContextVar[RunnerContext | None] = contextvars.ContextVar(
+    "ratchet_ctx", default=None
+)
+
+
+class ReplayedCallError(RatchetError):
+    """A durable call failed before a crash with an exception ratchet cannot rebuild by type.
+
+    Built-in exceptions are re-raised with their own type; others arrive as this error,
+    carrying the original type name and message.
+    """
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    target = getattr(fn, "__func__", fn)
+    module = getattr(target, "__module__", None) or "?"
+    qual = getattr(target, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{qual}"
+
+
+def _args_digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    try:
+        return codec.digest((args, kwargs))
+    except TypeError:
+        # Arguments that cannot be stored (a client object, say) count by their type only.
+        def part(v: Any) -> Any:
+            try:
+                codec.check_admissible(v)
+                return v
+            except TypeError:
+                return f"<{type(v).__module__}.{type(v).__qualname__}>"
+
+        return codec.digest((tuple(part(a) for a in args), {k: part(v) for k, v in kwargs.items()}))
+
+
+def _encode_error(exc: BaseException) -> bytes:
+    args: Any = exc.args
+    try:
+        codec.check_admissible(args)
+    except TypeError:
+        args = (str(exc),)
+    return codec.encode(
+        {
+            "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "args": tuple(args),
+            "message": str(exc),
+        }
+    )
+
+
+def _rebuild_error(payload: bytes) -> BaseException:
+    data = codec.decode(payload)
+    module, _, name = data["type"].rpartition(".")
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            try:
+                return cls(*data["args"])
+            except Exception:  # noqa: BLE001 - fall back to the generic carrier
+                pass
+    return ReplayedCallError(data["type"], data["message"])
+
+
+class RunnerContext:
+    """What an action gets besides its event: its key, memory, event sending and durable calls.
+
+    - `short_term_memory`: per key, across runs. `sensory_memory`: per run, cleared after it.
+    - Reads see the memory as it was when this task was dispatched, plus this task's own writes;
+      writes become visible to later tasks of the run when this task commits.
+    - `durable_execute` records a call's result before returning it; after a crash the
+      recorded result is returned instead of calling again.
+    """
+
+    def __init__(self, task: Task, calls: TaskCalls, config: dict[str, Any]) -> None:
+        self._task = task
+        self._calls = calls
+        self._stm = MemoryBuffer(task.stm, "short_term")
+        self._sensory = MemoryBuffer(task.sensory, "sensory")
+        self.short_term_memory = MemoryObject(self._stm)
+        self.sensory_memory = MemoryObject(self._sensory)
+        self.events: list[Event] = []
+        self.config = config
+
+    @property
+    def key(self) -> Any:
+        return self._task.run.key
+
+    @property
+    def task_id(self) -> str:
+        return self._task.task_id
+
+    def send_event(self, event: Event) -> None:
+        """Emit an event; it is delivered (or output) when this task commits."""
+        if not isinstance(event, Event):
+            raise TypeError(
+                f"send_event() takes a ratchet Event, got {type(event).__name__}; wrap the value, "
+                f"e.g. OutputEvent(output=...)"
+            )
+        codec.check_admissible(event.model_dump(mode="python"), f"event {type(event).event_name}")
+        self.events.append(event)
+
+    # -- durable calls ----------------------------------------------------------------------
+
+    def _replayed(self, idx: int, name: str, digest: str) -> tuple[bool, Any]:
+        rec = self._calls.recorded(idx)
+        if rec is None:
+            return False, None
+        if rec.fn != name or rec.digest != digest:
+            raise NonDeterminismError(
+                f"task {self.task_id}: durable call #{idx} was {rec.fn} with argument digest "
+                f"{rec.digest[:12]}, now it is {name} with {digest[:12]}; the action's calls changed "
+                f"since they were recorded"
+            )
+        if rec.status == "ok":
+            return True, codec.decode(rec.payload or b"")
+        if rec.status == "error":
+            raise _rebuild_error(rec.payload or b"")
+        return False, rec  # an intent with no result: the call may or may not have happened
+
+    def _result_payload(self, name: str, value: Any) -> bytes:
+        try:
+            return codec.encode(value)
+        except TypeError as exc:
+            raise TypeError(
+                f"durable call {name} returned a value ratchet cannot record ({exc}); return plain "
+                f"data (dict, list, str, bytes, a registered model) from the function"
+            ) from None
+
+    def durable_execute(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        reconciler: Callable[..., T] | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """Call `fn(*args, **kwargs)` at most once per completed call, across crashes.
+
+        If the process died after the intent was recorded but before the result was, the call
+        may have happened: `reconciler(*args, **kwargs)` (if given) is asked for the result
+        instead of calling again; without one, `fn` is called again (at-least-once).
+        """
+        name = _fn_name(fn)
+        digest = _args_digest(args, kwargs)
+        idx = self._calls.next_index()
+        done, value = self._replayed(idx, name, digest)
+        if done:
+            return value  # type: ignore[no-any-return]
+        target = fn
+        if value is not None and reconciler is not None:
+            target = reconciler
+        else:
+            self._calls.write(idx, name, digest, "intent", None).result()
+        try:
+            result = target(*args, **kwargs)
+            if inspect.isawaitable(result):
+                raise TypeError(f"{name} is async; use `await ctx.durable_execute_async(...)`")
+        except Exception as exc:
+            self._calls.write(idx, name, digest, "error", _encode_error(exc)).result()
+            raise
+        self._calls.write(idx, name, digest, "ok", self._result_payload(name, result)).result()
+        return result
+
+    async def durable_execute_async(
+        self,
+        fn: Callable[..., Awaitable[T]] | Callable[..., T],
+        *args: Any,
+        reconciler: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> T:
+        """The async form of `durable_execute`; a sync `fn` runs in a thread, off the loop."""
+        name = _fn_name(fn)
+        digest = _args_digest(args, kwargs)
+        idx = self._calls.next_index()  # taken before any await: positions follow call order
+        done, value = self._replayed(idx, name, digest)
+        if done:
+            return value  # type: ignore[no-any-return]
+        target: Callable[..., Any] = fn
+        if value is not None and reconciler is not None:
+            target = reconciler
+        else:
+            await asyncio.wrap_future(self._calls.write(idx, name, digest, "intent", None))
+        try:
+            if inspect.iscoroutinefunction(target):
+                result = await target(*args, **kwargs)
+            else:
+                result = await asyncio.to_thread(target, *args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+        except Exception as exc:
+            await asyncio.wrap_future(
+                self._calls.write(idx, name, digest, "error", _encode_error(exc))
+            )
+            raise
+        payload = self._result_payload(name, result)
+        await asyncio.wrap_future(self._calls.write(idx, name, digest, "ok", payload))
+        return result  # type: ignore[no-any-return]
+
+    def _result(self) -> TaskResult:
+        return TaskResult(self._stm.ops, self._sensory.ops, list(self.events))
+
+
+def current_context() -> RunnerContext | None:
+    """The context of the action running in this thread or task, if any."""
+    return _current.get()
+
+
+class AgentBinding:
+    """Adapts an `Agent` to the engine: dispatch table, action execution, event wire format."""
+
+    def __init__(self, agent: Agent, config: dict[str, Any] | None = None) -> None:
+        self.spec = AgentSpec(agent)
+        self.name = self.spec.agent_name
+        self.fingerprint = self.spec.fingerprint()
+        self.action_names = self.spec.describe()
+        self.config = dict(config or {})
+        self._by_name = {a.name: a for a in self.spec.actions}
+        self._listeners: dict[type, list[str]] = {}
+        self._modes = {
+            a.name: ("async" if a.is_async else "inline" if a.inline else "thread")
+            for a in self.spec.actions
+        }
+
+    def listeners(self, event: Any) -> list[str]:
+        et = type(event)
+        names = self._listeners.get(et)
+        if names is None:
+            names = self._listeners[et] = [a.name for a in self.spec.listeners(et)]
+        return names
+
+    def is_output(self, event: Any) -> bool:
+        if isinstance(event, OutputEvent):
+            return True
+        # A failure nobody handles is reported as an output rather than vanishing.
+        return isinstance(event, ErrorEvent) and not self.listeners(event)
+
+    def action_mode(self, action: str) -> str:
+        return self._modes[action]
+
+    def event_to_wire(self, event: Any) -> Any:
+        return event_to_wire(event)
+
+    def event_from_wire(self, wire: Any) -> Any:
+        name, fields = wire
+        return event_from_wire(name, fields)
+
+    def event_from_input(self, value: Any) -> Any:
+        return InputEvent.model_construct(input=value)
+
+    def output_record(self, output: Output) -> dict[str, Any]:
+        ev = output.event
+        rec: dict[str, Any] = {
+            "id": output.id,
+            "key": output.key,
+            "seq": output.seq,
+            "task": output.task_id,
+        }
+        if isinstance(ev, ErrorEvent):
+            rec["output"] = None
+            rec["error"] = {
+                "action": ev.action,
+                "type": ev.error_type,
+                "message": ev.message,
+                "event_type": ev.event_type,
+            }
+        else:
+            rec["output"] = ev.output
+        return rec
+
+    def _error_result(self, task: Task, exc: BaseException) -> TaskResult:
+        log.warning(
+            "action %s failed on key %r: %s: %s", task.action, task.run.key, type(exc).__name__, exc
+        )
+        err = ErrorEvent(
+            action=task.action,
+            error_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            message=str(exc),
+            event_type=type(task.event).event_name,
+        )
+        # A failed action commits nothing but its error event.
+        return TaskResult([], [], [err])
+
+    def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
+        spec = self._by_name[task.action]
+        ctx = RunnerContext(task, calls, self.config)
+        token = _current.set(ctx)
+        try:
+            out = spec.fn(task.event, ctx)
+            if inspect.isawaitable(out):
+                close = getattr(out, "close", None)
+                if close is not None:
+                    close()
+                raise TypeError(
+                    f"sync action {task.action} returned an awaitable; declare it `async def`"
+                )
+        except NonDeterminismError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+            return self._error_result(task, exc)
+        finally:
+            _current.reset(token)
+        return ctx._result()
+
+    async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult:
+        spec = self._by_name[task.action]
+        ctx = RunnerContext(task, calls, self.config)
+        children: set[asyncio.Task[Any]] = set()
+        token = _current.set(ctx)
+        _children.set(children)
+        try:
+            await spec.fn(task.event, ctx)
+        except NonDeterminismError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+            return self._error_result(task, exc)
+        finally:
+            _current.reset(token)
+            _cancel_leftovers(task, children)
+        return ctx._result()
+
+
+# Tasks an action creates inherit this contextvar; the task factory records them so the
+# ones still running when the action returns can be cancelled.
+_children: contextvars.ContextVar[set[asyncio.Task[Any]] | None] = contextvars.ContextVar(
+    "ratchet_children", default=None
+)
+
+
+def _cancel_leftovers(task: Task, children: set[asyncio.Task[Any]]) -> None:
+    pending = [c for c in children if not c.done()]
+    for c in pending:
+        c.cancel()
+    if pending:
+        log.warning(
+            "action %s (key %r) returned with %d asyncio task(s) it did not await; they were "
+            "cancelled. Await every task an action starts (asyncio.gather / TaskGroup)",
+            task.action,
+            task.run.key,
+            len(pending),
+        )
+
+
+def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
+    """Track tasks created inside actions (so leftovers can be cancelled)."""
+    previous = loop.get_task_factory()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Future[Any]:
+        if previous is not None:
+            t = previous(loop, coro, **kwargs)
+        else:
+            t = asyncio.Task(coro, loop=loop, **kwargs)
+        owner = _children.get()
+        if owner is not None:
+            owner.add(t)  # type: ignore[arg-type]
+        return t
+
+    loop.set_task_factory(factory)  # type: ignore[arg-type]

@@ -1,0 +1,395 @@
+"""The run machine: the whole of ratchet's agent semantics, with no I/O and no clock.
+
+Engines feed it inputs (`admit`) and finished tasks (`finish`), and perform what it asks
+for: tasks to execute (`dispatched`), outputs for the outbox (`outputs`). It decides the
+order of everything, so two engines driving it behave identically.
+
+Vocabulary (see DESIGN.md): a *run* processes one input for its key; a *task* is one action
+on one event; task ids are paths from the root event, so they are the same on replay; each
+task gets a per-key *dispatch index*; finished tasks *commit* in dispatch order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ratchet._errors import InternalError, NonDeterminismError
+from ratchet.runtime._memops import apply_ops
+
+PENDING = 0
+FINISHED = 1
+COMMITTED = 2
+
+ROOT_EVENT_ID = "r"
+
+
+@dataclass(slots=True)
+class TaskResult:
+    """What a finished task did: memory ops and emitted events (a failure is an event too)."""
+
+    stm_ops: list[tuple[Any, ...]]
+    sensory_ops: list[tuple[Any, ...]]
+    events: list[Any]
+
+
+@dataclass(slots=True, frozen=True)
+class JournalEntry:
+    """A committed task, as replay needs it: enough to skip executing it again."""
+
+    task_id: str
+    dispatch_index: int
+    stm_ops: tuple[tuple[Any, ...], ...]
+    sensory_ops: tuple[tuple[Any, ...], ...]
+    events: tuple[Any, ...]
+
+
+@dataclass(slots=True, eq=False)
+class Task:
+    run: Run
+    task_id: str
+    action: str
+    event: Any
+    dispatch_index: int
+    stm: dict[str, Any]
+    sensory: dict[str, Any]
+    state: int = PENDING
+    result: TaskResult | None = None
+    replayed: bool = False
+
+    @property
+    def key(self) -> Any:
+        return self.run.key
+
+    @property
+    def seq(self) -> int:
+        return self.run.seq
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    key: Any
+    seq: int
+    input_event: Any
+    base_dispatch: int
+    next_dispatch: int
+    stm: dict[str, Any]
+    sensory: dict[str, Any] = field(default_factory=dict)
+    journal: list[JournalEntry] = field(default_factory=list)
+    replay: dict[str, JournalEntry] | None = None
+    fifo: deque[Task] = field(default_factory=deque)
+    executed: int = 0
+    skipped: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class Output:
+    """An emitted output event with its stable id (the same after recovery)."""
+
+    id: str
+    key: Any
+    seq: int
+    task_id: str
+    index: int
+    event: Any
+
+
+@dataclass(slots=True, eq=False)
+class KeyState:
+    memory: dict[str, Any]
+    next_dispatch: int = 0
+    queue: deque[tuple[int, Any]] = field(default_factory=deque)
+    run: Run | None = None
+
+
+@dataclass(slots=True)
+class RestoredRun:
+    """An in-flight run as a checkpoint holds it."""
+
+    key: Any
+    seq: int
+    input_event: Any
+    base_dispatch: int
+    journal: list[JournalEntry]
+
+
+@dataclass(slots=True)
+class Delta:
+    """What changed since the last capture: the content of one incremental checkpoint."""
+
+    keys: dict[Any, tuple[dict[str, Any], int]] = field(default_factory=dict)
+    new_inputs: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    done_inputs: set[int] = field(default_factory=set)
+    runs: dict[int, RestoredRun] = field(default_factory=dict)
+    outputs: dict[str, Output] = field(default_factory=dict)
+
+    def absorb(self, later: Delta) -> None:
+        """Fold a later delta into this one (after a failed checkpoint, both must be written)."""
+        self.keys.update(later.keys)
+        self.outputs.update(later.outputs)
+        for seq, item in later.new_inputs.items():
+            self.new_inputs[seq] = item
+        for seq in later.done_inputs:
+            self.runs.pop(seq, None)
+            if self.new_inputs.pop(seq, None) is None:
+                self.done_inputs.add(seq)
+        self.runs.update({s: r for s, r in later.runs.items() if s not in later.done_inputs})
+
+    def is_empty(self) -> bool:
+        return not (self.keys or self.new_inputs or self.done_inputs or self.runs or self.outputs)
+
+
+class Machine:
+    """Per-key runs in input order, FIFO commit in dispatch order, replay from journals.
+
+    `listeners(event)` names the actions that hear an event, in definition order;
+    `is_output(event)` says whether an event leaves the agent (it goes to `outputs`).
+    """
+
+    def __init__(
+        self,
+        listeners: Callable[[Any], Sequence[str]],
+        is_output: Callable[[Any], bool],
+        max_concurrent_runs: int = 64,
+    ) -> None:
+        if max_concurrent_runs < 1:
+            raise ValueError("max_concurrent_runs must be at least 1")
+        self._listeners = listeners
+        self._is_output = is_output
+        self.max_concurrent_runs = max_concurrent_runs
+        self.keys: dict[Any, KeyState] = {}
+        self._ready: deque[Any] = deque()
+        self.active_runs = 0
+        self.buffered_inputs = 0
+        # Effects for the engine to take.
+        self.dispatched: list[Task] = []
+        self.outputs: list[Output] = []
+        self.completed: list[Run] = []
+        # Tracking for the next checkpoint.
+        self._delta = Delta()
+        self._dirty_runs: set[int] = set()
+        self.tasks_executed = 0
+        self.tasks_replayed = 0
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def admit(self, key: Any, seq: int, input_event: Any) -> None:
+        """Take one input. Its run starts now if the key is idle and a run slot is free."""
+        ks = self.keys.get(key)
+        if ks is None:
+            ks = self.keys[key] = KeyState(memory={})
+        self.buffered_inputs += 1
+        self._delta.new_inputs[seq] = (key, input_event)
+        was_empty = not ks.queue
+        ks.queue.append((seq, input_event))
+        if ks.run is None and was_empty:
+            self._ready.append(key)
+        self._fill_slots()
+
+    def restore(
+        self,
+        memories: dict[Any, tuple[dict[str, Any], int]],
+        runs: Iterable[RestoredRun],
+        queued: Iterable[tuple[int, Any, Any]],
+    ) -> None:
+        """Load a checkpoint: in-flight runs go first, in dispatch order, before queued inputs."""
+        if self.keys:
+            raise InternalError("restore() on a machine that already has state")
+        for key, (memory, next_dispatch) in memories.items():
+            self.keys[key] = KeyState(memory=memory, next_dispatch=next_dispatch)
+        restored = sorted(runs, key=lambda r: (r.base_dispatch, r.seq))
+        in_flight = {r.seq for r in restored}
+        for r in restored:
+            ks = self.keys.setdefault(r.key, KeyState(memory={}))
+            if ks.run is not None or ks.queue:
+                raise InternalError(f"two in-flight runs for key {r.key!r} in one checkpoint")
+            ks.queue.append((r.seq, r.input_event))
+            self.buffered_inputs += 1
+        for seq, key, event in sorted(queued, key=lambda q: q[0]):
+            if seq in in_flight:
+                continue
+            ks = self.keys.setdefault(key, KeyState(memory={}))
+            ks.queue.append((seq, event))
+            self.buffered_inputs += 1
+        # Start restored runs ahead of everything else, even past the concurrency cap:
+        # they held slots when the checkpoint was taken.
+        for r in restored:
+            ks = self.keys[r.key]
+            seq, event = ks.queue[0]
+            if seq != r.seq:
+                raise InternalError(
+                    f"in-flight run {r.seq} of key {r.key!r} is not its oldest input"
+                )
+            self._start_run(r.key, ks, base=r.base_dispatch, journal=r.journal)
+        waiting = sorted(
+            (ks.queue[0][0], key) for key, ks in self.keys.items() if ks.run is None and ks.queue
+        )
+        self._ready.extend(key for _, key in waiting)
+        self._fill_slots()
+
+    # -- tasks ----------------------------------------------------------------------------
+
+    def finish(self, task: Task, result: TaskResult) -> None:
+        """A dispatched task finished; commit it and every finished task behind it in FIFO."""
+        if task.state != PENDING:
+            raise InternalError(f"task {task.task_id} finished twice")
+        task.state = FINISHED
+        task.result = result
+        self._drain(task.run)
+
+    def _drain(self, run: Run) -> None:
+        fifo = run.fifo
+        while fifo and fifo[0].state == FINISHED:
+            self._commit(fifo.popleft())
+        if not fifo:
+            self._complete(run)
+
+    def _commit(self, task: Task) -> None:
+        run = task.run
+        res = task.result
+        assert res is not None
+        if res.stm_ops:
+            stm = dict(run.stm)
+            apply_ops(stm, res.stm_ops)
+            run.stm = stm
+        if res.sensory_ops:
+            sensory = dict(run.sensory)
+            apply_ops(sensory, res.sensory_ops)
+            run.sensory = sensory
+        task.state = COMMITTED
+        entry = JournalEntry(
+            task.task_id,
+            task.dispatch_index,
+            tuple(res.stm_ops),
+            tuple(res.sensory_ops),
+            tuple(res.events),
+        )
+        run.journal.append(entry)
+        self._dirty_runs.add(run.seq)
+        for index, event in enumerate(res.events):
+            event_id = f"{task.task_id}.{index}"
+            if self._is_output(event):
+                if not task.replayed:
+                    out = Output(
+                        id=f"{run.key}:{run.seq}:{task.task_id}:{index}",
+                        key=run.key,
+                        seq=run.seq,
+                        task_id=task.task_id,
+                        index=index,
+                        event=event,
+                    )
+                    self.outputs.append(out)
+                    self._delta.outputs[out.id] = out
+                continue
+            self._dispatch_event(run, event_id, event)
+
+    def _dispatch_event(self, run: Run, event_id: str, event: Any) -> None:
+        for action_name in self._listeners(event):
+            task_id = f"{event_id}>{action_name}"
+            index = run.next_dispatch
+            run.next_dispatch += 1
+            task = Task(run, task_id, action_name, event, index, run.stm, run.sensory)
+            run.fifo.append(task)
+            entry = run.replay.pop(task_id, None) if run.replay else None
+            if entry is not None:
+                if entry.dispatch_index != index:
+                    raise NonDeterminismError(
+                        f"replay of key {run.key!r} input {run.seq}: task {task_id} was "
+                        f"dispatched at index {entry.dispatch_index}, now at {index}; the agent's "
+                        f"actions or their events changed since the checkpoint"
+                    )
+                task.replayed = True
+                task.state = FINISHED
+                task.result = TaskResult(
+                    list(entry.stm_ops), list(entry.sensory_ops), list(entry.events)
+                )
+                run.skipped += 1
+                self.tasks_replayed += 1
+            else:
+                run.executed += 1
+                self.tasks_executed += 1
+                self.dispatched.append(task)
+
+    # -- runs -----------------------------------------------------------------------------
+
+    def _fill_slots(self) -> None:
+        ready = self._ready
+        while ready and self.active_runs < self.max_concurrent_runs:
+            key = ready.popleft()
+            ks = self.keys[key]
+            if ks.run is None and ks.queue:
+                self._start_run(key, ks, base=ks.next_dispatch, journal=None)
+
+    def _start_run(
+        self, key: Any, ks: KeyState, base: int, journal: list[JournalEntry] | None
+    ) -> None:
+        seq, event = ks.queue[0]
+        run = Run(key, seq, event, base, base, ks.memory)
+        if journal:
+            run.replay = {e.task_id: e for e in journal}
+        ks.run = run
+        self.active_runs += 1
+        self._dirty_runs.add(seq)
+        self._dispatch_event(run, ROOT_EVENT_ID, event)
+        if run.replay is not None or not run.fifo:
+            self._drain(run)
+
+    def _complete(self, run: Run) -> None:
+        if run.replay:
+            missing = sorted(run.replay)
+            raise NonDeterminismError(
+                f"replay of key {run.key!r} input {run.seq} finished without reaching journaled "
+                f"task(s) {missing}; the agent's actions changed since the checkpoint"
+            )
+        ks = self.keys[run.key]
+        if ks.run is not run:
+            raise InternalError(f"run {run.seq} of key {run.key!r} completed twice")
+        ks.queue.popleft()
+        ks.run = None
+        ks.memory = run.stm
+        ks.next_dispatch = run.next_dispatch
+        self.active_runs -= 1
+        self.buffered_inputs -= 1
+        self.completed.append(run)
+        d = self._delta
+        d.keys[run.key] = (ks.memory, ks.next_dispatch)
+        self._dirty_runs.discard(run.seq)
+        if d.new_inputs.pop(run.seq, None) is None:
+            d.done_inputs.add(run.seq)
+        if ks.queue:
+            self._ready.append(run.key)
+        self._fill_slots()
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def capture(self) -> Delta:
+        """The synchronous part of a checkpoint: a consistent delta, no waiting on any task."""
+        d = self._delta
+        self._delta = Delta()
+        dirty, self._dirty_runs = self._dirty_runs, set()
+        if dirty:
+            for ks in self.keys.values():
+                run = ks.run
+                if run is not None and run.seq in dirty:
+                    d.runs[run.seq] = RestoredRun(
+                        run.key, run.seq, run.input_event, run.base_dispatch, list(run.journal)
+                    )
+        return d
+
+    def take_effects(self) -> tuple[list[Task], list[Output], list[Run]]:
+        dispatched, outputs, completed = self.dispatched, self.outputs, self.completed
+        if dispatched:
+            self.dispatched = []
+        if outputs:
+            self.outputs = []
+        if completed:
+            self.completed = []
+        return dispatched, outputs, completed
+
+    def idle(self) -> bool:
+        return self.active_runs == 0 and self.buffered_inputs == 0
+
+    def in_flight(self) -> list[Run]:
+        return [ks.run for ks in self.keys.values() if ks.run is not None]

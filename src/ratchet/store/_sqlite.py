@@ -1,0 +1,436 @@
+"""The embedded state store: one SQLite database in WAL mode, written by one thread.
+
+It stores bytes and plain values only; what they mean belongs to the engine. Rows are keyed
+naturally (key, input sequence, task id, call index) so a retried write is harmless.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ratchet._errors import StateError
+from ratchet.store import codec
+
+SCHEMA_VERSION = 1
+DB_NAME = "ratchet.db"
+LOCK_NAME = "ratchet.lock"
+
+# Append-only: migrations[i] takes schema i to i + 1.
+_SCHEMA = [
+    """
+    CREATE TABLE meta(name TEXT PRIMARY KEY, value BLOB NOT NULL);
+    CREATE TABLE keys(
+        key BLOB PRIMARY KEY, key_text TEXT NOT NULL,
+        next_dispatch INTEGER NOT NULL, memory BLOB NOT NULL);
+    CREATE TABLE inputs(seq INTEGER PRIMARY KEY, key BLOB NOT NULL, event BLOB NOT NULL);
+    CREATE TABLE runs(
+        seq INTEGER PRIMARY KEY, key BLOB NOT NULL,
+        base_dispatch INTEGER NOT NULL, journal BLOB NOT NULL);
+    CREATE TABLE outbox(id TEXT PRIMARY KEY, seq INTEGER NOT NULL, record BLOB NOT NULL);
+    CREATE TABLE checkpoints(
+        id INTEGER PRIMARY KEY, triggered_at REAL NOT NULL,
+        duration_ms REAL NOT NULL, size_bytes INTEGER NOT NULL);
+    CREATE TABLE calls(
+        seq INTEGER NOT NULL, task_id TEXT NOT NULL, idx INTEGER NOT NULL,
+        fn TEXT NOT NULL, digest TEXT NOT NULL, status TEXT NOT NULL, payload BLOB,
+        PRIMARY KEY(seq, task_id, idx));
+    """
+]
+_KEEP_CHECKPOINT_ROWS = 100
+
+
+@dataclass
+class CheckpointRows:
+    """One checkpoint, already encoded: applied in a single transaction."""
+
+    keys: list[tuple[bytes, str, int, bytes]] = field(default_factory=list)
+    new_inputs: list[tuple[int, bytes, bytes]] = field(default_factory=list)
+    done_inputs: list[int] = field(default_factory=list)
+    runs: list[tuple[int, bytes, int, bytes]] = field(default_factory=list)
+    outbox: list[tuple[str, int, bytes]] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def size(self) -> int:
+        n = sum(len(k) + len(t) + 8 + len(m) for k, t, _, m in self.keys)
+        n += sum(8 + len(k) + len(e) for _, k, e in self.new_inputs)
+        n += sum(8 + len(k) + 8 + len(j) for _, k, _, j in self.runs)
+        n += sum(len(i) + 8 + len(r) for i, _, r in self.outbox)
+        return n + 8 * len(self.done_inputs) + sum(len(i) for i in self.released)
+
+
+@dataclass
+class CallRecord:
+    seq: int
+    task_id: str
+    idx: int
+    fn: str
+    digest: str
+    status: str  # "intent", "ok" or "error"
+    payload: bytes | None
+
+
+@dataclass
+class Loaded:
+    """Everything a restore needs, still encoded."""
+
+    keys: list[tuple[bytes, int, bytes]]
+    inputs: list[tuple[int, bytes, bytes]]
+    runs: list[tuple[int, bytes, int, bytes]]
+    outbox: list[tuple[str, int, bytes]]
+    calls: list[CallRecord]
+    source: dict[str, Any]
+    stats: dict[str, Any]
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    return conn
+
+
+class StateLock:
+    """Exclusive ownership of a state directory; the OS drops it when the process dies."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StateError(
+                f"state directory {self.path.parent} is in use by {holder}; only one engine may "
+                f"own a state directory (stop it first, or use another --state)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class SqliteStore:
+    """The SQLite state of one job. Open with `open()`; call methods from one thread at a time."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self.conn = conn
+        self.path = path
+
+    # -- opening ----------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        state_dir: str | os.PathLike[str],
+        agent_name: str,
+        agent_fingerprint: str,
+        actions: list[str],
+        synchronous: str = "NORMAL",
+    ) -> SqliteStore:
+        """Open or create the state of `agent_name`; refuse state that does not belong to it."""
+        sdir = Path(state_dir)
+        if sdir.exists() and not sdir.is_dir():
+            raise StateError(f"--state {sdir} exists and is not a directory")
+        sdir.mkdir(parents=True, exist_ok=True)
+        path = sdir / DB_NAME
+        fresh = not path.exists() or path.stat().st_size == 0
+        if fresh and path.exists():
+            # A zero-length file is what a crash during creation leaves; nothing is in it.
+            path.unlink()
+        conn = cls._connect_checked(path)
+        store = cls(conn, path)
+        if synchronous.upper() not in ("NORMAL", "FULL"):
+            raise StateError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
+        conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        if fresh:
+            store._create(agent_name, agent_fingerprint, actions)
+        else:
+            store._check_owner(agent_name, agent_fingerprint, actions)
+        return store
+
+    @classmethod
+    def open_readonly(cls, state_dir: str | os.PathLike[str]) -> SqliteStore:
+        """Open existing state for `status` and `inspect`, without writing to it."""
+        path = Path(state_dir) / DB_NAME
+        if not path.exists():
+            raise StateError(f"no ratchet state in {state_dir} ({path} does not exist)")
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+            store = cls(conn, path)
+            store.meta("schema_version")
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{path} is not a readable ratchet state database: {exc}") from exc
+        return store
+
+    @staticmethod
+    def _connect_checked(path: Path) -> sqlite3.Connection:
+        try:
+            conn = _connect(path)
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise StateError(f"{path}: could not switch to WAL mode (got {mode})")
+            result = conn.execute("PRAGMA quick_check").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            raise StateError(
+                f"{path} is corrupted or not a ratchet state database ({exc}); it was left "
+                f"untouched; restore it from a backup or point --state at a new directory"
+            ) from exc
+        if result != "ok":
+            conn.close()
+            raise StateError(
+                f"{path} failed SQLite's integrity check ({result}); it was left untouched; "
+                f"restore it from a backup or point --state at a new directory"
+            )
+        return conn
+
+    def _create(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        for script in _SCHEMA:
+            for stmt in script.split(";"):
+                if stmt.strip():
+                    c.execute(stmt)
+        meta = {
+            "schema_version": SCHEMA_VERSION,
+            "agent_name": agent_name,
+            "agent_fingerprint": fingerprint,
+            "actions": actions,
+            "created_at": time.time(),
+            "source": {},
+            "counts": {"completed": 0, "failed": 0, "restored": 0},
+            "latest_restored": None,
+            "next_checkpoint_id": 1,
+        }
+        c.executemany(
+            "INSERT INTO meta(name, value) VALUES (?, ?)",
+            [(k, codec.encode(v)) for k, v in meta.items()],
+        )
+        c.execute("COMMIT")
+
+    def _check_owner(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
+        try:
+            version = self.meta("schema_version")
+        except sqlite3.DatabaseError as exc:
+            raise StateError(
+                f"{self.path} is not a ratchet state database ({exc}); it was left untouched"
+            ) from exc
+        if version != SCHEMA_VERSION:
+            raise StateError(
+                f"{self.path} was written with state schema {version!r}; this ratchet reads "
+                f"schema {SCHEMA_VERSION}; use the ratchet version that wrote it, or a new --state"
+            )
+        stored = self.meta("agent_fingerprint")
+        if stored != fingerprint:
+            raise StateError(
+                f"{self.path} belongs to agent {self.meta('agent_name')} with actions "
+                f"{self.meta('actions')}; the agent now has actions {actions} ({agent_name}). "
+                f"Journals name actions, so this state cannot be replayed safely; restore the "
+                f"old actions or use a new --state"
+            )
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def meta(self, name: str) -> Any:
+        row = self.conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise StateError(
+                f"{self.path} has no {name!r} record; it is not a ratchet state database"
+            )
+        return codec.decode(row[0])
+
+    def load(self) -> Loaded:
+        c = self.conn
+        try:
+            return Loaded(
+                keys=c.execute("SELECT key, next_dispatch, memory FROM keys").fetchall(),
+                inputs=c.execute("SELECT seq, key, event FROM inputs ORDER BY seq").fetchall(),
+                runs=c.execute(
+                    "SELECT seq, key, base_dispatch, journal FROM runs ORDER BY seq"
+                ).fetchall(),
+                outbox=c.execute("SELECT id, seq, record FROM outbox ORDER BY seq, id").fetchall(),
+                calls=[
+                    CallRecord(*row)
+                    for row in c.execute(
+                        "SELECT seq, task_id, idx, fn, digest, status, payload FROM calls "
+                        "ORDER BY seq, task_id, idx"
+                    )
+                ],
+                source=self.meta("source"),
+                stats=self.stats(),
+            )
+        except sqlite3.DatabaseError as exc:
+            raise StateError(
+                f"{self.path} could not be read ({exc}); it was left untouched"
+            ) from exc
+
+    def stats(self) -> dict[str, Any]:
+        counts = self.meta("counts")
+        row = self.conn.execute(
+            "SELECT id, triggered_at, duration_ms, size_bytes FROM checkpoints ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+        latest = None
+        if row is not None:
+            latest = {
+                "id": row[0],
+                "trigger_timestamp": row[1],
+                "duration_ms": row[2],
+                "size_bytes": row[3],
+            }
+        return {
+            "counts": counts,
+            "latest_completed": latest,
+            "latest_restored": self.meta("latest_restored"),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        c = self.conn
+        return {
+            "state_db": str(self.path),
+            "agent": self.meta("agent_name"),
+            "actions": self.meta("actions"),
+            "checkpoints": self.stats(),
+            "keys": c.execute("SELECT COUNT(*) FROM keys").fetchone()[0],
+            "in_flight_runs": c.execute("SELECT COUNT(*) FROM runs").fetchone()[0],
+            "queued_inputs": c.execute(
+                "SELECT COUNT(*) FROM inputs WHERE seq NOT IN (SELECT seq FROM runs)"
+            ).fetchone()[0],
+            "unreleased_outputs": c.execute("SELECT COUNT(*) FROM outbox").fetchone()[0],
+            "source": self.meta("source"),
+        }
+
+    def memories(self, key_text: str | None = None) -> list[tuple[bytes, bytes]]:
+        if key_text is None:
+            return self.conn.execute("SELECT key, memory FROM keys ORDER BY key_text").fetchall()
+        return self.conn.execute(
+            "SELECT key, memory FROM keys WHERE key_text = ?", (key_text,)
+        ).fetchall()
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _set_meta(self, name: str, value: Any) -> None:
+        self.conn.execute(
+            "INSERT INTO meta(name, value) VALUES (?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+            (name, codec.encode(value)),
+        )
+
+    def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
+        """Apply one checkpoint in one transaction; on any error nothing of it is applied."""
+        c = self.conn
+        started = time.perf_counter()
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            checkpoint_id = self.meta("next_checkpoint_id")
+            if rows.keys:
+                c.executemany(
+                    "INSERT INTO keys(key, key_text, next_dispatch, memory) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(key) DO UPDATE SET next_dispatch = excluded.next_dispatch, "
+                    "memory = excluded.memory",
+                    rows.keys,
+                )
+            if rows.new_inputs:
+                c.executemany(
+                    "INSERT OR REPLACE INTO inputs(seq, key, event) VALUES (?, ?, ?)",
+                    rows.new_inputs,
+                )
+            if rows.done_inputs:
+                done = [(s,) for s in rows.done_inputs]
+                c.executemany("DELETE FROM inputs WHERE seq = ?", done)
+                c.executemany("DELETE FROM runs WHERE seq = ?", done)
+                c.executemany("DELETE FROM calls WHERE seq = ?", done)
+            if rows.runs:
+                c.executemany(
+                    "INSERT OR REPLACE INTO runs(seq, key, base_dispatch, journal) VALUES (?, ?, ?, ?)",
+                    rows.runs,
+                )
+            if rows.outbox:
+                c.executemany(
+                    "INSERT OR REPLACE INTO outbox(id, seq, record) VALUES (?, ?, ?)", rows.outbox
+                )
+            if rows.released:
+                c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in rows.released])
+            if rows.source:
+                self._set_meta("source", rows.source)
+            size = rows.size()
+            duration_ms = (time.perf_counter() - started) * 1000.0
+            c.execute(
+                "INSERT INTO checkpoints(id, triggered_at, duration_ms, size_bytes) VALUES (?, ?, ?, ?)",
+                (checkpoint_id, triggered_at, duration_ms, size),
+            )
+            c.execute(
+                "DELETE FROM checkpoints WHERE id <= ?", (checkpoint_id - _KEEP_CHECKPOINT_ROWS,)
+            )
+            counts = self.meta("counts")
+            counts["completed"] += 1
+            self._set_meta("counts", counts)
+            self._set_meta("next_checkpoint_id", checkpoint_id + 1)
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        return {
+            "id": checkpoint_id,
+            "trigger_timestamp": triggered_at,
+            "duration_ms": (time.perf_counter() - started) * 1000.0,
+            "size_bytes": size,
+        }
+
+    def count_failed_checkpoint(self) -> None:
+        """Best effort: the disk that failed the checkpoint may fail this too."""
+        try:
+            c = self.conn
+            c.execute("BEGIN IMMEDIATE")
+            counts = self.meta("counts")
+            counts["failed"] += 1
+            self._set_meta("counts", counts)
+            c.execute("COMMIT")
+        except sqlite3.Error:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+
+    def record_restore(self) -> dict[str, Any] | None:
+        """Count a restore of the latest completed checkpoint; returns it (None on a fresh start)."""
+        latest = self.stats()["latest_completed"]
+        if latest is None:
+            return None
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        counts = self.meta("counts")
+        counts["restored"] += 1
+        restored = dict(latest, restored_at=time.time())
+        self._set_meta("counts", counts)
+        self._set_meta("latest_restored", restored)
+        c.execute("COMMIT")
+        return restored
+
+    def put_calls(self, records: Iterable[CallRecord]) -> None:
+        """Write durable-call records through at once, in one transaction (a group commit)."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            c.executemany(
+                "INSERT OR REPLACE INTO calls(seq, task_id, idx, fn, digest, status, payload) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload) for r in records],
+            )
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,24 +1,47 @@
-"""The `ratchet` command line."""
+"""The `ratchet` command line: `run`, `status`, `inspect`, and `checks`."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+
+from ratchet._errors import RatchetError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ratchet", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    from ratchet.cli import _checks
+    parser = argparse.ArgumentParser(
+        prog="ratchet",
+        description="Durable, event-driven agents and incremental, verified checks.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine activity")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from ratchet.cli import _agents
 
-    _checks.register(sub)
+    _agents.register(sub)
+    try:
+        from ratchet.cli import _checks
+    except ImportError:  # the checks front end is optional while it is being built
+        _checks = None  # type: ignore[assignment]
+    if _checks is not None:
+        _checks.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except RatchetError as exc:
+        print(f"ratchet: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

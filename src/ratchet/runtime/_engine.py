@@ -328,6 +328,7 @@ class Engine:
             if self._fatal is not None:
                 raise self._fatal
             await self.checkpoint(final=True)
+            await self._forget_released()
             if self._bad is not None:
                 raise self._bad
         finally:
@@ -614,6 +615,12 @@ class Engine:
         self._released.extend(self._unreleased)
         self.result.outputs += len(self._unreleased)
         self._unreleased.clear()
+
+    async def _forget_released(self) -> None:
+        """Drop outbox rows the sink already has, so a finished job leaves no outbox behind."""
+        released, self._released = self._released, []
+        if released:
+            await asyncio.wrap_future(self._writer.submit(lambda: self.store.forget_outputs(released)))
 
     # -- shutdown ---------------------------------------------------------------------------
 

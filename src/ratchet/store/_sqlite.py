@@ -389,6 +389,13 @@ class SqliteStore:
             "size_bytes": size,
         }
 
+    def forget_outputs(self, ids: list[str]) -> None:
+        """Delete outbox rows whose outputs the sink holds (they are never needed again)."""
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in ids])
+        c.execute("COMMIT")
+
     def count_failed_checkpoint(self) -> None:
         """Best effort: the disk that failed the checkpoint may fail this too."""
         try:

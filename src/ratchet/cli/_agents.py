@@ -1,0 +1,215 @@
+"""`ratchet run`, `ratchet status`, `ratchet inspect`: the agent side of the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from ratchet._errors import BadInputError
+from ratchet.runtime._io import to_json_line
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    run = sub.add_parser("run", help="run an agent over a JSONL input, durably")
+    run.add_argument("agent", help="package.module:Class or path/file.py:Class")
+    run.add_argument("--input", required=True, help="JSON Lines file, one input object per line")
+    run.add_argument("--output", required=True, help="JSON Lines file the outputs are appended to")
+    run.add_argument("--state", required=True, help="state directory (created if missing)")
+    run.add_argument("--key", default="key", help="input field that holds the key (default: key)")
+    run.add_argument("--follow", action="store_true", help="keep reading new lines (unbounded job)")
+    run.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=200.0,
+        metavar="MS",
+        help="milliseconds between checkpoints; 0 starts the next as soon as one completes",
+    )
+    run.add_argument("--max-concurrent-runs", type=int, default=64)
+    run.add_argument("--max-buffered-inputs", type=int, default=1000)
+    run.add_argument("--tolerable-checkpoint-failures", type=int, default=3)
+    run.add_argument("--sync-workers", type=int, default=16, help="threads for sync actions")
+    run.add_argument(
+        "--synchronous",
+        choices=["normal", "full"],
+        default="normal",
+        help="SQLite synchronous mode: normal survives process crashes, full also power loss",
+    )
+    run.add_argument("--on-bad-input", choices=["stop", "skip"], default="stop")
+    run.add_argument("--json", action="store_true", help="print the run's summary as JSON")
+    run.set_defaults(func=cmd_run)
+
+    status = sub.add_parser(
+        "status", help="checkpoints, in-flight runs and queued inputs of a state"
+    )
+    status.add_argument("--state", required=True)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    inspect = sub.add_parser("inspect", help="the committed short-term memory per key")
+    inspect.add_argument("--state", required=True)
+    inspect.add_argument("--key", default=None, help="only this key")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=cmd_inspect)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from ratchet.runtime._engine import EngineConfig
+
+    if args.checkpoint_interval < 0:
+        raise SystemExit("ratchet run: --checkpoint-interval must be >= 0")
+    return EngineConfig(
+        checkpoint_interval=args.checkpoint_interval / 1000.0,
+        max_concurrent_runs=args.max_concurrent_runs,
+        max_buffered_inputs=args.max_buffered_inputs,
+        tolerable_checkpoint_failures=args.tolerable_checkpoint_failures,
+        sync_workers=args.sync_workers,
+        synchronous=args.synchronous.upper(),
+        on_bad_input=args.on_bad_input,
+    )
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    return {
+        "inputs": result.inputs,
+        "runs_completed": result.runs_completed,
+        "outputs": result.outputs,
+        "tasks_executed": result.tasks_executed,
+        "tasks_replayed": result.tasks_replayed,
+        "restored_runs": result.restored_runs,
+        "restored_from_checkpoint": (result.restored_from or {}).get("id"),
+        "bad_inputs": result.bad_inputs,
+        "stopped_by": result.stopped_by,
+        "checkpoints": result.checkpoints,
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ratchet.agents._run import Job, load_agent
+
+    agent = load_agent(args.agent)
+    config = _config(args)
+    tty = sys.stderr.isatty()
+    live = None
+    on_progress = None
+    if tty:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console(stderr=True)
+        live = Live(console=console, refresh_per_second=4, transient=False)
+        started = time.monotonic()
+
+        def on_progress(engine: Any) -> None:
+            s = engine.status()
+            cp = s["checkpoints"]["counts"]
+            rate = s["runs_completed"] / max(time.monotonic() - started, 1e-6)
+            live.update(
+                f"[bold]ratchet[/] {args.agent}: inputs {s['inputs']}  done {s['runs_completed']} "
+                f"({rate:,.0f}/s)  in flight {s['in_flight_runs']}  checkpoints {cp['completed']} "
+                f"(failed {cp['failed']})"
+            )
+
+    job = Job(
+        agent,
+        inputs=args.input,
+        output=args.output,
+        state_dir=args.state,
+        key=args.key,
+        follow=args.follow,
+        config=config,
+        on_progress=on_progress,
+    )
+    code = 0
+    try:
+        if live is not None:
+            live.start()
+        result = asyncio.run(job.run_async(handle_signals=True))
+    except BadInputError as exc:
+        print(f"ratchet: bad input: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        if live is not None:
+            live.stop()
+    summary = _summary(result)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    elif tty:
+        restored = summary["restored_from_checkpoint"]
+        print(
+            f"done: {summary['runs_completed']} runs, {summary['outputs']} outputs, "
+            f"{summary['tasks_executed']} tasks executed, {summary['tasks_replayed']} replayed "
+            f"from the journal" + (f", restored from checkpoint {restored}" if restored else ""),
+            file=sys.stderr,
+        )
+    return code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from ratchet.store._sqlite import SqliteStore
+
+    store = SqliteStore.open_readonly(args.state)
+    try:
+        summary = store.summary()
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    cp = summary["checkpoints"]
+    table = Table(title=f"ratchet state {args.state}", show_header=False)
+    table.add_row("agent", str(summary["agent"]))
+    counts = cp["counts"]
+    table.add_row(
+        "checkpoints",
+        f"completed {counts['completed']}, failed {counts['failed']}, restored {counts['restored']}",
+    )
+    latest = cp["latest_completed"]
+    if latest:
+        table.add_row(
+            "latest completed",
+            f"#{latest['id']} at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(latest['trigger_timestamp']))}, "
+            f"{latest['duration_ms']:.1f} ms, {latest['size_bytes']} bytes",
+        )
+    restored = cp["latest_restored"]
+    table.add_row("latest restored", f"#{restored['id']}" if restored else "-")
+    table.add_row("keys", str(summary["keys"]))
+    table.add_row("in-flight runs", str(summary["in_flight_runs"]))
+    table.add_row("queued inputs", str(summary["queued_inputs"]))
+    table.add_row("unreleased outputs", str(summary["unreleased_outputs"]))
+    table.add_row("source", json.dumps(summary["source"]))
+    Console().print(table)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ratchet.agents._memory import nested
+    from ratchet.runtime._memops import from_wire
+    from ratchet.store import codec
+    from ratchet.store._sqlite import SqliteStore
+
+    store = SqliteStore.open_readonly(args.state)
+    try:
+        rows = store.memories(args.key)
+    finally:
+        store.close()
+    if args.key is not None and not rows:
+        print(f"ratchet: no committed memory for key {args.key!r}", file=sys.stderr)
+        return 1
+    memories = {str(codec.decode(k)): nested(from_wire(codec.decode(m))) for k, m in rows}
+    if args.json:
+        print(to_json_line(memories))
+        return 0
+    from rich.console import Console
+    from rich.pretty import Pretty
+
+    console = Console()
+    for key, memory in memories.items():
+        console.print(f"[bold]{key}[/]", Pretty(memory))
+    return 0

@@ -1,0 +1,152 @@
+"""Why a stage re-ran or was reused: diffs of cache-key components, in words."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ratchet.checks.checkpoints import Checkpoints, diff_manifests
+
+MAX_FILES = 20
+
+
+def diff_identity(
+    old: Mapping[str, str] | Any, new: Mapping[str, str] | Any, checkpoints: Checkpoints
+) -> list[dict[str, Any]]:
+    """The input changes between two identities, down to file paths where manifests allow."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return [{"component": "inputs", "change": "modified"}]
+    changes: list[dict[str, Any]] = []
+    for repo in sorted(set(old) | set(new)):
+        if old.get(repo) == new.get(repo):
+            continue
+        if repo not in old or repo not in new:
+            change = "added to scope" if repo not in old else "removed from scope"
+            changes.append({"component": "scope", "repo": repo, "change": change})
+            continue
+        before = checkpoints.stored_manifest(str(old[repo]))
+        after = checkpoints.stored_manifest(str(new[repo]))
+        files = diff_manifests(before, after) if before is not None and after is not None else []
+        if not files:
+            changes.append({"component": "inputs", "repo": repo, "change": "modified"})
+        for f in files[:MAX_FILES]:
+            changes.append({"component": "inputs", "repo": repo, **f})
+        if len(files) > MAX_FILES:
+            more = len(files) - MAX_FILES
+            changes.append({"component": "inputs", "repo": repo, "change": f"{more} more files"})
+    return changes
+
+
+def diff_components(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    *,
+    old_env: Any,
+    new_env: Any,
+    checkpoints: Checkpoints,
+) -> list[dict[str, Any]]:
+    """Every cache-key component that differs, most fundamental first."""
+    changes: list[dict[str, Any]] = []
+    if old.get("fingerprint_version") != new.get("fingerprint_version"):
+        changes.append({"component": "fingerprint_version", "old": old.get("fingerprint_version")})
+    if old.get("command") != new.get("command"):
+        changes.append(
+            {"component": "command", "old": old.get("command"), "new": new.get("command")}
+        )
+    if old.get("cwd") != new.get("cwd"):
+        changes.append({"component": "cwd", "old": old.get("cwd"), "new": new.get("cwd")})
+    if old.get("scope") != new.get("scope"):
+        changes.append({"component": "scope", "old": old.get("scope"), "new": new.get("scope")})
+    elif old.get("inputs") != new.get("inputs"):
+        changes.extend(diff_identity(old.get("inputs"), new.get("inputs"), checkpoints))
+    old_deps, new_deps = old.get("deps") or {}, new.get("deps") or {}
+    for dep in sorted(set(old_deps) | set(new_deps)):
+        if dep not in old_deps:
+            changes.append({"component": "dependency", "dependency": dep, "change": "added"})
+        elif dep not in new_deps:
+            changes.append({"component": "dependency", "dependency": dep, "change": "removed"})
+        elif old_deps[dep] != new_deps[dep]:
+            changes.append({"component": "dependency", "dependency": dep, "change": "re-ran"})
+    if old.get("environment") != new.get("environment"):
+        if isinstance(old_env, Mapping) and isinstance(new_env, Mapping):
+            keys = sorted(
+                k for k in set(old_env) | set(new_env) if old_env.get(k) != new_env.get(k)
+            )
+            for key in keys:
+                changes.append({"component": "environment", "key": key})
+            if not keys:
+                changes.append({"component": "environment", "key": None})
+        else:
+            changes.append(
+                {
+                    "component": "environment",
+                    "key": None,
+                    "old": old.get("environment"),
+                    "new": new.get("environment"),
+                }
+            )
+    return changes
+
+
+def describe(change: Mapping[str, Any]) -> str:
+    """One change in words, naming the file, env key, dependency or command."""
+    kind = change.get("component")
+    if kind == "command":
+        return f"command changed: {change.get('old')} -> {change.get('new')}"
+    if kind == "cwd":
+        return f"cwd changed: {change.get('old')!r} -> {change.get('new')!r}"
+    if kind == "scope":
+        if "repo" in change:
+            return f"declared input scope changed: repository {change['repo']!r} {change['change']}"
+        return f"declared input scope changed: {change.get('old')} -> {change.get('new')}"
+    if kind == "inputs":
+        if "path" in change:
+            return f"input file {change['repo']}/{change['path']} {change['change']}"
+        return f"inputs of repository {change.get('repo')!r} changed ({change.get('change')})"
+    if kind == "dependency":
+        dep, what = change.get("dependency"), change.get("change")
+        if what == "re-ran":
+            return f"dependency {dep!r} has a new checkpoint (it re-ran)"
+        return f"dependency {dep!r} {what}"
+    if kind == "environment":
+        if change.get("key"):
+            return f"environment key {change['key']!r} changed"
+        return f"environment fingerprint changed: {change.get('old')} -> {change.get('new')}"
+    if kind == "fingerprint_version":
+        return f"fingerprint version changed (was {change.get('old')})"
+    return f"{kind} changed"
+
+
+def summarize(changes: list[dict[str, Any]]) -> str:
+    return "; ".join(describe(c) for c in changes) or "identity changed"
+
+
+def explain_record(receipt: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
+    """The `explain` answer for one stage record of a receipt."""
+    info = record.get("explain") or {}
+    status = record.get("status")
+    decision = info.get("decision")
+    reasons = list(info.get("reasons") or [])
+    if decision is None:
+        decision = "skipped" if status in ("skipped", "pending") else "unknown"
+        if record.get("error"):
+            reasons.append(str(record["error"]))
+    lines = [f"run {receipt.get('run_id')} stage {record.get('id')}: {status} ({decision})"]
+    if record.get("reused_from"):
+        lines.append(f"  reused from run {record['reused_from']}")
+    lines += [f"  - {r}" for r in reasons]
+    if record.get("error") and record["error"] not in reasons:
+        lines.append(f"  error: {record['error']}")
+    if record.get("snapshot_error"):
+        lines.append(f"  snapshot: {record['snapshot_error']}")
+    return {
+        "ok": True,
+        "run_id": receipt.get("run_id"),
+        "stage": record.get("id"),
+        "status": status,
+        "decision": decision,
+        "resumed_from": info.get("resumed_from"),
+        "reasons": reasons,
+        "changes": list(info.get("changes") or []),
+        "text": "\n".join(lines),
+    }

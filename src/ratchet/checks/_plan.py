@@ -1,0 +1,397 @@
+"""The project file and the plan: validation with errors that name the field, and stages.
+
+A *check* is what a user writes in the project file; a *stage* is a planned check, a plain
+dict the runner executes. Planning selects checks (profile, repository, changed repos),
+pulls in their data dependencies and orders them topologically.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ratchet.checks._errors import ProjectError
+from ratchet.checks.common import read_json
+from ratchet.store import canonical_json, sha256_bytes
+
+SCHEMA_VERSION = 1
+DEFAULT_TIMEOUT_SECONDS = 3600.0
+REUSE_POLICIES = ("auto", "never")
+
+_PROJECT_FIELDS = {"schema_version", "name", "description", "repositories", "checks", "profiles"}
+_REPO_FIELDS = {"name", "path"}
+_CHECK_FIELDS = {
+    "id",
+    "title",
+    "description",
+    "argv",
+    "cwd",
+    "repos",
+    "deps",
+    "after",
+    "resources",
+    "reuse",
+    "timeout_seconds",
+}
+_STAGE_FIELDS = {
+    "id",
+    "title",
+    "argv",
+    "cwd",
+    "timeout_seconds",
+    "inputs",
+    "deps",
+    "after",
+    "resources",
+    "reuse",
+}
+
+
+def _fail(field: str, message: str) -> ProjectError:
+    return ProjectError(f"{field}: {message}")
+
+
+def _string_list(value: Any, field: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise _fail(field, f"must be a list of non-empty strings, got {value!r}")
+    if len(set(value)) != len(value):
+        raise _fail(field, f"lists a name twice: {value!r}")
+    return list(value)
+
+
+def _relative_path(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(
+            field, f"must be a non-empty path relative to the workspace root, got {value!r}"
+        )
+    if os.path.isabs(value) or ".." in Path(value).parts:
+        raise _fail(field, f"must stay inside the workspace root, got {value!r}")
+    return value
+
+
+def _unknown(obj: Mapping[str, Any], allowed: set[str], field: str) -> None:
+    extra = sorted(set(obj) - allowed)
+    if extra:
+        raise _fail(field, f"unknown field {extra[0]!r} (known: {', '.join(sorted(allowed))})")
+
+
+def load_project(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a project file; every error names the offending field."""
+    p = Path(path)
+    try:
+        raw = read_json(p)
+    except FileNotFoundError as exc:
+        raise ProjectError(f"{p}: project file not found") from exc
+    except ValueError as exc:
+        raise ProjectError(str(exc)) from exc
+    try:
+        return validate_project(raw)
+    except ProjectError as exc:
+        raise ProjectError(f"{p}: {exc}") from None
+
+
+def validate_project(raw: Any) -> dict[str, Any]:
+    """Validate a parsed project file and return it normalised (defaults filled in)."""
+    if not isinstance(raw, dict):
+        raise _fail("project", "must be a JSON object")
+    _unknown(raw, _PROJECT_FIELDS, "project")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise _fail(
+            "schema_version",
+            f"unsupported schema version {version!r} (this ratchet reads {SCHEMA_VERSION})",
+        )
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise _fail("name", f"must be a non-empty string, got {name!r}")
+
+    repos_raw = raw.get("repositories")
+    if not isinstance(repos_raw, list):
+        raise _fail("repositories", "must be a list of {name, path} objects")
+    repositories: list[dict[str, str]] = []
+    seen_repos: set[str] = set()
+    for i, repo in enumerate(repos_raw):
+        field = f"repositories[{i}]"
+        if not isinstance(repo, dict):
+            raise _fail(field, "must be an object with 'name' and 'path'")
+        _unknown(repo, _REPO_FIELDS, field)
+        rname = repo.get("name")
+        if not isinstance(rname, str) or not rname:
+            raise _fail(f"{field}.name", f"must be a non-empty string, got {rname!r}")
+        if rname in seen_repos:
+            raise _fail(f"{field}.name", f"duplicate repository name {rname!r}")
+        seen_repos.add(rname)
+        repositories.append(
+            {"name": rname, "path": _relative_path(repo.get("path"), f"{field}.path")}
+        )
+
+    checks_raw = raw.get("checks")
+    if not isinstance(checks_raw, list):
+        raise _fail("checks", "must be a list of check objects")
+    checks: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    for i, check in enumerate(checks_raw):
+        field = f"checks[{i}]"
+        if not isinstance(check, dict):
+            raise _fail(field, "must be an object")
+        _unknown(check, _CHECK_FIELDS, field)
+        cid = check.get("id")
+        if not isinstance(cid, str) or not cid:
+            raise _fail(f"{field}.id", f"must be a non-empty string, got {cid!r}")
+        if cid in index:
+            raise _fail(f"{field}.id", f"duplicate id {cid!r} (first at checks[{index[cid]}])")
+        index[cid] = i
+        normal: dict[str, Any] = {
+            "id": cid,
+            "title": check.get("title", cid),
+            "argv": _argv(check.get("argv"), f"{field}.argv"),
+            "cwd": _relative_path(check.get("cwd", "."), f"{field}.cwd"),
+            "deps": _string_list(check.get("deps", []), f"{field}.deps"),
+            "after": _string_list(check.get("after", []), f"{field}.after"),
+            "resources": _string_list(check.get("resources", []), f"{field}.resources"),
+            "reuse": _reuse(check.get("reuse", "auto"), f"{field}.reuse"),
+            "timeout_seconds": _timeout(
+                check.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS), f"{field}.timeout_seconds"
+            ),
+        }
+        if not isinstance(normal["title"], str):
+            raise _fail(f"{field}.title", "must be a string")
+        if "repos" in check:
+            repos = _string_list(check["repos"], f"{field}.repos")
+            for r in repos:
+                if r not in seen_repos:
+                    raise _fail(f"{field}.repos", f"unknown repository {r!r}")
+            normal["repos"] = repos
+        checks.append(normal)
+
+    for i, check in enumerate(checks):
+        for kind in ("deps", "after"):
+            for target in check[kind]:
+                if target not in index:
+                    raise _fail(f"checks[{i}].{kind}", f"unknown dependency {target!r}")
+                if target == check["id"]:
+                    raise _fail(f"checks[{i}].{kind}", f"check {target!r} depends on itself")
+    _check_acyclic(checks, field="checks")
+
+    profiles_raw = raw.get("profiles", {})
+    if not isinstance(profiles_raw, dict):
+        raise _fail("profiles", "must be an object mapping a profile name to check ids")
+    profiles: dict[str, list[str]] = {}
+    for pname, ids in profiles_raw.items():
+        members = _string_list(ids, f"profiles.{pname}")
+        for cid in members:
+            if cid not in index:
+                raise _fail(f"profiles.{pname}", f"unknown check {cid!r}")
+        profiles[pname] = members
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": name,
+        "repositories": repositories,
+        "checks": checks,
+        "profiles": profiles,
+    }
+
+
+def _argv(value: Any, field: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
+        raise _fail(field, f"must be a non-empty list of strings, got {value!r}")
+    return list(value)
+
+
+def _reuse(value: Any, field: str) -> str:
+    if value not in REUSE_POLICIES:
+        raise _fail(field, f"must be one of {', '.join(REUSE_POLICIES)}, got {value!r}")
+    return str(value)
+
+
+def _timeout(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise _fail(field, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_acyclic(nodes: Sequence[Mapping[str, Any]], *, field: str) -> None:
+    """Raise naming one cycle (a -> b -> a) over `deps` and `after` edges."""
+    edges = {n["id"]: list(n.get("deps", [])) + list(n.get("after", [])) for n in nodes}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in edges.get(node, []):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                raise _fail(field, f"dependency cycle {' -> '.join(cycle)}")
+            if state.get(nxt) is None and nxt in edges:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for n in nodes:
+        if state.get(n["id"]) is None:
+            visit(n["id"])
+
+
+def topological_order(stages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Stage ids so every stage comes after its `deps` and `after`; ties keep file order."""
+    position = {s["id"]: i for i, s in enumerate(stages)}
+    waiting = {s["id"]: set(s["deps"]) | set(s["after"]) for s in stages}
+    order: list[str] = []
+    done: set[str] = set()
+    while waiting:
+        ready = sorted((sid for sid, w in waiting.items() if w <= done), key=position.__getitem__)
+        if not ready:
+            _check_acyclic(stages, field="stages")
+            raise _fail("stages", "unsatisfiable ordering")
+        for sid in ready:
+            order.append(sid)
+            done.add(sid)
+            del waiting[sid]
+    return order
+
+
+def normalize_stages(stages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validate hand-built or planned stage dicts and fill in defaults, in topological order."""
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(stages):
+        field = f"stages[{i}]"
+        if not isinstance(raw, Mapping):
+            raise _fail(field, "must be a dict")
+        _unknown(raw, _STAGE_FIELDS, field)
+        sid = raw.get("id")
+        if not isinstance(sid, str) or not sid:
+            raise _fail(f"{field}.id", f"must be a non-empty string, got {sid!r}")
+        if sid in seen:
+            raise _fail(f"{field}.id", f"duplicate id {sid!r}")
+        seen.add(sid)
+        stage: dict[str, Any] = {
+            "id": sid,
+            "title": str(raw.get("title") or sid),
+            "argv": _argv(raw.get("argv"), f"{field}.argv"),
+            "cwd": str(raw.get("cwd") or "."),
+            "timeout_seconds": _timeout(
+                raw.get("timeout_seconds") or DEFAULT_TIMEOUT_SECONDS, f"{field}.timeout_seconds"
+            ),
+            "deps": _string_list(list(raw.get("deps") or []), f"{field}.deps"),
+            "after": _string_list(list(raw.get("after") or []), f"{field}.after"),
+            "resources": _string_list(list(raw.get("resources") or []), f"{field}.resources"),
+            "reuse": _reuse(raw.get("reuse") or "auto", f"{field}.reuse"),
+        }
+        if raw.get("inputs") is not None:
+            inputs = raw["inputs"]
+            if not isinstance(inputs, Mapping) or set(inputs) - {"repos"}:
+                raise _fail(f"{field}.inputs", f"must be {{'repos': [...]}}, got {inputs!r}")
+            stage["inputs"] = {
+                "repos": _string_list(list(inputs.get("repos") or []), f"{field}.inputs.repos")
+            }
+        out.append(stage)
+    for i, stage in enumerate(out):
+        for kind in ("deps", "after"):
+            for target in stage[kind]:
+                if target not in seen:
+                    raise _fail(f"stages[{i}].{kind}", f"unknown dependency {target!r}")
+    by_id = {s["id"]: s for s in out}
+    return [by_id[sid] for sid in topological_order(out)]
+
+
+def check_to_stage(check: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn a validated check into a stage dict (`repos` becomes the declared input scope)."""
+    stage: dict[str, Any] = {
+        "id": check["id"],
+        "title": check["title"],
+        "argv": list(check["argv"]),
+        "cwd": check["cwd"],
+        "timeout_seconds": check["timeout_seconds"],
+        "deps": list(check["deps"]),
+        "after": list(check["after"]),
+        "resources": list(check["resources"]),
+        "reuse": check["reuse"],
+    }
+    if "repos" in check:
+        stage["inputs"] = {"repos": list(check["repos"])}
+    return stage
+
+
+def _dirty_repos(workspace_root: Path, project: Mapping[str, Any]) -> set[str]:
+    dirty: set[str] = set()
+    for repo in project["repositories"]:
+        path = workspace_root / repo["path"]
+        proc = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=all"],
+            capture_output=True,
+            check=False,
+        )
+        # Not a git repository, or git failed: we cannot tell, so treat it as changed.
+        if proc.returncode != 0 or proc.stdout.strip():
+            dirty.add(repo["name"])
+    return dirty
+
+
+def plan_stages(
+    project: Mapping[str, Any],
+    *,
+    workspace_root: str | os.PathLike[str] = ".",
+    profile: str | None = None,
+    repos: Sequence[str] | None = None,
+    changed: bool = False,
+) -> list[dict[str, Any]]:
+    """Select checks and return their stages in order.
+
+    `profile` picks the listed checks; `repos` picks checks whose scope covers one of those
+    repositories (a check without `repos` covers all of them); `changed` picks checks whose
+    scope covers a repository with uncommitted changes, plus their data consumers. Every
+    selected check pulls in its `deps` (they produce its inputs); `after` edges to checks
+    that are not selected are dropped, since they only order.
+    """
+    checks = {c["id"]: c for c in project["checks"]}
+    all_repos = [r["name"] for r in project["repositories"]]
+    selected = list(checks)
+    if profile is not None:
+        if profile not in project["profiles"]:
+            known = ", ".join(sorted(project["profiles"])) or "none"
+            raise _fail("profile", f"unknown profile {profile!r} (known: {known})")
+        selected = list(project["profiles"][profile])
+
+    def scope(cid: str) -> set[str]:
+        return set(checks[cid].get("repos", all_repos))
+
+    if repos:
+        for r in repos:
+            if r not in all_repos:
+                raise _fail("repo", f"unknown repository {r!r} (known: {', '.join(all_repos)})")
+        selected = [cid for cid in selected if scope(cid) & set(repos)]
+    if changed:
+        dirty = _dirty_repos(Path(workspace_root), project)
+        touched = {cid for cid in selected if scope(cid) & dirty}
+        grew = True
+        while grew:
+            consumers = {cid for cid in selected if set(checks[cid]["deps"]) & touched}
+            grew = not consumers <= touched
+            touched |= consumers
+        selected = [cid for cid in selected if cid in touched]
+
+    wanted: set[str] = set()
+    todo = list(selected)
+    while todo:
+        cid = todo.pop()
+        if cid not in wanted:
+            wanted.add(cid)
+            todo.extend(checks[cid]["deps"])
+    stages = []
+    for check in project["checks"]:
+        if check["id"] in wanted:
+            stage = check_to_stage(check)
+            stage["after"] = [a for a in stage["after"] if a in wanted]
+            stages.append(stage)
+    return normalize_stages(stages)
+
+
+def plan_fingerprint(stages: Sequence[Mapping[str, Any]]) -> str:
+    """A digest of the whole plan: any change to any stage changes it."""
+    return sha256_bytes(canonical_json([dict(s) for s in stages]))

@@ -1,0 +1,100 @@
+"""What people see: live progress on a TTY and the summary table at the end (rich)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+_STYLE = {
+    "passed": "green",
+    "failed": "red",
+    "stale": "yellow",
+    "skipped": "dim",
+    "running": "cyan",
+    "pending": "dim",
+    "interrupted": "magenta",
+}
+_FINAL = {"passed", "failed", "stale", "skipped"}
+
+
+class LiveProgress:
+    """A progress bar with the running stages, shown only when stderr is a terminal."""
+
+    def __init__(
+        self, total: int, stream: TextIO | None = None, enabled: bool | None = None
+    ) -> None:
+        stream = stream if stream is not None else sys.stderr
+        self.enabled = stream.isatty() if enabled is None else enabled
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._total = total
+        self._stream = stream
+
+    def __enter__(self) -> LiveProgress:
+        if self.enabled:
+            self._progress = Progress(
+                TextColumn("[bold]checks[/]"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=Console(file=self._stream),
+                transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("", total=self._total)
+        return self
+
+    def update(self, records: Sequence[Mapping[str, Any]]) -> None:
+        if self._progress is None:
+            return
+        done = sum(1 for r in records if r["status"] in _FINAL)
+        running = [r["id"] for r in records if r["status"] == "running"]
+        self._progress.update(self._task, completed=done, description=", ".join(running[:4]))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def summary_table(result: Mapping[str, Any]) -> Table:
+    """One row per stage: status, exit code, reuse, time, error."""
+    status = str(result.get("status"))
+    table = Table(
+        title=f"run {result.get('run_id')}: [{_STYLE.get(status, 'bold')}]{status}[/]",
+        caption=(
+            f"receipt {result.get('receipt_path')}"
+            + ("" if result.get("snapshot_verified") else "  (snapshot not verified)")
+        ),
+    )
+    for col in ("stage", "status", "exit", "reused from", "seconds", "error"):
+        table.add_column(col, overflow="fold")
+    for s in result.get("stages", []):
+        st = str(s.get("status"))
+        secs = s.get("duration_seconds")
+        table.add_row(
+            str(s.get("id")),
+            f"[{_STYLE.get(st, 'bold')}]{st}[/]",
+            "" if s.get("exit_code") is None else str(s.get("exit_code")),
+            str(s.get("reused_from") or ""),
+            "" if secs is None else f"{secs:.2f}",
+            str(s.get("error") or s.get("snapshot_error") or ""),
+        )
+    return table
+
+
+def render(result: Mapping[str, Any], stream: TextIO | None = None) -> None:
+    """Print a handler's result for people (a run gets the summary table)."""
+    console = Console(file=stream if stream is not None else sys.stdout)
+    if "stages" in result and "run_id" in result:
+        console.print(summary_table(result))
+        return
+    if "text" in result:
+        console.print(result["text"], markup=False, highlight=False)
+        return
+    console.print_json(data=dict(result))

@@ -1,0 +1,105 @@
+"""Contract 9 with a real crash: SIGKILL a running `python -m ratchet.checks`, recover, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checks_helpers import Workspace, by_id, check
+
+from ratchet.checks import ResumeRefusedError, runner
+from ratchet.checks.common import read_json
+from ratchet.cli import main as ratchet_main
+
+
+def _wait_for(predicate: object, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.kill
+def test_contract_9_sigkill_mid_run_then_recover_then_resume(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    block, pid_file = ws.control / "block", ws.control / "slow.pid"
+    block.touch()
+    slow = (
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+        f"while pathlib.Path({str(block)!r}).exists():\n"
+        "    time.sleep(0.02)\n"
+        "print('slow done')\n"
+    )
+    ws.project(
+        [
+            check("quick", "print('quick')", repos=["app"]),
+            check("slow", slow, repos=["lib"], after=["quick"]),
+            check("last", repos=["lib"], deps=["slow"]),
+        ]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ratchet.checks", "run", "--workspace-root", str(ws.root)]
+        + ["--state-dir", str(ws.state_dir), "--json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(pid_file.exists, "the slow stage to start")
+        (run_dir,) = (ws.state_dir / "runs").iterdir()
+        receipt_path = run_dir / "receipt.json"
+        _wait_for(
+            lambda: by_id(read_json(receipt_path))["slow"]["status"] == "running",
+            "the receipt to record the slow stage running",
+        )
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    # The stage ran in its own session; the user stops it before confirming recovery.
+    _wait_for(lambda: pid_file.read_text().strip() != "", "the stage pid")
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    run_id = run_dir.name
+
+    crashed = read_json(receipt_path)
+    assert crashed["status"] == "running"
+    assert by_id(crashed)["quick"]["checkpoint_verified"] is True
+    assert by_id(crashed)["slow"]["status"] == "running"
+    with pytest.raises(ResumeRefusedError, match="recover"):
+        ws.run(resume=run_id)
+
+    common = ["checks", "--workspace-root", str(ws.root), "--state-dir", str(ws.state_dir)]
+    before = receipt_path.read_bytes()
+    assert ratchet_main([*common, "recover", run_id, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["action"] == "would-recover"
+    assert ratchet_main([*common, "recover", run_id, "--apply", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["action"] == "refused"
+    assert receipt_path.read_bytes() == before
+    assert (
+        ratchet_main(
+            [*common, "recover", run_id, "--apply", "--confirm-processes-stopped", "--json"]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["status"] == "interrupted"
+    recovered = runner.read_receipt(ws.root, ws.state_dir, run_id)
+    assert recovered["status"] == "interrupted"
+    assert by_id(recovered)["slow"]["status"] == "failed"
+    assert by_id(recovered)["last"]["status"] == "skipped"
+
+    block.unlink()
+    resumed = ws.run(resume=run_id)
+    recs = by_id(resumed)
+    assert resumed["status"] == "passed"
+    assert recs["quick"]["reused_from"] == run_id
+    assert "reused_from" not in recs["slow"]
+    assert "reused_from" not in recs["last"]
+    assert Path(recs["slow"]["log_path"]).read_text() == "slow done\n"
+    assert Path(recs["quick"]["log_path"]).read_text() == "quick\n"

@@ -127,6 +127,12 @@ def explain_record(receipt: Mapping[str, Any], record: Mapping[str, Any]) -> dic
     status = record.get("status")
     decision = info.get("decision")
     reasons = list(info.get("reasons") or [])
+    if decision == "reused" and not reasons:
+        reasons.append(
+            f"cache key matched run {info.get('resumed_from')} (command, cwd, declared scope, "
+            "input bytes, dependency checkpoints, environment) and its log re-hashed to the "
+            "sha256 the receipt sealed"
+        )
     if decision is None:
         decision = "skipped" if status in ("skipped", "pending") else "unknown"
         if record.get("error"):

@@ -8,6 +8,8 @@ from timestamps: every fresh probe re-reads the bytes.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import stat
@@ -53,23 +55,33 @@ def _walk_files(root: Path, exclude: tuple[Path, ...]) -> list[str]:
     return sorted(out)
 
 
-def _entry(path: Path) -> str:
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _entry(path: str) -> str:
     """One file's identity: its content hash (and exec bit), a link target, or a marker."""
     try:
-        st = os.lstat(path)
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         return "missing"
-    if stat.S_ISLNK(st.st_mode):
-        return "link:" + os.readlink(path)
-    if stat.S_ISDIR(st.st_mode):
-        return "dir"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: its target is its content
+            return "link:" + os.readlink(path)
+        raise
     try:
-        with open(path, "rb") as handle:
-            digest = sha256_bytes(handle.read())
-    except FileNotFoundError:
-        return "missing"
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return "dir"
+        if not stat.S_ISREG(st.st_mode):
+            return f"special:{stat.S_IFMT(st.st_mode):o}"
+        digest = hashlib.sha256()
+        size = st.st_size + 1
+        while chunk := os.read(fd, size if size < (1 << 20) else (1 << 20)):
+            digest.update(chunk)
+    finally:
+        os.close(fd)
     prefix = "x:" if st.st_mode & stat.S_IXUSR else ""
-    return f"{prefix}sha256:{digest}"
+    return f"{prefix}sha256:{digest.hexdigest()}"
 
 
 def diff_manifests(old: Mapping[str, str], new: Mapping[str, str]) -> list[dict[str, str]]:
@@ -190,7 +202,8 @@ class Checkpoints:
         files = _git_files(root)
         if files is None:
             files = _walk_files(root, self._exclude)
-        manifest = {rel: _entry(root / rel) for rel in files}
+        base = str(root) + os.sep
+        manifest = {rel: _entry(base + rel) for rel in files}
         return sha256_bytes(canonical_json(manifest)), manifest
 
     def _store_manifest(self, digest: str, manifest: dict[str, str]) -> None:

@@ -260,7 +260,6 @@ def _blank_record(stage: Mapping[str, Any]) -> dict[str, Any]:
         "checkpoint_id": None,
         "cache_key": None,
         "cache_components": None,
-        "input_identity": None,
         "origin_run_id": None,
         "error": None,
         "started_at": None,
@@ -465,11 +464,8 @@ def _decide(
             "and not re-running it silently: run without --resume to re-run it"
         )
         return "refuse", old, {**base, "decision": "refused", "reasons": [error]}
-    reason = (
-        f"cache key matched run {prev_id} (command, cwd, declared scope, input bytes, "
-        "dependency checkpoints, environment) and the log re-hashed to the sealed sha256"
-    )
-    return "reuse", old, {**base, "decision": "reused", "reasons": [reason]}
+    # The long form is spelled out by `explain`; receipts are rewritten often, keep them small.
+    return "reuse", old, {**base, "decision": "reused", "reasons": []}
 
 
 def _stage_worker(run: _Run, sid: str) -> None:
@@ -526,7 +522,6 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
             checkpoint_id=old["checkpoint_id"],
             cache_key=cache_key,
             cache_components=components,
-            input_identity=ident,
             origin_run_id=old.get("origin_run_id") or run.previous["run_id"],  # type: ignore[index]
             reused_from=run.previous["run_id"],  # type: ignore[index]
             explain=explanation,
@@ -543,7 +538,6 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
             status="failed",
             cache_key=cache_key,
             cache_components=components,
-            input_identity=ident,
             explain=explanation,
             error=explanation["reasons"][0],
             finished_at=_now(),
@@ -559,7 +553,6 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
         log_path=str(log_path),
         cache_key=cache_key,
         cache_components=components,
-        input_identity=ident,
         explain=explanation,
         started_at=_now(),
     )
@@ -736,9 +729,10 @@ def _final_snapshot(run: _Run) -> bool:
                 snapshot_error=f"end-of-run input probe failed: {type(exc).__name__}: {exc}",
             )
             continue
-        if now != rec["input_identity"]:
+        checked = (rec.get("cache_components") or {}).get("inputs")
+        if now != checked:
             ok = False
-            changed = _explain.diff_identity(rec["input_identity"], now, run.checkpoints)
+            changed = _explain.diff_identity(checked, now, run.checkpoints)
             run.update(
                 rec["id"],
                 snapshot_verified=False,

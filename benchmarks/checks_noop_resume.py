@@ -1,0 +1,208 @@
+"""No-op resume of `ratchet checks` beside `doit` on the same plan.
+
+A plan of 50 stages over 5 git repositories holding 5,000 input files in all. Both tools
+run it once (everything executes), then again with nothing changed; only that second,
+no-op run is timed, in this process, as the median of a few repeats. ratchet's number
+is its own time: nothing executes in a no-op resume. The printed ratio is ratchet / doit.
+
+Not like for like: doit decides "up to date" from file timestamps (it hashes only files
+whose mtime moved); ratchet re-reads and re-hashes every input file, re-hashes every
+reused log, and writes a sealed receipt. Run:
+
+    .venv/bin/python benchmarks/checks_noop_resume.py [--stages 50 --files 5000 --repos 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ratchet.checks import runner
+
+TARGET_SECONDS = 0.200
+
+
+def make_workspace(root: Path, repos: int, files: int) -> list[Path]:
+    paths = []
+    per_repo = files // repos
+    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@example.com"}
+    env |= {"GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@example.com"}
+    for r in range(repos):
+        repo = root / f"repo{r}"
+        for i in range(per_repo):
+            f = repo / f"pkg{i % 20}" / f"mod{i}.py"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(f"# repo {r} file {i}\nVALUE = {i}\n" + "x = 1\n" * 20)
+        for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "init"]):
+            subprocess.run(
+                ["git", "-c", "commit.gpgsign=false", *argv], cwd=repo, env=env, check=True
+            )
+        paths.append(repo)
+    return paths
+
+
+def plan(repos: int, stages: int) -> list[dict[str, Any]]:
+    """Stages spread over the repos; within a repo each stage depends on the previous one,
+    and every fifth also comes after a stage of the previous repo."""
+    out = []
+    per_repo = stages // repos
+    for r in range(repos):
+        for k in range(per_repo):
+            stage: dict[str, Any] = {
+                "id": f"r{r}s{k}",
+                "title": f"repo{r} step {k}",
+                "argv": ["true"],
+                "cwd": f"repo{r}",
+                "timeout_seconds": 60,
+                "inputs": {"repos": [f"repo{r}"]},
+                "deps": [f"r{r}s{k - 1}"] if k else [],
+                "after": [f"r{r - 1}s{k}"] if r and k % 5 == 0 else [],
+                "resources": [],
+            }
+            out.append(stage)
+    return out
+
+
+def bench_ratchet(
+    root: Path, repo_paths: list[Path], stages: list[dict[str, Any]], repeat: int
+) -> tuple[float, list[float]]:
+    import json
+
+    project = {
+        "schema_version": 1,
+        "name": "bench",
+        "repositories": [{"name": p.name, "path": p.name} for p in repo_paths],
+        "checks": [],
+        "profiles": {},
+    }
+    (root / "checks.project.json").write_text(json.dumps(project))
+    args = argparse.Namespace(
+        workspace_root=str(root),
+        project="checks.project.json",
+        state_dir=str(root.parent / "ratchet-state"),
+        dry_run=False,
+        jobs=1,
+        profile=None,
+        resume=None,
+        repo=None,
+        changed=False,
+    )
+    t0 = time.perf_counter()
+    first = runner.run_checks(args, stages)
+    full = time.perf_counter() - t0
+    assert first["status"] == "passed", first["status"]
+    times = []
+    previous = first["run_id"]
+    for _ in range(repeat):
+        args.resume = previous
+        t0 = time.perf_counter()
+        result = runner.run_checks(args, stages)
+        times.append(time.perf_counter() - t0)
+        assert result["status"] == "passed", result["status"]
+        assert all(s.get("reused_from") for s in result["stages"]), "not a no-op resume"
+        previous = result["run_id"]
+    return full, times
+
+
+def bench_doit(
+    root: Path, repo_paths: list[Path], stages: list[dict[str, Any]], repeat: int
+) -> tuple[float, list[float]] | None:
+    try:
+        from doit.cmd_base import ModuleTaskLoader
+        from doit.doit_cmd import DoitMain
+    except ImportError:
+        return None
+    files = {
+        p.name: sorted(str(f) for f in p.rglob("*.py") if ".git" not in f.parts) for p in repo_paths
+    }
+    namespace: dict[str, Any] = {}
+
+    def task_checks() -> Any:
+        for s in stages:
+            repo = s["inputs"]["repos"][0]
+            yield {
+                "name": s["id"],
+                "actions": [" ".join(s["argv"])],
+                "file_dep": files[repo],
+                "task_dep": [f"checks:{d}" for d in s["deps"] + s["after"]],
+                "verbosity": 0,
+            }
+
+    namespace["task_checks"] = task_checks
+    namespace["DOIT_CONFIG"] = {
+        "dep_file": str(root.parent / "doit-state" / ".doit.db"),
+        "verbosity": 0,
+        "reporter": "zero",
+    }
+    (root.parent / "doit-state").mkdir(exist_ok=True)
+
+    def once() -> float:
+        sink = io.StringIO()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            code = DoitMain(ModuleTaskLoader(namespace)).run(["run"])
+        elapsed = time.perf_counter() - t0
+        assert code == 0, sink.getvalue()
+        return elapsed
+
+    full = once()
+    return full, [once() for _ in range(repeat)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=50)
+    parser.add_argument("--files", type=int, default=5000)
+    parser.add_argument("--repos", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5)
+    opts = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="ratchet-bench-"))
+    old_xdg = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp / "xdg")
+    try:
+        root = tmp / "ws"
+        root.mkdir()
+        repo_paths = make_workspace(root, opts.repos, opts.files)
+        stages = plan(opts.repos, opts.stages)
+        print(
+            f"plan: {len(stages)} stages, {opts.repos} repos, {opts.files} input files; median of {opts.repeat}"
+        )
+        r_full, r_times = bench_ratchet(root, repo_paths, stages, opts.repeat)
+        r_med = statistics.median(r_times)
+        verdict = "within" if r_med < TARGET_SECONDS else "OVER"
+        print(
+            f"ratchet  full run {r_full * 1000:8.1f} ms   no-op resume {r_med * 1000:7.1f} ms (min {min(r_times) * 1000:.1f})  [{verdict} the {TARGET_SECONDS * 1000:.0f} ms target]"
+        )
+        d = bench_doit(root, repo_paths, stages, opts.repeat)
+        if d is None:
+            print(
+                "doit     not installed (pip install doit) - no baseline; ratchet's time is above"
+            )
+            return 0
+        d_full, d_times = d
+        d_med = statistics.median(d_times)
+        print(
+            f"doit     full run {d_full * 1000:8.1f} ms   no-op run    {d_med * 1000:7.1f} ms (min {min(d_times) * 1000:.1f})"
+        )
+        print(f"ratio    ratchet / doit no-op = {r_med / d_med:.2f}")
+        return 0
+    finally:
+        if old_xdg is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = old_xdg
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Chat models, messages, prompts, tools, providers, the built-in chat/tool actions and ReAct.
+
+Everything a model or tool call does goes through `ctx.durable_execute_async`, so a completed
+call is never paid for (or run) twice after a crash; the transcript of an ongoing request is
+in sensory memory, so it is in every checkpoint.
+"""
+
+from ratchet.agents.chat._agent import ChatAgent, TokenBudget, chat_usage, idempotency_key
+from ratchet.agents.chat._errors import (
+    ChatError,
+    ModelCallError,
+    PromptArgumentError,
+    StructuredOutputError,
+    TokenBudgetExceededError,
+    TurnLimitError,
+)
+from ratchet.agents.chat._events import (
+    ChatRequestEvent,
+    ChatResponseEvent,
+    ToolRequestEvent,
+    ToolResponseEvent,
+)
+from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
+from ratchet.agents.chat._model import ChatModel, ChatModelSetup, ResourceDescriptor, RetryPolicy
+from ratchet.agents.chat._prompt import Prompt
+from ratchet.agents.chat._providers._anthropic import AnthropicChatModel
+from ratchet.agents.chat._providers._ollama import OllamaChatModel
+from ratchet.agents.chat._providers._openai import OpenAIChatModel
+from ratchet.agents.chat._providers._scripted import ScriptedChatModel
+from ratchet.agents.chat._react import ReActAgent
+from ratchet.agents.chat._resources import (
+    ResourceType,
+    chat_model_connection,
+    chat_model_setup,
+    prompt,
+)
+from ratchet.agents.chat._tools import Tool, ToolContext, tool
+
+# Flink Agents' names for the same things, so ported agents read naturally.
+ChatModelConnection = ChatModel
+OpenAIChatModelConnection = OpenAIChatModel
+AnthropicChatModelConnection = AnthropicChatModel
+OllamaChatModelConnection = OllamaChatModel
+OpenAIChatModelSetup = ChatModelSetup
+AnthropicChatModelSetup = ChatModelSetup
+OllamaChatModelSetup = ChatModelSetup
+
+__all__ = [
+    "AnthropicChatModel",
+    "AnthropicChatModelConnection",
+    "AnthropicChatModelSetup",
+    "ChatAgent",
+    "ChatError",
+    "ChatMessage",
+    "ChatModel",
+    "ChatModelConnection",
+    "ChatModelSetup",
+    "ChatRequestEvent",
+    "ChatResponseEvent",
+    "MessageRole",
+    "ModelCallError",
+    "OllamaChatModel",
+    "OllamaChatModelConnection",
+    "OllamaChatModelSetup",
+    "OpenAIChatModel",
+    "OpenAIChatModelConnection",
+    "OpenAIChatModelSetup",
+    "Prompt",
+    "PromptArgumentError",
+    "ReActAgent",
+    "ResourceDescriptor",
+    "ResourceType",
+    "RetryPolicy",
+    "ScriptedChatModel",
+    "StructuredOutputError",
+    "TokenBudget",
+    "TokenBudgetExceededError",
+    "TokenUsage",
+    "Tool",
+    "ToolCall",
+    "ToolContext",
+    "ToolRequestEvent",
+    "ToolResponseEvent",
+    "TurnLimitError",
+    "chat_model_connection",
+    "chat_model_setup",
+    "chat_usage",
+    "idempotency_key",
+    "prompt",
+    "tool",
+]

@@ -1,0 +1,204 @@
+"""The chat-model interface, retries, and the connection/setup split Flink Agents uses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from ratchet._errors import ConfigError
+from ratchet.agents.chat._errors import ModelCallError
+from ratchet.agents.chat._messages import ChatMessage
+from ratchet.agents.chat._prompt import Prompt
+from ratchet.agents.chat._tools import Tool
+from ratchet.store import codec
+
+
+@dataclass
+class RetryPolicy:
+    """Exponential backoff for transient provider errors (429, 5xx, timeouts, connection drops).
+
+    Delay before retry n (1-based) is `initial_backoff * multiplier**(n-1)`, capped at
+    `max_backoff`, with up to `jitter` (a fraction) added; a server's Retry-After wins when it
+    is longer. Non-transient errors (400, 401, 403, 404, ...) are never retried. `sleep` and
+    `rng` are injectable so tests can run without waiting.
+    """
+
+    max_attempts: int = 4
+    initial_backoff: float = 0.5
+    max_backoff: float = 30.0
+    multiplier: float = 2.0
+    jitter: float = 0.1
+    sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep, repr=False)
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError("RetryPolicy.max_attempts must be >= 1")
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        base = min(self.max_backoff, self.initial_backoff * self.multiplier ** (attempt - 1))
+        base += base * self.jitter * self.rng.random()
+        if retry_after is not None:
+            base = max(base, min(retry_after, self.max_backoff))
+        return base
+
+
+class ChatModel(ABC):
+    """What every provider implements: one call from messages (and tools, and an optional
+    output schema) to an assistant `ChatMessage` carrying its token usage.
+
+    Subclasses implement `_chat_once`, raising `ModelCallError` (with `transient` set) on
+    failure; `chat` adds the retry policy. A model is also a *connection* resource in Flink
+    Agents terms: `ChatModelSetup` binds one to a model name, a prompt and tools.
+    """
+
+    provider: str = "model"
+
+    def __init__(self, *, model: str | None = None, retry: RetryPolicy | None = None) -> None:
+        self.model = model
+        self.retry = retry or RetryPolicy()
+
+    @abstractmethod
+    async def _chat_once(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        model: str | None,
+        tools: Sequence[Tool],
+        output_schema: type[BaseModel] | None,
+        options: Mapping[str, Any],
+    ) -> ChatMessage: ...
+
+    async def chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Tool] = (),
+        output_schema: type[BaseModel] | None = None,
+        model: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> ChatMessage:
+        """Ask the model; transient failures are retried per `self.retry`."""
+        policy = self.retry
+        attempt = 1
+        while True:
+            try:
+                return await self._chat_once(
+                    messages,
+                    model=model or self.model,
+                    tools=tools,
+                    output_schema=output_schema,
+                    options=options or {},
+                )
+            except ModelCallError as exc:
+                if not exc.transient or attempt >= policy.max_attempts:
+                    if exc.transient:
+                        raise ModelCallError(
+                            f"{exc} (gave up after {attempt} attempts)",
+                            provider=exc.provider,
+                            status=exc.status,
+                            transient=True,
+                            retry_after=exc.retry_after,
+                        ) from exc
+                    raise
+                await policy.sleep(policy.delay(attempt, exc.retry_after))
+                attempt += 1
+
+
+@dataclass
+class ResourceDescriptor:
+    """A resource to build later from a class and its arguments (Flink Agents' descriptor)."""
+
+    clazz: type
+    arguments: dict[str, Any]
+
+    def __init__(self, clazz: type, **arguments: Any) -> None:
+        self.clazz = clazz
+        self.arguments = arguments
+
+    def build(self) -> Any:
+        return self.clazz(**self.arguments)
+
+
+class ChatModelSetup:
+    """A named way to use a chat model: which connection, model, prompt, tools and options.
+
+    `connection`, `prompt` and the entries of `tools` may be resource names (resolved on the
+    agent) or objects. `output_schema` (a pydantic model) is registered with the codec here,
+    at start, so a recovered run finds it again by name.
+    """
+
+    def __init__(
+        self,
+        connection: str | ChatModel,
+        model: str | None = None,
+        *,
+        prompt: str | Prompt | None = None,
+        tools: Sequence[str | Tool | Callable[..., Any]] = (),
+        output_schema: type[BaseModel] | None = None,
+        max_turns: int | None = None,
+        **options: Any,
+    ) -> None:
+        self.connection = connection
+        self.model = model
+        self.prompt = prompt
+        self.tools = list(tools)
+        self.output_schema = register_schema(output_schema) if output_schema else None
+        if max_turns is not None and max_turns < 1:
+            raise ConfigError("max_turns must be >= 1")
+        self.max_turns = max_turns
+        self.options = options
+
+
+def register_schema(schema: Any) -> str:
+    """Register a pydantic model class as an output schema; returns its registered name."""
+    if isinstance(schema, str):
+        return schema
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        raise ConfigError(f"output_schema must be a pydantic BaseModel class, not {schema!r}")
+    name = codec.registered_name(schema)
+    if name is None:
+        codec.register(schema)
+        name = codec.registered_name(schema)
+    assert name is not None
+    return name
+
+
+def schema_class(name: str) -> type[BaseModel]:
+    try:
+        cls = codec.lookup(name)
+    except codec.UnknownTypeError:
+        raise ConfigError(
+            f"output schema {name!r} is not registered in this process; register it at import "
+            f"time (ratchet.register_type(cls) or output_schema= on the ChatModelSetup/agent) "
+            f"so a recovered run can find it"
+        ) from None
+    if not issubclass(cls, BaseModel):
+        raise ConfigError(f"output schema {name!r} is {cls!r}, not a pydantic model")
+    return cls
+
+
+_FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+
+
+def parse_structured(text: str, schema: type[BaseModel]) -> BaseModel:
+    """Validate a reply's text (JSON, possibly in a ``` fence) into `schema`."""
+    m = _FENCE.match(text)
+    body = m.group(1) if m else text.strip()
+    return schema.model_validate_json(body)
+
+
+def schema_instruction(schema: type[BaseModel]) -> str:
+    """For providers without native structured output: the instruction to reply in JSON."""
+    return (
+        "Reply with only a JSON object (no prose, no code fence) that validates against this "
+        f"JSON schema:\n{json.dumps(schema.model_json_schema(), sort_keys=True)}"
+    )

@@ -1,0 +1,153 @@
+"""OpenAI and every OpenAI-compatible server (vLLM, llama.cpp, LM Studio) through `openai`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from ratchet.agents.chat._errors import ModelCallError
+from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
+from ratchet.agents.chat._model import ChatModel, RetryPolicy
+from ratchet.agents.chat._providers._common import (
+    loads_arguments,
+    parse_retry_after,
+    require_key,
+    require_sdk,
+)
+from ratchet.agents.chat._tools import Tool
+
+
+def to_openai_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == MessageRole.TOOL:
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
+        elif m.role == MessageRole.ASSISTANT and m.tool_calls:
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": m.content or None,
+                    "tool_calls": [
+                        {
+                            "id": tc.id,
+                            "type": "function",
+                            "function": {
+                                "name": tc.name,
+                                "arguments": json.dumps(tc.arguments, sort_keys=True),
+                            },
+                        }
+                        for tc in m.tool_calls
+                    ],
+                }
+            )
+        else:
+            out.append({"role": m.role.value, "content": m.content})
+    return out
+
+
+class OpenAIChatModel(ChatModel):
+    """Chat completions through the official `openai` SDK (extra `openai`).
+
+    The key comes from `api_key` or `OPENAI_API_KEY` and is checked here, at start. `base_url`
+    (or `OPENAI_BASE_URL`) points it at any OpenAI-compatible server. The SDK's own retries are
+    off: `retry` (a `RetryPolicy`) decides, so retry behaviour is the same for every provider.
+    """
+
+    provider = "openai"
+
+    def __init__(
+        self,
+        model: str | None = "gpt-4o-mini",
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        timeout: float = 60.0,
+        retry: RetryPolicy | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(model=model, retry=retry)
+        openai = require_sdk("openai", "openai")
+        self._sdk = openai
+        self.options = options
+        self.client = openai.AsyncOpenAI(
+            api_key=require_key(api_key, "OPENAI_API_KEY", type(self).__name__),
+            base_url=base_url,
+            timeout=timeout,
+            max_retries=0,
+        )
+
+    def _error(self, exc: Exception) -> ModelCallError:
+        sdk = self._sdk
+        if isinstance(exc, sdk.APITimeoutError):
+            return ModelCallError(
+                f"openai: request timed out: {exc}", provider="openai", transient=True
+            )
+        if isinstance(exc, sdk.APIConnectionError):
+            return ModelCallError(
+                f"openai: connection failed: {exc}", provider="openai", transient=True
+            )
+        if isinstance(exc, sdk.APIStatusError):
+            status = exc.status_code
+            retry_after = parse_retry_after(exc.response.headers.get("retry-after"))
+            return ModelCallError(
+                f"openai: HTTP {status}: {exc.message}",
+                provider="openai",
+                status=status,
+                transient=status in (408, 409, 429) or status >= 500,
+                retry_after=retry_after,
+            )
+        return ModelCallError(
+            f"openai: malformed response ({type(exc).__name__}: {exc})", provider="openai"
+        )
+
+    async def _chat_once(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        model: str | None,
+        tools: Sequence[Tool],
+        output_schema: type[BaseModel] | None,
+        options: Mapping[str, Any],
+    ) -> ChatMessage:
+        kwargs: dict[str, Any] = {**self.options, **options}
+        if tools:
+            kwargs["tools"] = [{"type": "function", "function": t.spec()} for t in tools]
+        if output_schema is not None:
+            kwargs["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": output_schema.__name__,
+                    "schema": output_schema.model_json_schema(),
+                },
+            }
+        try:
+            resp = await self.client.chat.completions.create(
+                model=model, messages=to_openai_messages(messages), **kwargs
+            )
+            choice = resp.choices[0]
+            msg = choice.message
+        except self._sdk.OpenAIError as exc:
+            raise self._error(exc) from exc
+        except (ValueError, TypeError, AttributeError, IndexError) as exc:
+            raise self._error(exc) from exc
+        calls: list[ToolCall] = []
+        extras: dict[str, Any] = {"finish_reason": choice.finish_reason}
+        for tc in msg.tool_calls or []:
+            args, err = loads_arguments(tc.function.arguments)
+            calls.append(ToolCall(id=tc.id, name=tc.function.name, arguments=args))
+            if err:
+                extras.setdefault("invalid_arguments", {})[tc.id] = err
+        usage = TokenUsage(
+            input_tokens=getattr(resp.usage, "prompt_tokens", 0) or 0,
+            output_tokens=getattr(resp.usage, "completion_tokens", 0) or 0,
+        )
+        return ChatMessage(
+            role=MessageRole.ASSISTANT,
+            content=msg.content or "",
+            tool_calls=calls,
+            extras=extras,
+            usage=usage,
+        )

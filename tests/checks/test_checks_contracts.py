@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -180,7 +179,9 @@ def test_contract_3_resume_reuses_matching_stages_despite_unrelated_changes(
     ws = two_repos
     ws.project([check("a", repos=["app"]), check("b", repos=["lib"])])
     first = ws.run()
+    first_bytes = Path(first["receipt_path"]).read_bytes()
     same = ws.run(resume=first["run_id"])
+    assert same["receipt_path"] != first["receipt_path"]
     assert _reused(same) == {"a", "b"}
     assert same["source_fingerprint"] == first["source_fingerprint"]
     assert by_id(same)["a"]["log_path"] == by_id(first)["a"]["log_path"]
@@ -196,6 +197,7 @@ def test_contract_3_resume_reuses_matching_stages_despite_unrelated_changes(
     third = ws.run(resume=second["run_id"])
     assert _ran(third) == {"b"}
     assert third["source_fingerprint"] != second["source_fingerprint"]
+    assert Path(first["receipt_path"]).read_bytes() == first_bytes  # resumes never rewrite it
 
 
 # --- 4 ------------------------------------------------------------------------------
@@ -454,16 +456,6 @@ def test_contract_8_a_stale_run_donates_only_checkpoints_matching_current_inputs
 # --- 9 (the SIGKILL version is in test_checks_kill.py) --------------------------------
 
 
-def _dead_pid() -> int:
-    proc = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(proc.stdout)
-
-
 def test_contract_9_recover_then_resume_reuses_only_verified_checkpoints(
     two_repos: Workspace,
 ) -> None:
@@ -476,7 +468,9 @@ def test_contract_9_recover_then_resume_reuses_only_verified_checkpoints(
     recs = by_id(crashed)
     recs["b"].update(status="running", checkpoint_verified=False, log_sha256=None)
     recs["c"].update(status="pending", checkpoint_verified=False)
-    crashed.update(status="running", phase="checking", pid=os.getpid())
+    # The run's process (here a stand-in) is still alive.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    crashed.update(status="running", pid=holder.pid, pid_start=runner._process_start(holder.pid))
     path.write_text(json.dumps(runner._seal(crashed)))
     before = path.read_bytes()
 
@@ -489,15 +483,16 @@ def test_contract_9_recover_then_resume_reuses_only_verified_checkpoints(
     refused = runner.recover(ws.root, ws.state_dir, first["run_id"], apply=True)
     assert refused["action"] == "refused"
     assert "--confirm-processes-stopped" in refused["error"]
-    alive = runner.recover(
-        ws.root, ws.state_dir, first["run_id"], apply=True, confirm_processes_stopped=True
-    )
-    assert alive["action"] == "refused"  # the recorded pid is this live process
+    try:
+        alive = runner.recover(
+            ws.root, ws.state_dir, first["run_id"], apply=True, confirm_processes_stopped=True
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert alive["action"] == "refused"
     assert "still alive" in alive["error"]
     assert path.read_bytes() == before
-
-    crashed["pid"] = _dead_pid()
-    path.write_text(json.dumps(runner._seal(crashed)))
     done = runner.recover(
         ws.root, ws.state_dir, first["run_id"], apply=True, confirm_processes_stopped=True
     )

@@ -281,3 +281,44 @@ def test_python_dash_m_ratchet_checks_runs(two_repos: Workspace) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["status"] == "passed"
+
+
+def test_a_run_whose_final_write_failed_can_be_recovered_in_the_same_process(
+    two_repos: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"]), check("b", repos=["lib"])])
+    real = runner.atomic_json
+
+    def no_final(path: Any, payload: dict[str, Any]) -> None:
+        if payload["phase"] == "done":
+            raise OSError("disk gone")
+        real(path, payload)
+
+    monkeypatch.setattr(runner, "atomic_json", no_final)
+    with pytest.raises(ReceiptError, match="recover it before resuming"):
+        ws.run()
+    monkeypatch.setattr(runner, "atomic_json", real)
+    (run_dir,) = (ws.state_dir / "runs").iterdir()
+    assert ws.receipt(run_dir.name)["status"] == "running"
+    report = runner.recover(
+        ws.root, ws.state_dir, run_dir.name, apply=True, confirm_processes_stopped=True
+    )
+    assert report["action"] == "recovered"
+    resumed = ws.run(resume=run_dir.name)
+    assert {s["id"] for s in resumed["stages"] if s.get("reused_from")} == {"a", "b"}
+
+
+def test_live_progress_renders_on_a_terminal(two_repos: Workspace) -> None:
+    import io
+
+    from ratchet.checks._report import LiveProgress, render
+
+    stream = io.StringIO()
+    records = [{"id": "a", "status": "running"}, {"id": "b", "status": "passed"}]
+    with LiveProgress(2, stream=stream, enabled=True) as progress:
+        progress.update(records)
+    out = io.StringIO()
+    render({"run_id": "r1", "status": "passed", "stages": records, "snapshot_verified": True}, out)
+    assert "r1" in out.getvalue()
+    assert "passed" in out.getvalue()

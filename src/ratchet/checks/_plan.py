@@ -263,7 +263,6 @@ def normalize_stages(stages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
         field = f"stages[{i}]"
         if not isinstance(raw, Mapping):
             raise _fail(field, "must be a dict")
-        _unknown(raw, _STAGE_FIELDS, field)
         sid = raw.get("id")
         if not isinstance(sid, str) or not sid:
             raise _fail(f"{field}.id", f"must be a non-empty string, got {sid!r}")
@@ -283,6 +282,9 @@ def normalize_stages(stages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
             "resources": _string_list(list(raw.get("resources") or []), f"{field}.resources"),
             "reuse": _reuse(raw.get("reuse") or "auto", f"{field}.reuse"),
         }
+        # Fields this runner does not know are kept (they enter the plan fingerprint).
+        for key in sorted(set(raw) - _STAGE_FIELDS):
+            stage[key] = raw[key]
         if raw.get("inputs") is not None:
             inputs = raw["inputs"]
             if not isinstance(inputs, Mapping) or set(inputs) - {"repos"}:

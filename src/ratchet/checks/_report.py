@@ -65,13 +65,14 @@ class LiveProgress:
 def summary_table(result: Mapping[str, Any]) -> Table:
     """One row per stage: status, exit code, reuse, time, error."""
     status = str(result.get("status"))
-    table = Table(
-        title=f"run {result.get('run_id')}: [{_STYLE.get(status, 'bold')}]{status}[/]",
-        caption=(
-            f"receipt {result.get('receipt_path')}"
-            + ("" if result.get("snapshot_verified") else "  (snapshot not verified)")
-        ),
-    )
+    if result.get("dry_run"):
+        title, caption = "plan (dry run)", "nothing was run"
+    else:
+        title = f"run {result.get('run_id')}: [{_STYLE.get(status, 'bold')}]{status}[/]"
+        caption = f"receipt {result.get('receipt_path')}" + (
+            "" if result.get("snapshot_verified") else "  (snapshot not verified)"
+        )
+    table = Table(title=title, caption=caption)
     for col in ("stage", "status", "exit", "reused from", "seconds", "error"):
         table.add_column(col, overflow="fold")
     for s in result.get("stages", []):

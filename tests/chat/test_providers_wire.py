@@ -1,0 +1,248 @@
+"""Each provider through its official SDK against a real HTTP server speaking its protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from _chat_wire import AnthropicServer, Fault, OllamaServer, OpenAIServer, WireServer, sync
+from pydantic import BaseModel
+
+from ratchet import ConfigError
+from ratchet.agents.chat import (
+    AnthropicChatModel,
+    ChatMessage,
+    ChatModel,
+    MessageRole,
+    ModelCallError,
+    OllamaChatModel,
+    OpenAIChatModel,
+    RetryPolicy,
+    ScriptedChatModel,
+    Tool,
+)
+
+
+def lookup_order(order_id: str) -> dict[str, str]:
+    """Look up an order by id.
+
+    Args:
+        order_id: The order's id, like "A-1".
+    """
+    return {"order_id": order_id, "status": "shipped"}
+
+
+class Verdict(BaseModel):
+    category: str
+    urgent: bool
+
+
+class Sleeps:
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+
+
+def _openai(url: str, retry: RetryPolicy, timeout: float) -> ChatModel:
+    return OpenAIChatModel(
+        "gpt-test", api_key="sk-test", base_url=f"{url}/v1", timeout=timeout, retry=retry
+    )
+
+
+def _anthropic(url: str, retry: RetryPolicy, timeout: float) -> ChatModel:
+    return AnthropicChatModel(
+        "claude-test", api_key="ak-test", base_url=url, timeout=timeout, retry=retry
+    )
+
+
+def _ollama(url: str, retry: RetryPolicy, timeout: float) -> ChatModel:
+    return OllamaChatModel("llama-test", host=url, timeout=timeout, retry=retry)
+
+
+PROVIDERS: dict[str, tuple[type[WireServer], Callable[[str, RetryPolicy, float], ChatModel]]] = {
+    "openai": (OpenAIServer, _openai),
+    "anthropic": (AnthropicServer, _anthropic),
+    "ollama": (OllamaServer, _ollama),
+}
+
+SCRIPT = [
+    ScriptedChatModel.tool_call("lookup_order", order_id="A-1"),
+    "Your order A-1 has shipped.",
+]
+
+
+@pytest.fixture(params=sorted(PROVIDERS))
+def provider(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[str, WireServer, Sleeps, Callable[..., ChatModel]]]:
+    server_cls, factory = PROVIDERS[request.param]
+    sleeps = Sleeps()
+    with server_cls(ScriptedChatModel(SCRIPT)) as server:
+
+        def make(timeout: float = 5.0, attempts: int = 4) -> ChatModel:
+            retry = RetryPolicy(
+                max_attempts=attempts, initial_backoff=0.5, jitter=0.0, sleep=sleeps
+            )
+            return factory(server.url, retry, timeout)
+
+        yield request.param, server, sleeps, make
+
+
+ASK = [ChatMessage.system("You are support."), ChatMessage.user("Where is order A-1?")]
+TOOLS = [Tool.from_function(lookup_order)]
+
+
+async def _round_trip(model: ChatModel) -> tuple[ChatMessage, ChatMessage]:
+    first = await model.chat(ASK, tools=TOOLS)
+    call = first.tool_calls[0]
+    result = ChatMessage(
+        role=MessageRole.TOOL,
+        content='{"order_id": "A-1", "status": "shipped"}',
+        tool_call_id=call.id,
+        name=call.name,
+    )
+    second = await model.chat([*ASK, first, result], tools=TOOLS)
+    return first, second
+
+
+@sync
+async def test_tool_call_round_trip_and_usage(provider: Any) -> None:
+    name, server, _, make = provider
+    first, second = await _round_trip(make())
+    assert first.role == MessageRole.ASSISTANT
+    assert [(c.name, c.arguments) for c in first.tool_calls] == [
+        ("lookup_order", {"order_id": "A-1"})
+    ]
+    assert second.content == "Your order A-1 has shipped."
+    assert second.tool_calls == []
+    assert first.usage is not None
+    assert first.usage.input_tokens > 0
+    assert first.usage.output_tokens > 0
+    assert len(server.requests) == 2
+    # the tool's schema went over the wire, from the function's hints and docstring
+    spec = server.requests[0]["tools"][0]
+    spec = spec.get("function", spec)
+    assert spec["name"] == "lookup_order"
+    assert spec["description"] == "Look up an order by id."
+    params = spec.get("parameters") or spec["input_schema"]
+    assert params["required"] == ["order_id"]
+    assert params["properties"]["order_id"] == {
+        "type": "string",
+        "description": 'The order\'s id, like "A-1".',
+    }
+    if name == "anthropic":
+        sent = server.headers[0]
+        assert "ak-test" in (sent.get("x-api-key", "") + sent.get("authorization", ""))
+        assert server.requests[0]["system"] == "You are support."
+        assert server.requests[1]["messages"][-1]["content"][0]["type"] == "tool_result"
+    elif name == "openai":
+        assert server.headers[0]["authorization"] == "Bearer sk-test"
+        assert server.requests[1]["messages"][-1]["role"] == "tool"
+        assert server.requests[1]["messages"][-1]["tool_call_id"] == first.tool_calls[0].id
+
+
+@sync
+async def test_429_with_retry_after_is_retried_after_the_server_hint(provider: Any) -> None:
+    _, server, sleeps, make = provider
+    server.fail_next(Fault(429, {"retry-after": "7"}))
+    reply = await make().chat(ASK, tools=TOOLS)
+    assert reply.tool_calls
+    assert len(server.requests) == 2
+    assert sleeps.delays == [7.0]
+
+
+@sync
+async def test_500_is_retried_with_exponential_backoff(provider: Any) -> None:
+    _, server, sleeps, make = provider
+    server.fail_next(Fault(500), Fault(503))
+    reply = await make().chat(ASK, tools=TOOLS)
+    assert reply.tool_calls
+    assert len(server.requests) == 3
+    assert sleeps.delays == [0.5, 1.0]
+
+
+@sync
+async def test_persistent_5xx_gives_up_after_max_attempts(provider: Any) -> None:
+    _, server, _, make = provider
+    server.fail_next(*(Fault(500) for _ in range(3)))
+    with pytest.raises(ModelCallError, match="gave up after 3 attempts") as info:
+        await make(attempts=3).chat(ASK)
+    assert info.value.transient
+    assert info.value.status == 500
+    assert len(server.requests) == 3
+
+
+@sync
+async def test_timeout_is_transient_and_retried(provider: Any) -> None:
+    _, server, sleeps, make = provider
+    server.fail_next(Fault(delay=1.5))
+    reply = await make(timeout=0.4).chat(ASK, tools=TOOLS)
+    assert reply.tool_calls
+    assert len(server.requests) == 2
+    assert len(sleeps.delays) == 1
+
+
+@sync
+async def test_401_fails_fast_with_the_providers_message(provider: Any) -> None:
+    _, server, sleeps, make = provider
+    server.fail_next(Fault(401, body=server.error_body(401, "invalid key sk-...x")))
+    with pytest.raises(ModelCallError, match="401.*invalid key") as info:
+        await make().chat(ASK)
+    assert not info.value.transient
+    assert info.value.status == 401
+    assert len(server.requests) == 1
+    assert sleeps.delays == []
+
+
+@sync
+async def test_400_fails_fast(provider: Any) -> None:
+    _, server, _, make = provider
+    server.fail_next(Fault(400, body=server.error_body(400, "messages: bad role")))
+    with pytest.raises(ModelCallError, match="bad role"):
+        await make().chat(ASK)
+    assert len(server.requests) == 1
+
+
+@sync
+async def test_malformed_body_is_a_clear_error(provider: Any) -> None:
+    _, server, _, make = provider
+    server.fail_next(Fault(200, {"content-type": "application/json"}, body=b'{"choices": [oops'))
+    with pytest.raises(ModelCallError, match="malformed|JSON|json|Expecting"):
+        await make().chat(ASK)
+
+
+@sync
+async def test_structured_output_request_shape(provider: Any) -> None:
+    name, server, _, make = provider
+    server.script.replies = ['{"category": "shipping", "urgent": false}']
+    reply = await make().chat(ASK, output_schema=Verdict)
+    assert Verdict.model_validate_json(reply.content) == Verdict(category="shipping", urgent=False)
+    body = server.requests[0]
+    if name == "openai":
+        assert body["response_format"]["json_schema"]["schema"]["properties"]["urgent"]
+    elif name == "ollama":
+        assert body["format"]["properties"]["category"]
+    else:
+        assert "JSON schema" in body["system"]
+        assert "urgent" in body["system"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "env"), [(OpenAIChatModel, "OPENAI_API_KEY"), (AnthropicChatModel, "ANTHROPIC_API_KEY")]
+)
+def test_missing_api_key_is_a_clear_error_at_construction(
+    cls: type[ChatModel], env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(env, raising=False)
+    with pytest.raises(ConfigError, match=f"set the {env} environment variable"):
+        cls()  # type: ignore[call-arg]
+
+
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "ak-env")
+    assert OpenAIChatModel().client.api_key == "sk-env"  # type: ignore[attr-defined]
+    assert AnthropicChatModel().client.api_key == "ak-env"  # type: ignore[attr-defined]

@@ -421,7 +421,7 @@ def test_subclasses_of_admitted_types_are_refused() -> None:
     assert "a subclass of dict" in _message(collections.OrderedDict(a=1))
     assert _message(Unstored.A) == (
         f"top-level value is a {Unstored!r}; register the enum with "
-        "ratchet.store.codec.register(Unstored) or store its .value instead"
+        "ratchet.register_type(Unstored) or store its .value instead"
     )
 
 
@@ -429,7 +429,7 @@ def test_unregistered_dataclass_message_names_the_path() -> None:
     order = {"items": [1, 2, Unregistered(3)]}
     assert _message(order, "order") == (
         f"value at 'order.items[2]' is a {Unregistered!r}; register it with "
-        "ratchet.store.codec.register(Unregistered) or convert it to a dict instead"
+        "ratchet.register_type(Unregistered) or convert it to a dict instead"
     )
 
 
@@ -438,7 +438,7 @@ def test_unknown_objects_are_refused_with_advice() -> None:
     assert msg.startswith(f"value at '[0]' is a {Opaque!r}; only None, bool, int, float, str,")
     assert msg.endswith(
         "make it a dataclass or pydantic model and register it with "
-        "ratchet.store.codec.register(...) instead"
+        "ratchet.register_type(...) instead"
     )
     assert _message(memoryview(b"x")) == (
         "top-level value is a <class 'memoryview'>; convert it with bytes(value) instead"
@@ -542,7 +542,7 @@ def test_unknown_registered_name_raises_unknown_type_error() -> None:
         decode(data)
     assert str(info.value) == (
         "the data names registered type 'os.system', which is not registered in this "
-        "process; call ratchet.store.codec.register(<the class>, name='os.system') before "
+        "process; call ratchet.register_type(<the class>, name='os.system') before "
         "decoding"
     )
     assert isinstance(info.value, TypeError)
@@ -664,7 +664,7 @@ def test_root_model_and_unregistered_model() -> None:
     out = roundtrip(Names(["a", "b"]))
     assert out.root == ["a", "b"]
     assert _message({"m": Loose(x=1)}) == (
-        f"value at 'm' is a {Loose!r}; register it with ratchet.store.codec.register(Loose) "
+        f"value at 'm' is a {Loose!r}; register it with ratchet.register_type(Loose) "
         "or store its model_dump() instead"
     )
 

@@ -49,7 +49,8 @@ class ReplayedCallError(RatchetError):
 
 def _fn_name(fn: Callable[..., Any]) -> str:
     target = getattr(fn, "__func__", fn)
-    module = getattr(target, "__module__", None) or "?"
+    owner = getattr(target, "__objclass__", None)
+    module = getattr(target, "__module__", None) or getattr(owner, "__module__", None) or "builtins"
     qual = getattr(target, "__qualname__", None) or type(fn).__qualname__
     return f"{module}.{qual}"
 

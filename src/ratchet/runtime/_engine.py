@@ -151,19 +151,33 @@ class _Writer(threading.Thread):
                     self.store.put_calls([rec for rec, _ in calls])
                 except BaseException as exc:  # noqa: BLE001 - reported to every waiter
                     for _, fut in calls:
-                        fut.set_exception(exc)
+                        _resolve(fut, error=exc)
                 else:
                     for _, fut in calls:
-                        fut.set_result(None)
+                        _resolve(fut)
             for kind, fn, fut in items:
+                # Jobs run even if their waiter went away: a checkpoint, once captured, is written.
                 if kind == "job":
                     try:
-                        fut.set_result(fn())
+                        _resolve(fut, fn())
                     except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
-                        fut.set_exception(exc)
+                        _resolve(fut, error=exc)
                 elif kind == "stop":
-                    fut.set_result(None)
+                    _resolve(fut)
                     return
+
+
+def _resolve(
+    fut: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
+) -> None:
+    """Settle a future whose waiter may have been cancelled meanwhile."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 @dataclass
@@ -312,22 +326,22 @@ class Engine:
             if self._unreleased:
                 await self._release([])
             self._pump()
+            self._cp_stop = asyncio.Event()
             checkpointer = asyncio.create_task(self._checkpoint_loop())
             try:
                 await self._source_loop()
                 while not self._stop and not self.machine.idle():
                     await self._wait_wake()
-                if self._fatal is not None:
-                    raise self._fatal
             finally:
-                checkpointer.cancel()
-                try:
-                    await checkpointer
-                except asyncio.CancelledError:
-                    pass
+                # Never cancel a checkpoint half-way: let the loop finish the one it is in.
+                self._cp_stop.set()
+                await checkpointer
             if self._fatal is not None:
                 raise self._fatal
-            await self.checkpoint(final=True)
+            attempt = 0
+            while await self.checkpoint() is None:  # raises once failures exceed the tolerance
+                attempt += 1
+                await asyncio.sleep(min(0.05 * attempt, 1.0))
             await self._forget_released()
             if self._bad is not None:
                 raise self._bad
@@ -442,6 +456,9 @@ class Engine:
             result = await self.binding.run_async(task, calls)
         except asyncio.CancelledError:
             raise
+        except RatchetError as exc:
+            self._fail(exc)
+            return
         except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
             self._fail(InternalError(f"task {task.task_id} could not be run: {exc!r}"))
             return
@@ -478,13 +495,12 @@ class Engine:
             for task, calls in batch:  # type: ignore[misc]
                 try:
                     done.append((task, b.run_sync(task, calls)))
-                except BaseException as exc:  # noqa: BLE001
+                except BaseException as exc:  # noqa: BLE001 - fatal for the job, reported on the loop
+                    if not isinstance(exc, RatchetError):
+                        exc = InternalError(f"task {task.task_id} could not be run: {exc!r}")
                     loop = self._loop
                     if loop is not None:
-                        loop.call_soon_threadsafe(
-                            self._fail,
-                            InternalError(f"task {task.task_id} could not be run: {exc!r}"),
-                        )
+                        loop.call_soon_threadsafe(self._fail, exc)
             self._work.extend(done)
             with self._work_lock:
                 if self._work_scheduled:
@@ -514,18 +530,22 @@ class Engine:
 
     async def _checkpoint_loop(self) -> None:
         interval = self.config.checkpoint_interval
-        while True:
-            if interval > 0:
-                await asyncio.sleep(interval)
-            else:
-                await asyncio.sleep(0)
+        stop = self._cp_stop
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), interval if interval > 0 else 0.0005)
+                return
+            except TimeoutError:
+                pass
+            if self._fatal is not None:
+                return
             try:
                 await self.checkpoint()
             except CheckpointError as exc:
                 self._fail(exc)
                 return
 
-    async def checkpoint(self, final: bool = False) -> dict[str, Any] | None:
+    async def checkpoint(self) -> dict[str, Any] | None:
         """Capture synchronously, write in the writer thread, then release outputs to the sink."""
         assert self._checkpoint_lock is not None
         async with self._checkpoint_lock:
@@ -553,7 +573,7 @@ class Engine:
                 self._failures_in_row += 1
                 log.warning("checkpoint failed (%d in a row): %s", self._failures_in_row, exc)
                 await asyncio.wrap_future(self._writer.submit(self.store.count_failed_checkpoint))
-                if self._failures_in_row > self.config.tolerable_checkpoint_failures or final:
+                if self._failures_in_row > self.config.tolerable_checkpoint_failures:
                     raise CheckpointError(
                         f"{self._failures_in_row} checkpoint(s) failed in a row "
                         f"(tolerable: {self.config.tolerable_checkpoint_failures}); last error: "
@@ -583,6 +603,7 @@ class Engine:
         for seq, (key, event) in delta.new_inputs.items():
             rows.new_inputs.append((seq, enc(key), enc(b.event_to_wire(event))))
         rows.done_inputs = list(delta.done_inputs)
+        rows.completed = list(delta.completed)
         for seq, run in delta.runs.items():
             journal = [
                 (
@@ -620,7 +641,9 @@ class Engine:
         """Drop outbox rows the sink already has, so a finished job leaves no outbox behind."""
         released, self._released = self._released, []
         if released:
-            await asyncio.wrap_future(self._writer.submit(lambda: self.store.forget_outputs(released)))
+            await asyncio.wrap_future(
+                self._writer.submit(lambda: self.store.forget_outputs(released))
+            )
 
     # -- shutdown ---------------------------------------------------------------------------
 

@@ -124,11 +124,13 @@ class Delta:
     done_inputs: set[int] = field(default_factory=set)
     runs: dict[int, RestoredRun] = field(default_factory=dict)
     outputs: dict[str, Output] = field(default_factory=dict)
+    completed: set[int] = field(default_factory=set)  # every run completed, for cleanup
 
     def absorb(self, later: Delta) -> None:
         """Fold a later delta into this one (after a failed checkpoint, both must be written)."""
         self.keys.update(later.keys)
         self.outputs.update(later.outputs)
+        self.completed |= later.completed
         for seq, item in later.new_inputs.items():
             self.new_inputs[seq] = item
         for seq in later.done_inputs:
@@ -356,6 +358,7 @@ class Machine:
         d = self._delta
         d.keys[run.key] = (ks.memory, ks.next_dispatch)
         self._dirty_runs.discard(run.seq)
+        d.completed.add(run.seq)
         if d.new_inputs.pop(run.seq, None) is None:
             d.done_inputs.add(run.seq)
         if ks.queue:

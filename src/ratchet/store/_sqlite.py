@@ -53,6 +53,7 @@ class CheckpointRows:
     keys: list[tuple[bytes, str, int, bytes]] = field(default_factory=list)
     new_inputs: list[tuple[int, bytes, bytes]] = field(default_factory=list)
     done_inputs: list[int] = field(default_factory=list)
+    completed: list[int] = field(default_factory=list)
     runs: list[tuple[int, bytes, int, bytes]] = field(default_factory=list)
     outbox: list[tuple[str, int, bytes]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -351,7 +352,8 @@ class SqliteStore:
                 done = [(s,) for s in rows.done_inputs]
                 c.executemany("DELETE FROM inputs WHERE seq = ?", done)
                 c.executemany("DELETE FROM runs WHERE seq = ?", done)
-                c.executemany("DELETE FROM calls WHERE seq = ?", done)
+            if rows.completed:
+                c.executemany("DELETE FROM calls WHERE seq = ?", [(s,) for s in rows.completed])
             if rows.runs:
                 c.executemany(
                     "INSERT OR REPLACE INTO runs(seq, key, base_dispatch, journal) VALUES (?, ?, ?, ?)",

@@ -110,7 +110,7 @@ _INT_MAX = (1 << 64) - 1
 # decode far from Python's recursion limit, and turns cycles into a clear error.
 MAX_DEPTH = 100
 
-_REGISTER_HINT = "ratchet.store.codec.register"
+_REGISTER_HINT = "ratchet.register_type"
 
 # --- the registry --------------------------------------------------------------------------
 

@@ -1,0 +1,417 @@
+"""The embedded engine in one process: checkpoints, outputs, durable calls, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet import (
+    Agent,
+    CheckpointError,
+    EngineConfig,
+    Event,
+    InputEvent,
+    Job,
+    NonDeterminismError,
+    OutputEvent,
+    action,
+    run,
+)
+from ratchet.store._sqlite import SqliteStore
+
+
+class Step(Event):
+    n: int
+
+
+class ThreeSteps(Agent):
+    @action(InputEvent)
+    def first(self, event: InputEvent, ctx: Any) -> None:
+        n = ctx.short_term_memory.get("n", 0) + 1
+        ctx.short_term_memory.set("n", n)
+        ctx.send_event(Step(n=n))
+
+    @action(Step)
+    async def second(self, event: Step, ctx: Any) -> None:
+        ctx.sensory_memory.set("seen", event.n)
+        ctx.send_event(OutputEvent(output={"id": event.n}))
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_input_gives_one_output_with_a_stable_id(tmp_path: Path) -> None:
+    inputs = [{"key": f"k{i % 3}", "i": i} for i in range(300)]
+    result = run(
+        ThreeSteps(), inputs=inputs, output=tmp_path / "out.jsonl", state_dir=tmp_path / "s"
+    )
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert result.runs_completed == 300 and len(out) == 300
+    assert len({o["id"] for o in out}) == 300
+    assert {o["key"] for o in out} == {"k0", "k1", "k2"}
+    # A second run over the same state and input does nothing new.
+    again = run(
+        ThreeSteps(), inputs=inputs, output=tmp_path / "out.jsonl", state_dir=tmp_path / "s"
+    )
+    assert again.inputs == 0 and len(read_jsonl(tmp_path / "out.jsonl")) == 300
+
+
+def test_memory_survives_restart_with_exact_types(tmp_path: Path) -> None:
+    class Blob(Agent):
+        @action(InputEvent, inline=True)
+        def keep(self, event: InputEvent, ctx: Any) -> None:
+            ctx.short_term_memory.set("blob", b"\xff\xfe\x00raw")
+            ctx.short_term_memory.set("pair", (1, "a"))
+            ctx.short_term_memory.set("tags", {"x"})
+            ctx.short_term_memory.set("count", ctx.short_term_memory.get("count", 0) + 1)
+
+    for _ in range(2):
+        run(Blob(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    seen: list[Any] = []
+
+    class Reader(Blob):
+        @action(InputEvent, inline=True)
+        def keep(self, event: InputEvent, ctx: Any) -> None:
+            m = ctx.short_term_memory
+            seen.append((m.get("blob"), m.get("pair"), m.get("tags"), m.get("count")))
+
+    # Same action names: the state belongs to this agent too. A new input, fresh process state.
+    run(
+        Reader(),
+        inputs=[{"key": "k"}, {"key": "k"}],
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+    )
+    blob, pair, tags, count = seen[0]
+    assert type(blob) is bytes and blob == b"\xff\xfe\x00raw"
+    assert type(pair) is tuple and pair == (1, "a")
+    assert type(tags) is set and tags == {"x"}
+    assert count == 1  # the first input was done already; the second sees the first run's count
+
+
+def test_checkpoint_completes_while_an_action_awaits_a_10_second_call(tmp_path: Path) -> None:
+    entered = asyncio.Event()
+
+    class Slow(Agent):
+        @action(InputEvent)
+        async def call(self, event: InputEvent, ctx: Any) -> None:
+            ctx.short_term_memory.set("before", True)
+            entered.set()
+            await asyncio.sleep(10)
+
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"key": "a"}\n{"key": "b"}\n')
+
+    async def scenario() -> dict[str, Any]:
+        parked_checkpoints = asyncio.Event()
+        counts: list[int] = []
+
+        def on_progress(engine: Any) -> None:
+            if entered.is_set():
+                counts.append(engine.stats.completed)
+                if len(counts) >= 3:
+                    parked_checkpoints.set()
+
+        job = Job(
+            Slow(),
+            inputs=inputs,
+            output=tmp_path / "o.jsonl",
+            state_dir=tmp_path / "s",
+            follow=True,
+            config=EngineConfig(checkpoint_interval=0.02),
+            on_progress=on_progress,
+        )
+        task = asyncio.create_task(job.run_async())
+        await asyncio.wait_for(entered.wait(), 5)
+        # Three checkpoints complete while both actions are parked in their 10 s call.
+        await asyncio.wait_for(parked_checkpoints.wait(), 5)
+        stats = job.engine.stats.as_dict()
+        job.engine.request_stop()
+        await asyncio.wait_for(task, 5)
+        return stats
+
+    stats = asyncio.run(scenario())
+    assert stats["counts"]["completed"] >= 3 and stats["counts"]["failed"] == 0
+    store = SqliteStore.open_readonly(tmp_path / "s")
+    try:
+        summary = store.summary()
+    finally:
+        store.close()
+    # Both runs are captured as in flight, not drained and not lost.
+    assert summary["in_flight_runs"] == 2
+    assert summary["source"]["position"]["line"] == 2
+
+
+def test_failed_checkpoints_are_counted_and_retried_then_stop_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(
+        ThreeSteps(),
+        inputs=[{"key": "k", "i": 0}],
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+    )
+    real = SqliteStore.write_checkpoint
+    failures = {"n": 0}
+
+    def flaky(self: SqliteStore, rows: Any, triggered: float) -> Any:
+        if failures["n"] < 2:
+            failures["n"] += 1
+            raise OSError("disk full (injected)")
+        return real(self, rows, triggered)
+
+    monkeypatch.setattr(SqliteStore, "write_checkpoint", flaky)
+    # The same stream, continued: an iterable source resumes after the items it already took.
+    items = [{"key": "k", "i": 0}] + [{"key": f"k{i % 4}", "i": i} for i in range(1, 201)]
+    result = run(
+        ThreeSteps(),
+        inputs=items,
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+        config=EngineConfig(checkpoint_interval=0.001),
+    )
+    # Two failures were tolerated; every output still arrived exactly once.
+    assert result.checkpoints["counts"]["failed"] == 2
+    assert result.runs_completed == 200
+    assert len(read_jsonl(tmp_path / "o.jsonl")) == 201
+
+    def broken(self: SqliteStore, rows: Any, triggered: float) -> Any:
+        raise OSError("disk gone (injected)")
+
+    monkeypatch.setattr(SqliteStore, "write_checkpoint", broken)
+    with pytest.raises(CheckpointError, match=r"4 checkpoint\(s\) failed in a row.*intact"):
+        run(
+            ThreeSteps(),
+            inputs=iter([{"key": "z", "i": i} for i in range(10)] + [{"key": "z"}] * 0),
+            output=tmp_path / "o2.jsonl",
+            state_dir=tmp_path / "s2",
+            follow=False,
+            config=EngineConfig(checkpoint_interval=0.001, tolerable_checkpoint_failures=3),
+        )
+    monkeypatch.setattr(SqliteStore, "write_checkpoint", real)
+    store = SqliteStore.open_readonly(tmp_path / "s")
+    try:
+        assert store.summary()["checkpoints"]["counts"]["failed"] == 2
+    finally:
+        store.close()
+
+
+def test_outputs_reach_the_sink_only_after_their_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: list[str] = []
+    order: list[str] = []
+    real = SqliteStore.write_checkpoint
+
+    def tracking(self: SqliteStore, rows: Any, triggered: float) -> Any:
+        info = real(self, rows, triggered)
+        order.extend(f"checkpoint:{oid}" for oid, _, _ in rows.outbox)
+        return info
+
+    def sink(rec: dict[str, Any]) -> None:
+        written.append(rec["id"])
+        order.append(f"sink:{rec['id']}")
+
+    monkeypatch.setattr(SqliteStore, "write_checkpoint", tracking)
+    run(
+        ThreeSteps(),
+        inputs=[{"key": "k", "i": i} for i in range(20)],
+        output=sink,
+        state_dir=tmp_path / "s",
+    )
+    assert len(written) == 20
+    for oid in written:
+        assert order.index(f"checkpoint:{oid}") < order.index(f"sink:{oid}")
+
+
+class Calls(Agent):
+    """Durable calls whose effects are counted outside ratchet's state."""
+
+    log: list[str] = []
+
+    @action(InputEvent)
+    async def go(self, event: InputEvent, ctx: Any) -> None:
+        value = await ctx.durable_execute_async(self.fetch, event.input["i"])
+        try:
+            ctx.durable_execute(self.explode, event.input["i"])
+        except KeyError as exc:
+            ctx.short_term_memory.set("error", str(exc))
+        ctx.short_term_memory.set("value", value)
+
+    def fetch(self, i: int) -> bytes:
+        self.log.append(f"fetch {i}")
+        return b"\x00" + bytes([i])
+
+    def explode(self, i: int) -> None:
+        self.log.append(f"explode {i}")
+        raise KeyError(f"missing {i}")
+
+
+def test_durable_calls_are_written_through_before_they_return(tmp_path: Path) -> None:
+    Calls.log = []
+    run(
+        Calls(),
+        inputs=[{"key": "k", "i": 7}],
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+    )
+    assert Calls.log == ["fetch 7", "explode 7"]
+    conn = sqlite3.connect(tmp_path / "s" / "ratchet.db")
+    # The run completed and was checkpointed, so its call records were dropped with it.
+    assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 0
+    conn.close()
+
+
+def test_replayed_durable_calls_return_recorded_values_and_raise_recorded_errors(
+    tmp_path: Path,
+) -> None:
+    """A crash after both calls returned: the replay must not call either again."""
+    Calls.log = []
+    state = tmp_path / "s"
+    captured: dict[str, Any] = {}
+
+    class Crashing(Calls):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            await Calls.go(self, event, ctx)
+            captured["task"] = ctx.task_id
+            raise SystemExit("simulated crash after the calls")  # not an Exception: kills the job
+
+    with pytest.raises(BaseException):  # noqa: B017, PT011 - any crash will do
+        run(Crashing(), inputs=[{"key": "k", "i": 3}], output=tmp_path / "o.jsonl", state_dir=state)
+    assert Calls.log == ["fetch 3", "explode 3"]
+    Calls.log = []
+    seen: dict[str, Any] = {}
+
+    class Resumed(Calls):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            await Calls.go(self, event, ctx)
+            seen["value"] = ctx.short_term_memory.get("value")
+            seen["error"] = ctx.short_term_memory.get("error")
+
+    run(Resumed(), inputs=[{"key": "k", "i": 3}], output=tmp_path / "o.jsonl", state_dir=state)
+    assert Calls.log == []  # neither function ran again
+    assert type(seen["value"]) is bytes and seen["value"] == b"\x00\x03"
+    assert seen["error"] == "'missing 3'"  # the recorded KeyError was raised again
+
+
+def test_a_changed_call_at_a_recorded_position_is_a_nondeterminism_error(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+
+    class First(Agent):
+        @action(InputEvent)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.durable_execute(str.upper, "a")
+            raise SystemExit("crash")
+
+    with pytest.raises(BaseException):  # noqa: B017, PT011
+        run(First(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=state)
+
+    class Second(Agent):
+        @action(InputEvent)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.durable_execute(str.lower, "a")
+
+    with pytest.raises(NonDeterminismError, match=r"durable call #0 was builtins.str.upper"):
+        run(Second(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=state)
+
+
+def test_reconciler_is_asked_about_an_intent_without_a_result(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    calls: list[str] = []
+
+    class Hang(Agent):
+        @action(InputEvent)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.durable_execute(self.charge, 10, reconciler=self.lookup)
+
+        def charge(self, amount: int) -> str:
+            calls.append("charge")
+            raise SystemExit("crash while the charge is in flight")
+
+        def lookup(self, amount: int) -> str:
+            calls.append("lookup")
+            return "charged-already"
+
+    with pytest.raises(BaseException):  # noqa: B017, PT011
+        run(Hang(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=state)
+    run(Hang(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=state)
+    assert calls == ["charge", "lookup"]
+
+
+def test_an_action_that_raises_becomes_an_error_output(tmp_path: Path) -> None:
+    class Boom(Agent):
+        @action(InputEvent)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.short_term_memory.set("touched", True)
+            raise ValueError("bad order 7")
+
+    run(Boom(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    (rec,) = read_jsonl(tmp_path / "o.jsonl")
+    assert rec["output"] is None
+    assert rec["error"] == {
+        "action": "go",
+        "type": "builtins.ValueError",
+        "message": "bad order 7",
+        "event_type": "ratchet.InputEvent",
+    }
+    store = SqliteStore.open_readonly(tmp_path / "s")
+    try:
+        assert store.memories() == [] or b"touched" not in store.memories()[0][1]
+    finally:
+        store.close()
+
+
+def test_input_admission_is_capped(tmp_path: Path) -> None:
+    pulled = {"n": 0}
+    peak = {"buffered": 0}
+
+    def source() -> Any:
+        for i in range(500):
+            pulled["n"] += 1
+            yield {"key": f"k{i % 50}", "i": i}
+
+    class Watch(Agent):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            await asyncio.sleep(0.001)
+            peak["buffered"] = max(peak["buffered"], pulled["n"] - event.input["i"])
+
+    run(
+        Watch(),
+        inputs=source(),
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+        config=EngineConfig(max_buffered_inputs=40, max_concurrent_runs=8),
+    )
+    # The source is read no further ahead than the cap allows.
+    assert 0 < peak["buffered"] <= 41
+    assert pulled["n"] == 500
+
+
+def test_sync_actions_do_not_stall_other_keys(tmp_path: Path) -> None:
+    import threading
+
+    release = threading.Event()
+    done: list[str] = []
+
+    class Blocking(Agent):
+        @action(InputEvent)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            if event.input["key"] == "slow":
+                assert release.wait(10)
+            else:
+                done.append(event.input["key"])
+                if len(done) == 20:
+                    release.set()
+
+    inputs = [{"key": "slow"}] + [{"key": f"k{i}"} for i in range(20)]
+    run(Blocking(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert len(done) == 20  # the fast keys finished while the slow one was blocked

@@ -123,7 +123,13 @@ class RunnerContext:
         return self._task.run.key
 
     @property
+    def seq(self) -> int:
+        """The input's sequence number in its source: with `key`, a stable id for the run."""
+        return self._task.run.seq
+
+    @property
     def task_id(self) -> str:
+        """This task's id: the same when it is replayed after a crash."""
         return self._task.task_id
 
     def send_event(self, event: Event) -> None:

@@ -1,0 +1,248 @@
+"""Bad input, bad state and bad values: clear errors that name the problem, nothing lost."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ratchet
+from ratchet import Agent, InputEvent, OutputEvent, StateError, action, run
+from ratchet.agents._memory import MemoryBuffer, MemoryObject
+from ratchet.store._sqlite import DB_NAME, SqliteStore
+
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+
+
+class Echo(Agent):
+    @action(InputEvent, inline=True)
+    def echo(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("n", ctx.short_term_memory.get("n", 0) + 1)
+        ctx.send_event(OutputEvent(output=event.input))
+
+
+class Renamed(Agent):
+    @action(InputEvent, inline=True)
+    def shout(self, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output=event.input))
+
+
+def test_public_names_are_pinned() -> None:
+    assert ratchet.__all__ == sorted(ratchet.__all__)
+    assert ratchet.__all__ == [
+        "Agent",
+        "BadInputError",
+        "CheckpointError",
+        "ConfigError",
+        "EngineConfig",
+        "EngineResult",
+        "ErrorEvent",
+        "Event",
+        "InputEvent",
+        "InternalError",
+        "Job",
+        "MemoryObject",
+        "NonDeterminismError",
+        "OutputEvent",
+        "RatchetError",
+        "ReplayedCallError",
+        "RunnerContext",
+        "StateError",
+        "action",
+        "register_type",
+        "run",
+    ]
+
+
+def memory() -> MemoryObject:
+    return MemoryObject(MemoryBuffer({}, "short_term"))
+
+
+def test_set_rejects_inadmissible_values_naming_the_path() -> None:
+    class Custom:
+        pass
+
+    m = memory()
+    with pytest.raises(TypeError, match=r"'order\.items\[1\]'.*Custom.*register"):
+        m.set("order", {"items": [1, Custom()]})
+
+    class MyBytes(bytes):
+        pass
+
+    with pytest.raises(TypeError, match=r"'blob'.*MyBytes"):
+        m.set("blob", MyBytes(b"x"))
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
+    with pytest.raises(TypeError, match=r"'p'.*Point.*register_type"):
+        m.set("p", Point(1))
+    assert m.keys() == []  # nothing half-written
+
+
+def test_memory_paths_objects_and_read_your_writes() -> None:
+    m = memory()
+    m.set("order.total", 10)
+    assert m.get("order.total") == 10
+    order = m.get("order")
+    assert isinstance(order, MemoryObject) and order.keys() == ["total"]
+    order.set("items", [1, 2])
+    items = m.get("order.items")
+    items.append(3)  # a copy: memory changes only through set()
+    assert m.get("order.items") == [1, 2]
+    with pytest.raises(TypeError, match=r"cannot set memory path 'order\.total\.x'"):
+        m.set("order.total.x", 1)
+    m.new_object("cart")
+    assert m.exists("cart") and m.get("cart").keys() == []
+    with pytest.raises(ValueError, match="already exists"):
+        m.new_object("cart")
+    m.delete("order")
+    assert not m.exists("order.total") and m.keys() == ["cart"]
+    with pytest.raises(ValueError, match="empty segment"):
+        m.set("a..b", 1)
+
+
+def test_a_second_engine_on_one_state_directory_is_refused(tmp_path: Path) -> None:
+    from ratchet.store._sqlite import StateLock
+
+    lock = StateLock(tmp_path)
+    lock.acquire()
+    try:
+        with pytest.raises(StateError, match=f"in use by pid {os.getpid()}"):
+            run(Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path)
+    finally:
+        lock.release()
+
+
+def test_state_of_another_agent_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    run(Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    before = (tmp_path / "s" / DB_NAME).read_bytes()
+    with pytest.raises(StateError, match=r"actions \['echo\(ratchet.InputEvent\)'\].*shout"):
+        run(Renamed(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert (tmp_path / "s" / DB_NAME).read_bytes() == before
+
+
+def test_state_of_an_unknown_schema_is_refused(tmp_path: Path) -> None:
+    run(Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    store = SqliteStore.open(
+        tmp_path / "s", "x", ratchet.agents._run.AgentBinding(Echo()).fingerprint, []
+    )
+    store._set_meta("schema_version", 99)
+    store.close()
+    with pytest.raises(StateError, match="state schema 99; this ratchet reads schema 1"):
+        run(Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupted_database_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
+    inputs = [{"key": f"k{i}"} for i in range(3000)]
+    run(Echo(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    db = tmp_path / "s" / DB_NAME
+    for suffix in ("-wal", "-shm"):
+        Path(str(db) + suffix).unlink(missing_ok=True)
+    data = db.read_bytes()
+    if damage == "garbage":
+        db.write_bytes(b"this is not sqlite" + data[18:])
+    else:
+        db.write_bytes(data[: len(data) // 2])
+    damaged = db.read_bytes()
+    with pytest.raises(StateError, match=rf"{db}.*(corrupted|integrity)"):
+        run(Echo(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert db.read_bytes() == damaged  # nothing was overwritten
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RATCHET, *args], capture_output=True, text=True, cwd=cwd)
+
+
+def _agent_file(tmp_path: Path) -> str:
+    path = tmp_path / "echo_agent.py"
+    path.write_text(
+        "from ratchet import Agent, InputEvent, OutputEvent, action\n"
+        "class Echo(Agent):\n"
+        "    @action(InputEvent, inline=True)\n"
+        "    def echo(self, event, ctx):\n"
+        "        ctx.send_event(OutputEvent(output=event.input))\n"
+    )
+    return f"{path}:Echo"
+
+
+def test_bad_input_stops_before_it_and_keeps_what_came_before(tmp_path: Path) -> None:
+    agent = _agent_file(tmp_path)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"key": "a", "i": 1}\n{"key": "b", "i": 2}\n{not json\n{"key": "c", "i": 4}\n')
+    args = [
+        "run",
+        agent,
+        "--input",
+        str(src),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        "--state",
+        str(tmp_path / "s"),
+    ]
+    proc = _cli(*args)
+    assert proc.returncode == 3
+    assert f"{src}:3: invalid JSON" in proc.stderr
+    assert [
+        json.loads(x)["output"]["i"] for x in (tmp_path / "o.jsonl").read_text().splitlines()
+    ] == [1, 2]
+    # Fix the line and run again: it resumes at line 3, nothing before is repeated.
+    src.write_text(
+        '{"key": "a", "i": 1}\n{"key": "b", "i": 2}\n{"key": "x", "i": 3}\n{"key": "c", "i": 4}\n'
+    )
+    proc = _cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert [
+        json.loads(x)["output"]["i"] for x in (tmp_path / "o.jsonl").read_text().splitlines()
+    ] == [1, 2, 3, 4]
+
+
+def test_bad_input_can_be_skipped_and_a_missing_key_is_named(tmp_path: Path) -> None:
+    agent = _agent_file(tmp_path)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"key": "a"}\n{"id": 2}\n[1]\n{"key": [1]}\n{"key": "d"}\n')
+    proc = _cli(
+        "run", agent, "--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+        "--state", str(tmp_path / "s"), "--on-bad-input", "skip", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["bad_inputs"] == [
+        f"{src}:2: missing key field 'key'",
+        f"{src}:3: expected a JSON object, got list",
+        f"{src}:4: key field 'key' is list; keys must be strings or integers",
+    ]
+    assert summary["runs_completed"] == 2
+
+
+def test_cli_status_and_inspect(tmp_path: Path) -> None:
+    run(
+        Echo(),
+        inputs=[{"key": "a"}, {"key": "a"}, {"key": 7}],
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+    )
+    status = json.loads(_cli("status", "--state", str(tmp_path / "s"), "--json").stdout)
+    assert status["keys"] == 2 and status["in_flight_runs"] == 0 and status["queued_inputs"] == 0
+    assert status["checkpoints"]["counts"]["completed"] >= 1
+    assert status["source"]["next_seq"] == 3
+    assert json.loads(_cli("inspect", "--state", str(tmp_path / "s"), "--json").stdout) == {
+        "7": {"n": 1},
+        "a": {"n": 2},
+    }
+    missing = _cli("status", "--state", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "no ratchet state" in missing.stderr
+
+
+def test_cli_names_a_bad_agent_spec(tmp_path: Path) -> None:
+    proc = _cli("run", "nocolon", "--input", "x", "--output", "y", "--state", str(tmp_path))
+    assert proc.returncode == 2
+    assert "must look like 'package.module:Class'" in proc.stderr

@@ -249,6 +249,9 @@ class Engine:
         self.result = EngineResult()
         self._next_seq = 0
         self._writer = _Writer(store)
+        self._sink_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ratchet-sink"
+        )
         self._carry: Delta | None = None
         self._unreleased: dict[str, Output] = {}
         self._released: list[str] = []
@@ -629,7 +632,8 @@ class Engine:
             return
         records = list(self._unreleased.values())
         try:
-            await asyncio.wrap_future(self._writer.submit(lambda: self.sink.write(records)))  # type: ignore[arg-type]
+            # The sink has its own thread, so its fsync never delays a durable-call record.
+            await asyncio.wrap_future(self._sink_thread.submit(self.sink.write, records))  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - kept in the outbox, retried next checkpoint
             log.warning("sink write failed, will retry after the next checkpoint: %s", exc)
             return
@@ -654,6 +658,7 @@ class Engine:
             self._sync_q.put(None)
         self._writer.stop()
         self._writer.join(timeout=30)
+        self._sink_thread.shutdown(wait=True)
         self.source.close()
         self.sink.close()
         self._loop = None

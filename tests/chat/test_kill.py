@@ -172,6 +172,8 @@ def test_kill_after_model_returned_before_checkpoint(
         # no periodic checkpoint: only the durable-call record holds the model's reply
         proc = _start(tmp_path, server, 600_000, hold_tool=True)
         _wait(lambda: _recorded(tmp_path, "_call_model"), proc, "model reply recorded")
+        # the process holds in the tool (which only runs after the reply was recorded)
+        _wait(lambda: (tmp_path / "marks" / "tool_start_1").exists(), proc, "tool started")
         assert _checkpoints(tmp_path) == 0
         _kill(proc)
         _finish(tmp_path, server, 50, hold_tool=True)
@@ -204,6 +206,7 @@ def test_kill_after_tool_returned(tmp_path: Path, baseline: dict[str, Any]) -> N
         _wait(lambda: _recorded(tmp_path, "_call_tool"), proc, "tool result recorded")
         assert _checkpoints(tmp_path) == 0
         _kill(proc)
+        server.hang_on = {}
         _finish(tmp_path, server, 50, hold_tool=False)
         assert server.count(1) == 1
     _check_recovered(tmp_path, baseline)

@@ -25,7 +25,7 @@ from ratchet.agents.chat import ScriptedChatModel
 HERE = Path(__file__).parent
 AGENT = f"{HERE / 'kill_agent.py'}:KillAgent"
 SCRIPT = [
-    ScriptedChatModel.tool_call("lookup_order", call_id="call_1", order_id="A-1"),
+    ScriptedChatModel.tool_call("lookup_order", "call_1", order_id="A-1"),
     "Order A-1 has shipped with DHL.",
 ]
 
@@ -134,6 +134,9 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert out["output"]["reply"] == "Order A-1 has shipped with DHL."
     roles = [m["role"] for m in out["output"]["transcript"]]
     assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    tool_msg = out["output"]["transcript"][3]
+    assert tool_msg["content"] == '{"carrier": "DHL", "order_id": "A-1", "status": "shipped"}'
+    assert tool_msg["extras"] == {}
     return out
 
 

@@ -77,9 +77,9 @@ class ScriptedChatModel(ChatModel):
         self.calls: list[list[ChatMessage]] = []
 
     @staticmethod
-    def tool_call(name: str, call_id: str | None = None, **arguments: Any) -> ToolCall:
-        """A scripted request for tool `name` with `arguments`."""
-        return ToolCall(id=call_id or f"call_{name}", name=name, arguments=arguments)
+    def tool_call(tool_name: str, call_id: str | None = None, /, **arguments: Any) -> ToolCall:
+        """A scripted request for tool `tool_name` with `arguments` (id: `call_<tool_name>`)."""
+        return ToolCall(id=call_id or f"call_{tool_name}", name=tool_name, arguments=arguments)
 
     def reply_for(self, messages: Sequence[ChatMessage]) -> ChatMessage:
         """The scripted reply to `messages` (without usage): usable by test servers too."""

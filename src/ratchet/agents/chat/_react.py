@@ -66,21 +66,21 @@ class ReActAgent(ChatAgent):
             token_budget=token_budget,
         )
 
-    def _messages(self, value: Any) -> tuple[list[ChatMessage], dict[str, Any]]:
+    def _messages(self, value: Any) -> list[ChatMessage]:
         as_text = value if isinstance(value, str) else json.dumps(_plain(value), sort_keys=True)
         p = self.prompt
         if p is None:
-            return [ChatMessage.user(as_text)], {}
+            return [ChatMessage.user(as_text)]
         if not p.arguments:
-            return [*p.messages, ChatMessage.user(as_text)], {}
+            return [*p.messages, ChatMessage.user(as_text)]
         args = _plain(value)
         if not isinstance(args, dict):
             args = {"input": value}
-        return p.format_messages(args), {}
+        return p.format_messages(args)
 
     @action(InputEvent, name="react_input")
     async def _react_input(self, event: InputEvent, ctx: RunnerContext) -> None:
-        messages, _ = self._messages(event.input)
+        messages = self._messages(event.input)
         ctx.send_event(ChatRequestEvent(model=REACT_MODEL, messages=messages))
 
     @action(ChatResponseEvent, name="react_output")

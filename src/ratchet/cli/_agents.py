@@ -40,12 +40,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     run.add_argument("--on-bad-input", choices=["stop", "skip"], default="stop")
     run.add_argument("--json", action="store_true", help="print the run's summary as JSON")
+    sup = run.add_argument_group("supervision")
+    sup.add_argument(
+        "--supervise",
+        action="store_true",
+        help="run the engine in a worker process and restart it when it dies",
+    )
+    sup.add_argument("--restart-attempts", type=int, default=10, help="default 10")
+    sup.add_argument(
+        "--restart-delay", type=float, default=1.0, metavar="SECONDS", help="default 1"
+    )
+    sup.add_argument("--rest-port", type=int, default=None, help="serve the REST status API here")
+    sup.add_argument("--rest-host", default="127.0.0.1", help="default 127.0.0.1")
     run.set_defaults(func=cmd_run)
 
     status = sub.add_parser(
         "status", help="checkpoints, in-flight runs and queued inputs of a state"
     )
-    status.add_argument("--state", required=True)
+    where = status.add_mutually_exclusive_group(required=True)
+    where.add_argument("--state", help="read a state directory")
+    where.add_argument("--url", help="ask a supervised job's REST API, e.g. http://127.0.0.1:8765")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 
@@ -87,14 +101,85 @@ def _summary(result: Any) -> dict[str, Any]:
     }
 
 
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """The same `ratchet run`, without supervision: what the supervisor starts as its worker."""
+    argv = [sys.executable, "-m", "ratchet.cli", "run", args.agent]
+    argv += [
+        "--input",
+        args.input,
+        "--output",
+        args.output,
+        "--state",
+        args.state,
+        "--key",
+        args.key,
+    ]
+    argv += ["--checkpoint-interval", repr(args.checkpoint_interval)]
+    argv += ["--max-concurrent-runs", str(args.max_concurrent_runs)]
+    argv += ["--max-buffered-inputs", str(args.max_buffered_inputs)]
+    argv += ["--tolerable-checkpoint-failures", str(args.tolerable_checkpoint_failures)]
+    argv += ["--sync-workers", str(args.sync_workers), "--synchronous", args.synchronous]
+    argv += ["--on-bad-input", args.on_bad_input]
+    if args.follow:
+        argv.append("--follow")
+    return argv
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    from ratchet.agents._run import load_agent
+    from ratchet.runtime._supervisor import Supervisor
+
+    load_agent(args.agent)  # a bad agent spec fails here, once, not in every worker
+    _config(args)
+    sup = Supervisor(
+        _worker_argv(args),
+        args.state,
+        restart_attempts=args.restart_attempts,
+        restart_delay=args.restart_delay,
+        rest_host=args.rest_host,
+        rest_port=args.rest_port,
+    )
+    return sup.run()
+
+
+def _status_reporter(args: argparse.Namespace) -> Any:
+    """In a supervised worker: one JSON line per restore/checkpoint to the supervisor's pipe."""
+    import os
+
+    from ratchet.runtime._supervisor import RESOURCE_ID_ENV, STATUS_FD_ENV
+
+    fd = os.environ.get(STATUS_FD_ENV)
+    if not fd:
+        return None
+    pipe = os.fdopen(int(fd), "w", encoding="utf-8", buffering=1)
+    resource_id = os.environ.get(RESOURCE_ID_ENV)
+
+    def report(engine: Any) -> None:
+        line = {
+            "pid": os.getpid(),
+            "resource_id": resource_id,
+            "checkpoints": engine.stats.as_dict(),
+            "config": engine.config.as_dict(),
+            "status": engine.status(),
+        }
+        try:
+            pipe.write(json.dumps(line, default=str) + "\n")
+        except BrokenPipeError:
+            pass
+
+    return report
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import Job, load_agent
 
+    if args.supervise:
+        return _supervise(args)
     agent = load_agent(args.agent)
     config = _config(args)
     tty = sys.stderr.isatty()
     live = None
-    on_progress = None
+    on_progress = _status_reporter(args)
     if tty:
         from rich.console import Console
         from rich.live import Live
@@ -103,7 +188,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         live = Live(console=console, refresh_per_second=4, transient=False)
         started = time.monotonic()
 
+        reporter = on_progress
+
         def on_progress(engine: Any) -> None:
+            if reporter is not None:
+                reporter(engine)
             s = engine.status()
             cp = s["checkpoints"]["counts"]
             rate = s["runs_completed"] / max(time.monotonic() - started, 1e-6)
@@ -151,6 +240,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from ratchet.store._sqlite import SqliteStore
 
+    if args.url:
+        return _status_url(args)
     store = SqliteStore.open_readonly(args.state)
     try:
         summary = store.summary()
@@ -212,4 +303,72 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     console = Console()
     for key, memory in memories.items():
         console.print(f"[bold]{key}[/]", Pretty(memory))
+    return 0
+
+
+def _get(url: str, model: Any, timeout: float = 5.0) -> Any:
+    """One bounded GET; anything but a well-formed answer is an error, never a default."""
+    import urllib.error
+    import urllib.request
+
+    from pydantic import ValidationError
+
+    from ratchet._errors import ConfigError
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        raise ConfigError(f"GET {url} failed: {exc}") from exc
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise ConfigError(f"GET {url} returned an unexpected body: {exc}") from exc
+
+
+def _status_url(args: argparse.Namespace) -> int:
+    from ratchet.runtime._rest import CheckpointStatistics, JobConfig, JobInfo
+
+    base = args.url.rstrip("/")
+    job = _get(f"{base}/v1/job", JobInfo)
+    checkpoints = _get(f"{base}/v1/job/checkpoints", CheckpointStatistics)
+    config = _get(f"{base}/v1/job/config", JobConfig)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "job": job.model_dump(),
+                    "checkpoints": checkpoints.model_dump(),
+                    "config": config.model_dump(),
+                },
+                indent=2,
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"ratchet job at {base}", show_header=False)
+    table.add_row("state", job.state)
+    table.add_row("worker", f"pid {job.worker_pid}, resource {job.resource_id}")
+    table.add_row("restarts", str(job.restarts))
+    table.add_row("uptime", f"{job.uptime_seconds:.1f} s")
+    c = checkpoints.counts
+    table.add_row(
+        "checkpoints",
+        f"completed {c.completed}, failed {c.failed}, in progress {c.in_progress}, restored {c.restored}",
+    )
+    latest = checkpoints.latest
+    if latest.completed:
+        table.add_row(
+            "latest completed",
+            f"#{latest.completed.id}, {latest.completed.duration_ms:.1f} ms, {latest.completed.size_bytes} bytes",
+        )
+    table.add_row("latest restored", f"#{latest.restored.id}" if latest.restored else "-")
+    table.add_row("checkpoint interval", f"{config.checkpoint_interval_ms:g} ms")
+    rs = config.restart_strategy
+    table.add_row(
+        "restart strategy", f"{rs.type}, {rs.attempts} attempts, {rs.delay_seconds:g} s delay"
+    )
+    Console().print(table)
     return 0

@@ -328,6 +328,7 @@ class Engine:
                 self._workers.append(t)
             if self._unreleased:
                 await self._release([])
+            self._report()
             self._pump()
             self._cp_stop = asyncio.Event()
             checkpointer = asyncio.create_task(self._checkpoint_loop())
@@ -575,6 +576,7 @@ class Engine:
                 }
                 self._failures_in_row += 1
                 log.warning("checkpoint failed (%d in a row): %s", self._failures_in_row, exc)
+                self._report()
                 await asyncio.wrap_future(self._writer.submit(self.store.count_failed_checkpoint))
                 if self._failures_in_row > self.config.tolerable_checkpoint_failures:
                     raise CheckpointError(
@@ -591,8 +593,7 @@ class Engine:
             self.stats.latest_completed = info
             outs = list(delta.outputs.values())
             await self._release(outs)
-            if self.on_progress is not None:
-                self.on_progress(self)
+            self._report()
             return info
 
     def _write(
@@ -640,6 +641,14 @@ class Engine:
         self._released.extend(self._unreleased)
         self.result.outputs += len(self._unreleased)
         self._unreleased.clear()
+
+    def _report(self) -> None:
+        """Tell the observer (progress line, supervisor) after a restore and every checkpoint."""
+        if self.on_progress is not None:
+            try:
+                self.on_progress(self)
+            except Exception:  # noqa: BLE001 - an observer must not break the job
+                log.exception("progress observer failed")
 
     async def _forget_released(self) -> None:
         """Drop outbox rows the sink already has, so a finished job leaves no outbox behind."""

@@ -99,8 +99,8 @@ def _connect(path: Path) -> sqlite3.Connection:
 class StateLock:
     """Exclusive ownership of a state directory; the OS drops it when the process dies."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / LOCK_NAME
+    def __init__(self, state_dir: Path, name: str = LOCK_NAME) -> None:
+        self.path = Path(state_dir) / name
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -111,8 +111,8 @@ class StateLock:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise StateError(
-                f"state directory {self.path.parent} is in use by {holder}; only one engine may "
-                f"own a state directory (stop it first, or use another --state)"
+                f"state directory {self.path.parent} is in use by {holder} ({self.path.name}); only "
+                f"one engine may own a state directory (stop it first, or use another --state)"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)

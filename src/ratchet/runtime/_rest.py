@@ -1,0 +1,123 @@
+"""The REST status API of a supervised job (FastAPI): job, checkpoint statistics, config.
+
+The shapes follow Flink's checkpoint statistics: counts and the latest completed, failed
+and restored checkpoint, each with id, trigger timestamp, duration and size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+API_VERSION = "v1"
+
+
+class JobInfo(BaseModel):
+    state: Literal["starting", "running", "restarting", "finished", "failed"]
+    worker_pid: int | None = Field(description="pid of the current worker process")
+    resource_id: str | None = Field(description="new for every worker start")
+    restarts: int
+    uptime_seconds: float = Field(description="since the supervisor started")
+    worker_uptime_seconds: float | None
+    last_exit: str | None = Field(description="how the previous worker ended, if one did")
+
+
+class CheckpointRef(BaseModel):
+    id: int
+    trigger_timestamp: float = Field(description="seconds since the epoch")
+    duration_ms: float
+    size_bytes: int
+    restored_at: float | None = None
+
+
+class FailedCheckpoint(BaseModel):
+    trigger_timestamp: float
+    failure_timestamp: float
+    failure_message: str
+
+
+class CheckpointCounts(BaseModel):
+    completed: int
+    failed: int
+    in_progress: int
+    restored: int
+    total: int
+
+
+class LatestCheckpoints(BaseModel):
+    completed: CheckpointRef | None
+    failed: FailedCheckpoint | None
+    restored: CheckpointRef | None
+
+
+class CheckpointStatistics(BaseModel):
+    counts: CheckpointCounts
+    latest: LatestCheckpoints
+
+
+class RestartStrategy(BaseModel):
+    type: Literal["fixed-delay"] = "fixed-delay"
+    attempts: int
+    delay_seconds: float
+
+
+class JobConfig(BaseModel):
+    checkpoint_interval_ms: float = Field(description="as the running worker reports it")
+    tolerable_checkpoint_failures: int
+    max_concurrent_runs: int
+    max_buffered_inputs: int
+    restart_strategy: RestartStrategy
+    state_dir: str
+    engine: dict[str, Any] = Field(description="the worker's full engine configuration")
+
+
+class Unavailable(BaseModel):
+    detail: str
+
+
+def create_app(
+    job: Callable[[], JobInfo],
+    checkpoints: Callable[[], CheckpointStatistics | None],
+    config: Callable[[], JobConfig | None],
+) -> Any:
+    """A FastAPI app that reads the supervisor's view through the three callables."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(
+        title="ratchet job API",
+        version=API_VERSION,
+        description="Status of a supervised `ratchet run`: the job, its checkpoints, its config.",
+    )
+
+    @app.get("/v1/job", response_model=JobInfo, summary="the job and its current worker")
+    def get_job() -> JobInfo:
+        return job()
+
+    @app.get(
+        "/v1/job/checkpoints",
+        response_model=CheckpointStatistics,
+        responses={503: {"model": Unavailable}},
+        summary="checkpoint statistics, as the latest worker reported them",
+    )
+    def get_checkpoints() -> Any:
+        stats = checkpoints()
+        if stats is None:
+            return JSONResponse({"detail": "no worker has reported yet"}, status_code=503)
+        return stats
+
+    @app.get(
+        "/v1/job/config",
+        response_model=JobConfig,
+        responses={503: {"model": Unavailable}},
+        summary="the effective configuration of the running job",
+    )
+    def get_config() -> Any:
+        cfg = config()
+        if cfg is None:
+            return JSONResponse({"detail": "no worker has reported yet"}, status_code=503)
+        return cfg
+
+    return app

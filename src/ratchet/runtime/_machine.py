@@ -396,3 +396,68 @@ class Machine:
 
     def in_flight(self) -> list[Run]:
         return [ks.run for ks in self.keys.values() if ks.run is not None]
+
+    # -- per-key state (engines that keep state per key, like Flink's keyed state) ---------
+
+    def load_key(
+        self,
+        key: Any,
+        memory: dict[str, Any],
+        next_dispatch: int,
+        run: RestoredRun | None,
+        queued: Iterable[tuple[int, Any]],
+    ) -> None:
+        """Load one key's stored state into a machine that may hold other keys.
+
+        Like `restore` for one key: its in-flight run (if any) starts first and replays its
+        journal; its queued inputs follow in seq order. The key must not be loaded already.
+        """
+        if key in self.keys:
+            raise InternalError(f"load_key({key!r}): the key is already loaded")
+        ks = self.keys[key] = KeyState(memory=memory, next_dispatch=next_dispatch)
+        items = sorted(queued, key=lambda q: q[0])
+        if run is not None:
+            if run.key != key:
+                raise InternalError(f"load_key({key!r}): its run belongs to key {run.key!r}")
+            ks.queue.append((run.seq, run.input_event))
+            self.buffered_inputs += 1
+        for seq, event in items:
+            if run is not None and seq <= run.seq:
+                if seq == run.seq:
+                    continue
+                raise InternalError(
+                    f"load_key({key!r}): queued input {seq} is older than its in-flight run "
+                    f"{run.seq}"
+                )
+            ks.queue.append((seq, event))
+            self.buffered_inputs += 1
+        if run is not None:
+            # A restored run held a slot when its state was saved: it starts past the cap.
+            self._start_run(key, ks, base=run.base_dispatch, journal=run.journal)
+        elif ks.queue:
+            self._ready.append(key)
+            self._fill_slots()
+
+    def key_snapshot(self, key: Any) -> tuple[dict[str, Any], int, RestoredRun | None]:
+        """One key's committed memory, dispatch counter and in-flight run (with its journal)."""
+        ks = self.keys[key]
+        run = ks.run
+        restored = None
+        if run is not None:
+            restored = RestoredRun(
+                run.key, run.seq, run.input_event, run.base_dispatch, list(run.journal)
+            )
+        return ks.memory, ks.next_dispatch, restored
+
+    def evict_key(self, key: Any) -> bool:
+        """Drop an idle key (no run, nothing queued) whose state the engine has stored."""
+        ks = self.keys.get(key)
+        if ks is None or ks.run is not None or ks.queue:
+            return False
+        del self.keys[key]
+        return True
+
+    def discard_changes(self) -> None:
+        """Forget the change tracking kept for `capture` (for engines that never call it)."""
+        self._delta = Delta()
+        self._dirty_runs.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import importlib.util
 import os
@@ -138,6 +139,27 @@ class Job:
         self._lock.release()
 
 
+class _NoWaitExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The loop's default executor for jobs ratchet runs itself: at the end of the job it
+    does not wait for a thread stuck in a blocking call (a tool parked forever must not hold
+    a clean stop hostage; the final checkpoint already recorded it as in flight)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
+
+
+def run_owned(job: Job, handle_signals: bool = False) -> EngineResult:
+    """Run a job on a new event loop that ratchet owns (what `run()` and the CLI do)."""
+
+    async def main() -> EngineResult:
+        asyncio.get_running_loop().set_default_executor(
+            _NoWaitExecutor(thread_name_prefix="ratchet-io")
+        )
+        return await job.run_async(handle_signals=handle_signals)
+
+    return asyncio.run(main())
+
+
 def run(
     agent: Agent,
     *,
@@ -164,4 +186,4 @@ def run(
         config=config,
         agent_config=agent_config,
     )
-    return asyncio.run(job.run_async())
+    return run_owned(job)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
 
 from ratchet._errors import RatchetError
 
@@ -36,12 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except RatchetError as exc:
         print(f"ratchet: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    if args.command == "run" and threading.active_count() > 1:
+        # A thread still blocked in a user's call would hold the interpreter's exit; the job's
+        # state is already committed, so leave without waiting for it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -171,7 +170,7 @@ def _status_reporter(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ratchet.agents._run import Job, load_agent
+    from ratchet.agents._run import Job, load_agent, run_owned
 
     if args.supervise:
         return _supervise(args)
@@ -216,7 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if live is not None:
             live.start()
-        result = asyncio.run(job.run_async(handle_signals=True))
+        result = run_owned(job, handle_signals=True)
     except BadInputError as exc:
         print(f"ratchet: bad input: {exc}", file=sys.stderr)
         return 3

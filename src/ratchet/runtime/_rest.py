@@ -22,6 +22,10 @@ class JobInfo(BaseModel):
     uptime_seconds: float = Field(description="since the supervisor started")
     worker_uptime_seconds: float | None
     last_exit: str | None = Field(description="how the previous worker ended, if one did")
+    in_flight_runs: int | None = Field(
+        description="runs in flight at the worker's last report (after its latest checkpoint)"
+    )
+    queued_inputs: int | None = Field(description="inputs admitted and not finished, same time")
 
 
 class CheckpointRef(BaseModel):

@@ -82,6 +82,7 @@ class Supervisor:
         with self._lock:
             w = self.s.worker
             now = time.time()
+            status = (self.s.report or {}).get("status") or {}
             return JobInfo(
                 state=self.s.state,  # type: ignore[arg-type]
                 worker_pid=w.proc.pid if w else None,
@@ -90,6 +91,8 @@ class Supervisor:
                 uptime_seconds=now - self.s.started,
                 worker_uptime_seconds=(now - w.started) if w else None,
                 last_exit=self.s.last_exit,
+                in_flight_runs=status.get("in_flight_runs"),
+                queued_inputs=status.get("buffered_inputs"),
             )
 
     def checkpoint_stats(self) -> Any:

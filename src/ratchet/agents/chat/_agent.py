@@ -65,8 +65,7 @@ def _request_id(task_id: str) -> str:
 
 def _run_seq(ctx: RunnerContext) -> Any:
     # The run's input sequence number makes ids unique across a key's runs (task ids repeat).
-    task = getattr(ctx, "_task", None)
-    return getattr(task, "seq", None)
+    return ctx.seq
 
 
 def idempotency_key(ctx: RunnerContext, index: int, call: ToolCall) -> str:

@@ -1,0 +1,200 @@
+"""Ratchet agents as PyFlink jobs: the DataStream API and the job `ratchet flink run` submits."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pyflink.common import Configuration, Duration, Types, WatermarkStrategy
+from pyflink.common.serialization import Encoder
+from pyflink.datastream import DataStream, KeyedStream, StreamExecutionEnvironment
+from pyflink.datastream.connectors.file_system import (
+    BucketAssigner,
+    FileSink,
+    FileSource,
+    OutputFileConfig,
+    RollingPolicy,
+    StreamFormat,
+)
+
+from ratchet._errors import ConfigError
+from ratchet.flink._config import FlinkConfig
+from ratchet.flink._core import decode_memory
+from ratchet.flink._function import MEMORY_TAG, AgentFunction, ParseLines
+
+log = logging.getLogger("ratchet.flink")
+
+
+def environment(
+    config: FlinkConfig | None = None, jobmanager: str | None = None
+) -> StreamExecutionEnvironment:
+    """A StreamExecutionEnvironment configured for ratchet: a local mini-cluster, or the
+    cluster whose REST endpoint is `jobmanager` ("host:port")."""
+    config = config or FlinkConfig()
+    conf = Configuration()
+    for k, v in config.to_flink().items():
+        conf.set_string(k, v)
+    if jobmanager:
+        host, sep, port = jobmanager.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"--jobmanager {jobmanager!r} must look like host:port")
+        conf.set_string("execution.target", "remote")
+        conf.set_string("rest.address", host)
+        conf.set_string("rest.port", port)
+    env = StreamExecutionEnvironment.get_execution_environment(conf)
+    env.set_parallelism(config.parallelism)
+    return env
+
+
+def apply_agent(
+    stream: DataStream,
+    agent: Any,
+    key_selector: Any = None,
+    *,
+    config: FlinkConfig | None = None,
+    agent_config: dict[str, Any] | None = None,
+    uid: str = "ratchet-agent",
+    emit_memory: bool = False,
+    _json_pairs: bool = False,
+) -> DataStream:
+    """Apply a ratchet `Agent` to a DataStream (or KeyedStream); returns the outputs stream.
+
+    `agent`: an Agent instance or a `module:Class` / `file.py:Class` spec (loaded in the Python
+    workers). `key_selector`: element -> key (a str); not needed for a KeyedStream. Each
+    element is an input value (what `InputEvent.input` holds); it must be codec-admissible.
+    The result is a DataStream of JSON lines, one per output, as the embedded engine's JSONL
+    sink writes them. With `emit_memory`, `result.get_side_output(MEMORY_TAG)` carries every
+    key's final memory at the end of a bounded input.
+    """
+    config = config or FlinkConfig()
+    if isinstance(stream, KeyedStream):
+        if key_selector is not None:
+            raise ConfigError("the stream is already keyed; pass no key_selector")
+        keyed = stream
+    else:
+        if key_selector is None:
+            raise ConfigError("apply_agent() needs a key_selector for an unkeyed DataStream")
+        keyed = stream.key_by(key_selector, key_type=Types.STRING())
+    fn = AgentFunction(agent, config.core, agent_config, _json_pairs, emit_memory)
+    return keyed.process(fn, output_type=Types.STRING()).uid(uid).name(f"ratchet agent ({uid})")
+
+
+class AgentsEnvironment:
+    """The Flink Agents-style entry point::
+
+        env = AgentsEnvironment(StreamExecutionEnvironment.get_execution_environment())
+        out = env.from_datastream(ds, key_selector=lambda r: r["user"]).apply(MyAgent()).to_datastream()
+        env.execute()
+    """
+
+    def __init__(self, env: StreamExecutionEnvironment, config: FlinkConfig | None = None) -> None:
+        self.env = env
+        self.config = config or FlinkConfig()
+
+    def from_datastream(self, stream: DataStream, key_selector: Any = None) -> _AgentBuilder:
+        return _AgentBuilder(self, stream, key_selector)
+
+    def execute(self, job_name: str = "ratchet") -> Any:
+        return self.env.execute(job_name)
+
+
+@dataclass
+class _AgentBuilder:
+    owner: AgentsEnvironment
+    stream: DataStream
+    key_selector: Any
+    agent: Any = None
+
+    def apply(self, agent: Any) -> _AgentBuilder:
+        self.agent = agent
+        return self
+
+    def to_datastream(self) -> DataStream:
+        if self.agent is None:
+            raise ConfigError("call .apply(agent) before .to_datastream()")
+        return apply_agent(self.stream, self.agent, self.key_selector, config=self.owner.config)
+
+
+class _OutputBuckets(BucketAssigner):
+    pass
+
+
+def file_sink(directory: str | os.PathLike[str], prefix: str = "part") -> FileSink:
+    """Exactly-once JSONL files in `directory`: part files are committed by checkpoints
+    (in-progress files are hidden, `.part-*`, and never read as outputs)."""
+    return (
+        FileSink.for_row_format(str(Path(directory).resolve()), Encoder.simple_string_encoder())
+        .with_bucket_assigner(BucketAssigner.base_path_bucket_assigner())
+        .with_rolling_policy(RollingPolicy.on_checkpoint_rolling_policy())
+        .with_output_file_config(
+            OutputFileConfig.builder().with_part_prefix(prefix).with_part_suffix(".jsonl").build()
+        )
+        .build()
+    )
+
+
+def read_output_dir(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every committed output record in a file-sink directory (hidden in-progress files skipped)."""
+    out: list[dict[str, Any]] = []
+    root = Path(directory)
+    if not root.exists():
+        return out
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.name.startswith("."):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    out.append(json.loads(line))
+    return out
+
+
+def decode_memory_line(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A memory side-output record to (key, memory), every value with its exact type."""
+    return record["key"], decode_memory(base64.b64decode(record["memory"]))
+
+
+def build_job(
+    env: StreamExecutionEnvironment,
+    agent: str | Any,
+    input_path: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    key_field: str = "key",
+    config: FlinkConfig | None = None,
+    follow_ms: int | None = None,
+    memory_dir: str | os.PathLike[str] | None = None,
+    agent_config: dict[str, Any] | None = None,
+) -> None:
+    """Source (JSONL file or folder) -> parse -> agent -> exactly-once file sink, with uids."""
+    config = config or FlinkConfig()
+    src_path = Path(input_path).resolve()
+    if not src_path.exists() and follow_ms is None:
+        raise ConfigError(f"--input {src_path} does not exist")
+    builder = FileSource.for_record_stream_format(StreamFormat.text_line_format(), str(src_path))
+    if follow_ms is not None:
+        builder = builder.monitor_continuously(Duration.of_millis(follow_ms))
+    ds = env.from_source(builder.build(), WatermarkStrategy.no_watermarks(), "ratchet input")
+    ds = ds.uid("ratchet-source")
+    pairs = (
+        ds.flat_map(ParseLines(key_field), output_type=Types.TUPLE([Types.STRING(), Types.STRING()]))
+        .uid("ratchet-parse")
+        .name("parse JSONL")
+    )
+    outputs = apply_agent(
+        pairs,
+        agent,
+        lambda pair: pair[0],
+        config=config,
+        agent_config=agent_config,
+        emit_memory=memory_dir is not None,
+        _json_pairs=True,
+    )
+    outputs.sink_to(file_sink(output_dir)).uid("ratchet-sink").name("outputs")
+    if memory_dir is not None:
+        outputs.get_side_output(MEMORY_TAG).sink_to(file_sink(memory_dir, "memory")).uid(
+            "ratchet-memory-sink"
+        ).name("memory")

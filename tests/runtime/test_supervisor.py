@@ -1,0 +1,139 @@
+"""`ratchet run --supervise`: clean stops, bounded restarts, errors that a restart cannot fix."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ratchet.store._sqlite import SqliteStore
+
+AGENT_SRC = """
+import os
+from ratchet import Agent, InputEvent, OutputEvent, action
+
+class Echo(Agent):
+    @action(InputEvent, inline=True)
+    def echo(self, event, ctx):
+        if event.input.get("die"):
+            os._exit(9)  # the worker dies on this input, every time
+        ctx.send_event(OutputEvent(output=event.input))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(port: int, path: str) -> Any:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    assert resp.status == 200, (path, resp.status, body)
+    return json.loads(body)
+
+
+def supervised(tmp: Path, lines: list[dict[str, Any]], *extra: str) -> subprocess.Popen[bytes]:
+    (tmp / "agent.py").write_text(AGENT_SRC)
+    (tmp / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [
+        sys.executable, "-m", "ratchet.cli", "run", f"{tmp / 'agent.py'}:Echo",
+        "--input", str(tmp / "in.jsonl"), "--output", str(tmp / "out.jsonl"),
+        "--state", str(tmp / "state"), "--supervise", *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_running(port: int, timeout: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            job = get(port, "/v1/job")
+            if job["state"] == "running":
+                return job  # type: ignore[no-any-return]
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the supervised job never reported running")
+
+
+def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path: Path) -> None:
+    port = free_port()
+    proc = supervised(tmp_path, [{"key": "a"}, {"key": "b"}], "--follow", "--rest-port", str(port))
+    try:
+        job = wait_running(port)
+        assert job["restarts"] == 0 and job["worker_pid"] and job["resource_id"]
+        spec = get(port, "/openapi.json")
+        assert {"/v1/job", "/v1/job/checkpoints", "/v1/job/config"} <= set(spec["paths"])
+        config = get(port, "/v1/job/config")
+        assert config["restart_strategy"] == {
+            "type": "fixed-delay",
+            "attempts": 10,
+            "delay_seconds": 1.0,
+        }
+        assert config["checkpoint_interval_ms"] == 200.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
+    store = SqliteStore.open_readonly(tmp_path / "state")
+    try:
+        assert store.summary()["checkpoints"]["counts"]["completed"] >= 1
+    finally:
+        store.close()
+
+
+def test_restarts_are_bounded_by_the_strategy(tmp_path: Path) -> None:
+    proc = supervised(
+        tmp_path, [{"key": "a", "die": True}], "--restart-attempts", "2", "--restart-delay", "0"
+    )
+    _, err = proc.communicate(timeout=60)
+    text = err.decode()
+    assert proc.returncode == 1, text
+    assert text.count("worker died (exit code 9)") == 3
+    assert "restart 1/2" in text and "restart 2/2" in text
+    assert "the 2 restart attempts are used up" in text
+
+
+def test_an_error_a_restart_cannot_fix_is_not_restarted(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "ratchet.db").write_bytes(b"not a database at all" * 100)
+    proc = supervised(tmp_path, [{"key": "a"}])
+    _, err = proc.communicate(timeout=60)
+    text = err.decode()
+    assert proc.returncode == 2, text
+    assert "is corrupted or not a ratchet state database" in text
+    assert "not restarting" in text and "restart 1/" not in text
+
+
+def test_a_second_supervisor_on_one_state_directory_is_refused(tmp_path: Path) -> None:
+    port = free_port()
+    first = supervised(tmp_path, [{"key": "a"}], "--follow", "--rest-port", str(port))
+    try:
+        wait_running(port)
+        second = supervised(tmp_path, [{"key": "a"}])
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 2
+        assert "in use by pid" in err.decode() and "supervisor.lock" in err.decode()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=20)
+        assert first.stderr is not None
+        first.stderr.close()

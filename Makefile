@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+	@echo
+	@echo "=== support triage: a chat agent with tools (scripted model, no network) ==="
+	$(BIN)/python examples/support_triage/run.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

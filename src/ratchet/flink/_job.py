@@ -87,9 +87,9 @@ def apply_agent(
 class AgentsEnvironment:
     """The Flink Agents-style entry point::
 
-        env = AgentsEnvironment(StreamExecutionEnvironment.get_execution_environment())
-        out = env.from_datastream(ds, key_selector=lambda r: r["user"]).apply(MyAgent()).to_datastream()
-        env.execute()
+    env = AgentsEnvironment(StreamExecutionEnvironment.get_execution_environment())
+    out = env.from_datastream(ds, key_selector=lambda r: r["user"]).apply(MyAgent()).to_datastream()
+    env.execute()
     """
 
     def __init__(self, env: StreamExecutionEnvironment, config: FlinkConfig | None = None) -> None:
@@ -118,10 +118,6 @@ class _AgentBuilder:
         if self.agent is None:
             raise ConfigError("call .apply(agent) before .to_datastream()")
         return apply_agent(self.stream, self.agent, self.key_selector, config=self.owner.config)
-
-
-class _OutputBuckets(BucketAssigner):
-    pass
 
 
 def file_sink(directory: str | os.PathLike[str], prefix: str = "part") -> FileSink:
@@ -180,7 +176,9 @@ def build_job(
     ds = env.from_source(builder.build(), WatermarkStrategy.no_watermarks(), "ratchet input")
     ds = ds.uid("ratchet-source")
     pairs = (
-        ds.flat_map(ParseLines(key_field), output_type=Types.TUPLE([Types.STRING(), Types.STRING()]))
+        ds.flat_map(
+            ParseLines(key_field), output_type=Types.TUPLE([Types.STRING(), Types.STRING()])
+        )
         .uid("ratchet-parse")
         .name("parse JSONL")
     )

@@ -1,0 +1,36 @@
+"""ratchet agents on Apache Flink (PyFlink, process mode): `pip install ratchet[flink]`.
+
+The same `Agent` classes as the embedded engine, the same run machine; state in Flink keyed
+state, checkpoints by Flink, outputs through the exactly-once file sink. See docs/flink.md.
+"""
+
+from ratchet.flink._config import FlinkConfig
+from ratchet.flink._core import CoreConfig, decode_memory, encode_memory
+from ratchet.flink._function import END_OF_INPUT, MEMORY_TAG, AgentFunction, ParseLines
+from ratchet.flink._job import (
+    AgentsEnvironment,
+    apply_agent,
+    build_job,
+    decode_memory_line,
+    environment,
+    file_sink,
+    read_output_dir,
+)
+
+__all__ = [
+    "END_OF_INPUT",
+    "MEMORY_TAG",
+    "AgentFunction",
+    "AgentsEnvironment",
+    "CoreConfig",
+    "FlinkConfig",
+    "ParseLines",
+    "apply_agent",
+    "build_job",
+    "decode_memory",
+    "decode_memory_line",
+    "encode_memory",
+    "environment",
+    "file_sink",
+    "read_output_dir",
+]

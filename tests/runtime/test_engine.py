@@ -415,3 +415,77 @@ def test_sync_actions_do_not_stall_other_keys(tmp_path: Path) -> None:
     inputs = [{"key": "slow"}] + [{"key": f"k{i}"} for i in range(20)]
     run(Blocking(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
     assert len(done) == 20  # the fast keys finished while the slow one was blocked
+
+
+def test_plain_asyncio_inside_actions_and_unawaited_tasks_are_cancelled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    Calls.log = []
+    cancelled: list[str] = []
+    leftovers: list[asyncio.Task[None]] = []
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append("forever")
+            raise
+
+    class Gather(Agent):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            a, b = await asyncio.gather(
+                ctx.durable_execute_async(Calls().fetch, 1),
+                asyncio.wait_for(ctx.durable_execute_async(Calls().fetch, 2), 5),
+            )
+            ctx.short_term_memory.set("ab", [a, b])
+            leftovers.append(asyncio.create_task(forever()))  # started, never awaited
+            await asyncio.sleep(0)
+
+    with caplog.at_level("WARNING", logger="ratchet.agents"):
+        run(Gather(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert sorted(Calls.log) == ["fetch 1", "fetch 2"]
+    assert cancelled == ["forever"] and leftovers[0].cancelled()
+    assert "did not await; they were cancelled" in caplog.text
+
+
+def test_staticmethod_actions_and_definition_order(tmp_path: Path) -> None:
+    order: list[str] = []
+
+    class Ping(Event):
+        event_name = "tests.Ping"
+
+    class Multi(Agent):
+        @action(InputEvent, inline=True)
+        @staticmethod
+        def start(event: InputEvent, ctx: Any) -> None:
+            ctx.send_event(Ping())
+
+        @action(Ping, inline=True)
+        def second(self, event: Ping, ctx: Any) -> None:
+            order.append("second")
+
+        @action(Ping, inline=True)
+        @staticmethod
+        def third(event: Ping, ctx: Any) -> None:
+            order.append("third")
+
+    run(Multi(), inputs=[{"key": "k"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert order == ["second", "third"]
+
+
+def test_event_names_are_stable_and_collisions_are_refused() -> None:
+    from ratchet import ConfigError
+    from ratchet.agents._events import event_class
+
+    class Shipped(Event):
+        event_name = "orders.Shipped.v1"
+        order_id: int
+
+    assert event_class("orders.Shipped.v1") is Shipped
+    with pytest.raises(ConfigError, match="event name 'orders.Shipped.v1' is used by"):
+        type(
+            "Other",
+            (Event,),
+            {"__module__": "elsewhere", "event_name": "orders.Shipped.v1", "__annotations__": {}},
+        )

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from ratchet.agents.chat._errors import ModelCallError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import ChatModel, RetryPolicy, schema_instruction
-from ratchet.agents.chat._providers._common import parse_retry_after, require_key, require_sdk
+from ratchet.agents.chat._providers._common import require_key, require_sdk, sdk_error
 from ratchet.agents.chat._tools import Tool
 
 
@@ -79,27 +79,7 @@ class AnthropicChatModel(ChatModel):
         )
 
     def _error(self, exc: Exception) -> ModelCallError:
-        sdk = self._sdk
-        if isinstance(exc, sdk.APITimeoutError):
-            return ModelCallError(
-                f"anthropic: request timed out: {exc}", provider="anthropic", transient=True
-            )
-        if isinstance(exc, sdk.APIConnectionError):
-            return ModelCallError(
-                f"anthropic: connection failed: {exc}", provider="anthropic", transient=True
-            )
-        if isinstance(exc, sdk.APIStatusError):
-            status = exc.status_code
-            return ModelCallError(
-                f"anthropic: HTTP {status}: {exc.message}",
-                provider="anthropic",
-                status=status,
-                transient=status in (408, 409, 429, 529) or status >= 500,
-                retry_after=parse_retry_after(exc.response.headers.get("retry-after")),
-            )
-        return ModelCallError(
-            f"anthropic: malformed response ({type(exc).__name__}: {exc})", provider="anthropic"
-        )
+        return sdk_error(self._sdk, "anthropic", exc, (408, 409, 429, 529))
 
     async def _chat_once(
         self,

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from ratchet._errors import ConfigError
+from ratchet.agents.chat._errors import ModelCallError
 
 
 def require_sdk(module: str, extra: str) -> Any:
@@ -51,3 +52,30 @@ def loads_arguments(raw: Any) -> tuple[dict[str, Any], str | None]:
     if not isinstance(value, dict):
         return {}, f"arguments must be a JSON object, got {type(value).__name__}"
     return value, None
+
+
+def sdk_error(
+    sdk: Any, provider: str, exc: Exception, transient_statuses: tuple[int, ...] = (408, 409, 429)
+) -> ModelCallError:
+    """Map an exception of a Stainless-generated SDK (openai, anthropic share the classes'
+    names and shapes) to a ModelCallError: timeouts, connection errors and 5xx are transient."""
+    if isinstance(exc, sdk.APITimeoutError):
+        return ModelCallError(
+            f"{provider}: request timed out: {exc}", provider=provider, transient=True
+        )
+    if isinstance(exc, sdk.APIConnectionError):
+        return ModelCallError(
+            f"{provider}: connection failed: {exc}", provider=provider, transient=True
+        )
+    if isinstance(exc, sdk.APIStatusError):
+        status = exc.status_code
+        return ModelCallError(
+            f"{provider}: HTTP {status}: {exc.message}",
+            provider=provider,
+            status=status,
+            transient=status in transient_statuses or status >= 500,
+            retry_after=parse_retry_after(exc.response.headers.get("retry-after")),
+        )
+    return ModelCallError(
+        f"{provider}: malformed response ({type(exc).__name__}: {exc})", provider=provider
+    )

@@ -13,9 +13,9 @@ from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, 
 from ratchet.agents.chat._model import ChatModel, RetryPolicy
 from ratchet.agents.chat._providers._common import (
     loads_arguments,
-    parse_retry_after,
     require_key,
     require_sdk,
+    sdk_error,
 )
 from ratchet.agents.chat._tools import Tool
 
@@ -80,28 +80,7 @@ class OpenAIChatModel(ChatModel):
         )
 
     def _error(self, exc: Exception) -> ModelCallError:
-        sdk = self._sdk
-        if isinstance(exc, sdk.APITimeoutError):
-            return ModelCallError(
-                f"openai: request timed out: {exc}", provider="openai", transient=True
-            )
-        if isinstance(exc, sdk.APIConnectionError):
-            return ModelCallError(
-                f"openai: connection failed: {exc}", provider="openai", transient=True
-            )
-        if isinstance(exc, sdk.APIStatusError):
-            status = exc.status_code
-            retry_after = parse_retry_after(exc.response.headers.get("retry-after"))
-            return ModelCallError(
-                f"openai: HTTP {status}: {exc.message}",
-                provider="openai",
-                status=status,
-                transient=status in (408, 409, 429) or status >= 500,
-                retry_after=retry_after,
-            )
-        return ModelCallError(
-            f"openai: malformed response ({type(exc).__name__}: {exc})", provider="openai"
-        )
+        return sdk_error(self._sdk, "openai", exc, (408, 409, 429))
 
     async def _chat_once(
         self,

@@ -271,3 +271,31 @@ def test_tools_declared_on_the_agent_by_name(tmp_path: Path) -> None:
 
     out = _run(Shop(), tmp_path, [{"key": "k"}])
     assert out[0]["output"] == ["stock?", "", "3", "3 left"]
+
+
+def test_token_metrics_count_only_model_calls_this_process_paid_for(tmp_path: Path) -> None:
+    inputs = [{"key": "a", "q": "one two"}, {"key": "b", "q": "one two"}]
+    result = run(Budgeted(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s1")
+    assert result.metrics["chat.model_calls"] == 2
+    assert result.metrics["chat.tokens.input"] == 6 and result.metrics["chat.tokens.output"] == 10
+
+    class CrashesOnAnswer(Budgeted):
+        @action(ChatResponseEvent)
+        @staticmethod
+        def answer(event: ChatResponseEvent, ctx: RunnerContext) -> None:
+            raise SystemExit("the process dies after the model answered")
+
+    with pytest.raises(BaseException):  # noqa: B017, PT011 - the simulated crash
+        run(
+            CrashesOnAnswer(),
+            inputs=inputs[:1],
+            output=tmp_path / "o.jsonl",
+            state_dir=tmp_path / "s2",
+        )
+    resumed = run(
+        Budgeted(), inputs=inputs[:1], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s2"
+    )
+    # The reply came from the journal: nothing was paid for in the resumed process.
+    assert resumed.runs_completed == 1
+    assert "chat.model_calls" not in resumed.metrics
+    assert resumed.metrics.get("durable_calls.replayed", 0) + resumed.tasks_replayed >= 1

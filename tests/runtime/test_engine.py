@@ -296,8 +296,11 @@ def test_replayed_durable_calls_return_recorded_values_and_raise_recorded_errors
             seen["value"] = ctx.short_term_memory.get("value")
             seen["error"] = ctx.short_term_memory.get("error")
 
-    run(Resumed(), inputs=[{"key": "k", "i": 3}], output=tmp_path / "o.jsonl", state_dir=state)
+    result = run(
+        Resumed(), inputs=[{"key": "k", "i": 3}], output=tmp_path / "o.jsonl", state_dir=state
+    )
     assert Calls.log == []  # neither function ran again
+    assert result.metrics == {"durable_calls.replayed": 2}
     assert type(seen["value"]) is bytes and seen["value"] == b"\x00\x03"
     assert seen["error"] == "'missing 3'"  # the recorded KeyError was raised again
 
@@ -489,3 +492,23 @@ def test_event_names_are_stable_and_collisions_are_refused() -> None:
             (Event,),
             {"__module__": "elsewhere", "event_name": "orders.Shipped.v1", "__annotations__": {}},
         )
+
+
+def test_actions_count_metrics_in_total_and_per_key(tmp_path: Path) -> None:
+    class Counting(Agent):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.metrics.inc("orders")
+            ctx.metrics.inc("amount", event.input["amount"])
+            await ctx.durable_execute_async(str.upper, "x")
+
+    agent = Counting()
+    job = Job(
+        agent,
+        inputs=[{"key": "a", "amount": 5}, {"key": "b", "amount": 7}, {"key": "a", "amount": 1}],
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+    )
+    result = asyncio.run(job.run_async())
+    assert result.metrics == {"amount": 13, "durable_calls.made": 3, "orders": 3}
+    assert job.binding.metrics.for_key("a") == {"amount": 6, "durable_calls.made": 2, "orders": 2}

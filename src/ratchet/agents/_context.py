@@ -23,6 +23,7 @@ from ratchet.agents._events import (
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
 from ratchet.runtime._engine import TaskCalls
 from ratchet.runtime._machine import Output, Task, TaskResult
+from ratchet.runtime._metrics import KeyMetrics, Metrics
 from ratchet.store import codec
 
 log = logging.getLogger("ratchet.agents")
@@ -108,8 +109,11 @@ class RunnerContext:
       recorded result is returned instead of calling again.
     """
 
-    def __init__(self, task: Task, calls: TaskCalls, config: dict[str, Any]) -> None:
+    def __init__(
+        self, task: Task, calls: TaskCalls, config: dict[str, Any], metrics: Metrics | None = None
+    ) -> None:
         self._task = task
+        self._metrics = metrics or Metrics()
         self._calls = calls
         self._stm = MemoryBuffer(task.stm, "short_term")
         self._sensory = MemoryBuffer(task.sensory, "sensory")
@@ -121,6 +125,11 @@ class RunnerContext:
     @property
     def key(self) -> Any:
         return self._task.run.key
+
+    @property
+    def metrics(self) -> KeyMetrics:
+        """Process-local counters (`ctx.metrics.inc("orders.refunded")`), in total and per key."""
+        return KeyMetrics(self._metrics, self._task.run.key)
 
     @property
     def seq(self) -> int:
@@ -146,6 +155,12 @@ class RunnerContext:
 
     def _replayed(self, idx: int, name: str, digest: str) -> tuple[bool, Any]:
         rec = self._calls.recorded(idx)
+        replayed = rec is not None and rec.status in ("ok", "error")
+        _last_replayed.set(replayed)
+        if replayed:
+            self._metrics.add(self.key, "durable_calls.replayed")
+        else:
+            self._metrics.add(self.key, "durable_calls.made")
         if rec is None:
             return False, None
         if rec.fn != name or rec.digest != digest:
@@ -242,6 +257,17 @@ class RunnerContext:
         return TaskResult(self._stm.ops, self._sensory.ops, list(self.events))
 
 
+# Per thread / asyncio task, so concurrent calls of one action do not overwrite each other.
+_last_replayed: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ratchet_replayed", default=False
+)
+
+
+def last_call_replayed() -> bool:
+    """Whether the durable call this thread or task made last was answered from the journal."""
+    return _last_replayed.get()
+
+
 def current_context() -> RunnerContext | None:
     """The context of the action running in this thread or task, if any."""
     return _current.get()
@@ -256,6 +282,7 @@ class AgentBinding:
         self.fingerprint = self.spec.fingerprint()
         self.action_names = self.spec.describe()
         self.config = dict(config or {})
+        self.metrics = Metrics()
         self._by_name = {a.name: a for a in self.spec.actions}
         self._listeners: dict[type, list[str]] = {}
         self._modes = {
@@ -324,7 +351,7 @@ class AgentBinding:
 
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
-        ctx = RunnerContext(task, calls, self.config)
+        ctx = RunnerContext(task, calls, self.config, self.metrics)
         token = _current.set(ctx)
         try:
             out = spec.fn(task.event, ctx)
@@ -345,7 +372,7 @@ class AgentBinding:
 
     async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
-        ctx = RunnerContext(task, calls, self.config)
+        ctx = RunnerContext(task, calls, self.config, self.metrics)
         children: set[asyncio.Task[Any]] = set()
         token = _current.set(ctx)
         _children.set(children)

@@ -231,6 +231,7 @@ class EngineResult:
     bad_inputs: list[str] = field(default_factory=list)
     stopped_by: str = "end of input"
     checkpoints: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -365,6 +366,7 @@ class Engine:
         self.result.tasks_replayed = self.machine.tasks_replayed
         self.result.stopped_by = self._stop_reason or "end of input"
         self.result.checkpoints = self.stats.as_dict()
+        self.result.metrics = self.metrics_totals()
         return self.result
 
     def request_stop(self, reason: str = "stop requested") -> None:
@@ -691,4 +693,9 @@ class Engine:
             "buffered_inputs": m.buffered_inputs,
             "checkpoints": self.stats.as_dict(),
             "source": self.source.position(),
+            "metrics": self.metrics_totals(),
         }
+
+    def metrics_totals(self) -> dict[str, float]:
+        metrics = getattr(self.binding, "metrics", None)
+        return metrics.totals() if metrics is not None else {}

@@ -77,6 +77,14 @@ class JobConfig(BaseModel):
     engine: dict[str, Any] = Field(description="the worker's full engine configuration")
 
 
+class JobMetrics(BaseModel):
+    counters: dict[str, float] = Field(
+        description="process-local counters of the current worker (reset when it restarts): "
+        "durable_calls.made / .replayed, chat.model_calls, chat.tokens.input / .output, and "
+        "whatever actions count with ctx.metrics.inc()"
+    )
+
+
 class Unavailable(BaseModel):
     detail: str
 
@@ -85,6 +93,7 @@ def create_app(
     job: Callable[[], JobInfo],
     checkpoints: Callable[[], CheckpointStatistics | None],
     config: Callable[[], JobConfig | None],
+    metrics: Callable[[], JobMetrics | None] | None = None,
 ) -> Any:
     """A FastAPI app that reads the supervisor's view through the three callables."""
     from fastapi import FastAPI
@@ -123,5 +132,17 @@ def create_app(
         if cfg is None:
             return JSONResponse({"detail": "no worker has reported yet"}, status_code=503)
         return cfg
+
+    @app.get(
+        "/v1/job/metrics",
+        response_model=JobMetrics,
+        responses={503: {"model": Unavailable}},
+        summary="the current worker's counters, as of its latest report",
+    )
+    def get_metrics() -> Any:
+        m = metrics() if metrics is not None else None
+        if m is None:
+            return JSONResponse({"detail": "no worker has reported yet"}, status_code=503)
+        return m
 
     return app

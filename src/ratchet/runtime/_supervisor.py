@@ -122,6 +122,15 @@ class Supervisor:
             engine=engine,
         )
 
+    def job_metrics(self) -> Any:
+        from ratchet.runtime._rest import JobMetrics
+
+        with self._lock:
+            report = self.s.report
+        if report is None:
+            return None
+        return JobMetrics(counters=(report.get("status") or {}).get("metrics") or {})
+
     def _start_rest(self) -> None:
         if self.rest_port is None:
             return
@@ -129,7 +138,7 @@ class Supervisor:
 
         from ratchet.runtime._rest import create_app
 
-        app = create_app(self.job_info, self.checkpoint_stats, self.job_config)
+        app = create_app(self.job_info, self.checkpoint_stats, self.job_config, self.job_metrics)
         config = uvicorn.Config(app, host=self.rest_host, port=self.rest_port, log_level="warning")
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -13,7 +13,7 @@ import pydantic
 
 from ratchet._errors import ConfigError
 from ratchet.agents._agent import Agent, action
-from ratchet.agents._context import RunnerContext
+from ratchet.agents._context import RunnerContext, last_call_replayed
 from ratchet.agents._events import ErrorEvent, Event
 from ratchet.agents.chat._errors import (
     ChatError,
@@ -263,6 +263,11 @@ class ChatAgent(Agent):
                 self._call_model, state["model"], state["messages"], state["schema"]
             )
             usage = reply.usage or TokenUsage()
+            if not last_call_replayed():
+                # Tokens paid for by this process; a reply from the journal cost nothing now.
+                ctx.metrics.inc("chat.model_calls")
+                ctx.metrics.inc("chat.tokens.input", usage.input_tokens)
+                ctx.metrics.inc("chat.tokens.output", usage.output_tokens)
             state["usage"] = state["usage"] + usage
             for mem in (ctx.sensory_memory, ctx.short_term_memory):
                 mem.set(_USAGE, (mem.get(_USAGE) or TokenUsage()) + usage)

@@ -1,0 +1,50 @@
+"""Process-local metrics: counters in total and per key.
+
+They are observations of this process, not state: they are not checkpointed, start at zero
+in a restarted process (as Flink's metrics do), and a task replayed from the journal does
+not count again. Durable per-key totals belong in memory instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class Metrics:
+    """Thread-safe counters; sync actions on worker threads update them too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[str, float] = {}
+        self._per_key: dict[Any, dict[str, float]] = {}
+
+    def add(self, key: Any, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._totals[name] = self._totals.get(name, 0) + value
+            mine = self._per_key.setdefault(key, {})
+            mine[name] = mine.get(name, 0) + value
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(sorted(self._totals.items()))
+
+    def for_key(self, key: Any) -> dict[str, float]:
+        with self._lock:
+            return dict(sorted(self._per_key.get(key, {}).items()))
+
+
+class KeyMetrics:
+    """What an action sees as `ctx.metrics`: counters attributed to its key."""
+
+    __slots__ = ("_registry", "_key")
+
+    def __init__(self, registry: Metrics, key: Any) -> None:
+        self._registry = registry
+        self._key = key
+
+    def inc(self, name: str, value: float = 1) -> None:
+        """Add `value` to counter `name`, in total and for this key."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"metric name must be a non-empty str, got {name!r}")
+        self._registry.add(self._key, name, value)

@@ -84,6 +84,8 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path: Path) -> None:
             "delay_seconds": 1.0,
         }
         assert config["checkpoint_interval_ms"] == 200.0
+        assert "/v1/job/metrics" in spec["paths"]
+        assert isinstance(get(port, "/v1/job/metrics")["counters"], dict)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

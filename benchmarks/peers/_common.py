@@ -224,6 +224,68 @@ async def serve(port: int, delay: float) -> None:
         await srv.serve_forever()
 
 
+class AsyncModelClient:
+    """The model client of the asyncio-based peers: keep-alive HTTP/1.1 connections, pooled.
+
+    Every peer calls the model server through this client (or `SyncModelClient`), so no HTTP
+    library's own overhead is in the figures (httpx's pool served only ~100 calls/s at 64
+    concurrent requests here, while the server answers 1,000+/s).
+    """
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.removeprefix("http://").partition(":")
+        self.host, self.port = host, int(port)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def call(self, iid: str, n: int) -> str:
+        conn = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        reader, writer = conn
+        body = json.dumps({"id": iid, "call": n}).encode()
+        writer.write(
+            b"POST /call HTTP/1.1\r\nHost: model\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        await writer.drain()
+        status = await reader.readline()
+        length = 0
+        while True:
+            h = await reader.readline()
+            if h in (b"\r\n", b""):
+                break
+            if h.lower().startswith(b"content-length:"):
+                length = int(h.split(b":", 1)[1])
+        data = await reader.readexactly(length)
+        if not status.startswith(b"HTTP/1.1 200"):
+            writer.close()
+            raise RuntimeError(f"model server: {status!r}")
+        self.idle.append(conn)
+        return str(json.loads(data)["text"])
+
+
+class SyncModelClient:
+    """The model client of the thread-based peers: one keep-alive connection per thread."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.hostport = url.removeprefix("http://")
+        self.local = threading.local()
+
+    def call(self, iid: str, n: int) -> str:
+        import http.client
+
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = http.client.HTTPConnection(self.hostport, timeout=60)
+        conn.request("POST", "/call", json.dumps({"id": iid, "call": n}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"model server: {resp.status}")
+        return str(json.loads(data)["text"])
+
+
 def control(url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
     """A stdlib client for the driver (stats, arm, reset)."""
     import urllib.request

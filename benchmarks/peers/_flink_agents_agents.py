@@ -63,11 +63,10 @@ _client: Any = None
 def ask_model(url: str, iid: str, n: int) -> str:
     global _client
     if _client is None:
-        import httpx
+        import _common
 
-        _client = httpx.Client(limits=httpx.Limits(max_connections=128), timeout=60)
-    r = _client.post(url + "/call", json={"id": iid, "call": n})
-    return str(r.json()["text"])
+        _client = _common.SyncModelClient(url)
+    return str(_client.call(iid, n))
 
 
 class TwoCalls(Agent):

@@ -69,23 +69,16 @@ def main() -> None:
         asyncio.run(per_key(c.w2_inputs(n), slow, c.CONCURRENCY))
         c.emit({"inputs": n, "wall_s": time.perf_counter() - t})
     elif a.workload == "w3":
-        import httpx
 
         async def main_w3() -> None:
-            async with httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=128), timeout=60
-            ) as client:
+            ask = c.AsyncModelClient(a.url).call
 
-                async def ask(iid: str, call: int) -> str:
-                    r = await client.post(a.url + "/call", json={"id": iid, "call": call})
-                    return str(r.json()["text"])
+            async def two_calls(inp: dict[str, Any]) -> None:
+                first = await ask(inp["id"], 1)
+                second = await ask(inp["id"], 2)
+                emit({"id": inp["id"], "answers": [first, second]})
 
-                async def two_calls(inp: dict[str, Any]) -> None:
-                    first = await ask(inp["id"], 1)
-                    second = await ask(inp["id"], 2)
-                    emit({"id": inp["id"], "answers": [first, second]})
-
-                await per_key(c.w3_inputs(a.n or c.W3_INPUTS), two_calls, c.CONCURRENCY)
+            await per_key(c.w3_inputs(a.n or c.W3_INPUTS), two_calls, c.CONCURRENCY)
 
         asyncio.run(main_w3())
     else:

@@ -98,8 +98,7 @@ def slow_call(inp: dict[str, Any]) -> None:
 
 @DBOS.step()
 def ask_model(iid: str, n: int) -> str:
-    r = _http.post(ARGS.url + "/call", json={"id": iid, "call": n})
-    return str(r.json()["text"])
+    return str(_http.call(iid, n))
 
 
 @DBOS.workflow()
@@ -152,10 +151,8 @@ def main() -> None:
         drive(slow_call, "w2", c.w2_inputs(n))
         c.emit({"inputs": n, "wall_s": time.perf_counter() - t})
     elif a.workload == "w3":
-        import httpx
-
         global _http
-        _http = httpx.Client(limits=httpx.Limits(max_connections=128), timeout=60)
+        _http = c.SyncModelClient(a.url)
         drive(two_calls, "w3", c.w3_inputs(a.n or c.W3_INPUTS))
     elif a.workload == "w4-seed":
         drive(keep, "w4", c.w4_inputs(a.n or c.W4_KEYS))

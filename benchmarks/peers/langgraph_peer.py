@@ -76,13 +76,7 @@ def build(workload: str, out: Out, url: str = "") -> StateGraph:
 
         steps = [("call", call), ("emit", emit)]
     elif workload == "w3":
-        import httpx
-
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=128), timeout=60)
-
-        async def ask(iid: str, n: int) -> str:
-            r = await client.post(url + "/call", json={"id": iid, "call": n})
-            return str(r.json()["text"])
+        ask = c.AsyncModelClient(url).call
 
         def start(s: KeyState) -> dict[str, Any]:
             return {"seq": s["v"], "answers": []}

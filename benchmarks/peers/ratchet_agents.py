@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-import httpx
+import _common
 
 from ratchet import Agent, Event, InputEvent, OutputEvent, RunnerContext, action
 
@@ -52,19 +52,15 @@ class SlowCall(Agent):
         ctx.send_event(OutputEvent(output={"id": event.input["id"], "answer": answer}))
 
 
-_client: httpx.AsyncClient | None = None
+_client: _common.AsyncModelClient | None = None
 
 
 async def ask_model(url: str, iid: str, call: int) -> str:
     """One request to the counting model server."""
     global _client
     if _client is None:
-        _client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=128, max_keepalive_connections=128), timeout=60
-        )
-    resp = await _client.post(url + "/call", json={"id": iid, "call": call})
-    resp.raise_for_status()
-    return str(resp.json()["text"])
+        _client = _common.AsyncModelClient(url)
+    return await _client.call(iid, call)
 
 
 class TwoCalls(Agent):

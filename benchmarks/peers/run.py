@@ -64,7 +64,7 @@ PEERS = [
          "checkpoint_interval=0 (a checkpoint before each output is released), synchronous=FULL",
          ["ratchet"], ALL),
     Peer("asyncio", "asyncio", "asyncio_peer.py", "default", "none (the floor)",
-         ["httpx"], {"w1", "w2", "w3"}),
+         [], {"w1", "w2", "w3"}),
     Peer("LangGraph", "langgraph", "langgraph_peer.py", "default",
          "AsyncSqliteSaver, durability='sync': a checkpoint per super-step (SQLite WAL, synchronous=FULL by default)",
          ["langgraph", "langgraph-checkpoint-sqlite"], ALL, w1_inputs=2_000, w4_settle=0.2),

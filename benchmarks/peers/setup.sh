@@ -15,13 +15,13 @@ PY="${PY:-python3.11}"
 mkdir -p "$BENCH"
 
 declare -A PKGS=(
-  # ratchet's own side: the repo (editable), an HTTP client for the crash workload, profilers.
-  [ratchet]="-e $ROOT httpx>=0.27 pyinstrument py-spy"
-  [asyncio]="httpx>=0.27"
-  [langgraph]="langgraph>=1.2,<2 langgraph-checkpoint-sqlite>=3,<4 httpx>=0.27"
-  [dbos]="dbos>=3.4,<4 httpx>=0.27"
+  # ratchet's own side: the repo (editable) and the profilers.
+  [ratchet]="-e $ROOT pyinstrument py-spy"
+  [asyncio]=""  # the standard library only
+  [langgraph]="langgraph>=1.2,<2 langgraph-checkpoint-sqlite>=3,<4"
+  [dbos]="dbos>=3.4,<4"
   # Only 0.2.0 has a ready-built wheel; it needs PyFlink 2.2.x (about 1.7 GB, ~90 s).
-  [flink-agents]="flink-agents==0.2.0 apache-flink==2.2.1 httpx>=0.27"
+  [flink-agents]="flink-agents==0.2.0 apache-flink==2.2.1"
   [pyflink]="apache-flink==2.3.0"
 )
 ORDER=(ratchet asyncio langgraph dbos flink-agents pyflink)
@@ -36,7 +36,8 @@ for name in "${ORDER[@]}"; do
   rm -rf "$venv"
   if "$PY" -m venv "$venv" \
      && "$venv/bin/python" -m pip install -q --upgrade pip \
-     && "$venv/bin/python" -m pip install -q ${PKGS[$name]}; then
+     && { [ -z "${PKGS[$name]}" ] || "$venv/bin/python" -m pip install -q ${PKGS[$name]} 2>&1 \
+          | grep -v "is ignored: it is neither a file nor a directory"; test "${PIPESTATUS[0]}" = 0; }; then
     touch "$venv/.installed"
     echo "[$name] installed in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
   else

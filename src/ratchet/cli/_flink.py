@@ -120,7 +120,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if target.endswith(".py") or os.sep in target:
         agent = f"{os.path.abspath(target)}:{attr}"
     config = _config(args)
-    env = environment(config, args.jobmanager)
+    name = args.job_name or f"ratchet {args.agent}"
+    if args.jobmanager:
+        return _submit(args, agent, config, name)
+    env = environment(config)
     build_job(
         env,
         agent,
@@ -131,7 +134,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         follow_ms=args.follow,
         memory_dir=args.memory_output,
     )
-    name = args.job_name or f"ratchet {args.agent}"
     started = time.monotonic()
     client = env.execute_async(name)
     job_id = str(client.get_job_id())
@@ -149,4 +151,68 @@ def cmd_run(args: argparse.Namespace) -> int:
         ),
         flush=True,
     )
+    return 0
+
+
+def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int:
+    """Submit to a running cluster with the pip package's `flink run -py` (a context
+    environment bound to the cluster), running `ratchet.flink._entry` as the job script."""
+    import dataclasses
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import pyflink
+
+    import ratchet.flink._entry as entry
+
+    host, sep, port = args.jobmanager.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        print(
+            f"ratchet flink: --jobmanager {args.jobmanager!r} must look like host:port",
+            file=sys.stderr,
+        )
+        return 2
+    spec = {
+        "agent": agent,
+        "input": os.path.abspath(args.input),
+        "output": os.path.abspath(args.output),
+        "key": args.key,
+        "follow_ms": args.follow,
+        "memory_dir": os.path.abspath(args.memory_output) if args.memory_output else None,
+        "name": name,
+        "config": dataclasses.asdict(config),
+    }
+    flink = Path(pyflink.__file__).parent / "bin" / "flink"
+    cmd = [
+        "bash",
+        str(flink),
+        "run",
+        "-m",
+        args.jobmanager,
+        "-pyclientexec",
+        sys.executable,
+        "-pyexec",
+        config.python_executable,
+        "-py",
+        entry.__file__,
+        json.dumps(spec),
+    ]
+    if args.detach:
+        cmd.insert(3, "-d")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    job_id = None
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        m = re.search(r"JobID ([0-9a-f]{32})", line)
+        if m and job_id is None:
+            job_id = m.group(1)
+            print(json.dumps({"job_id": job_id, "name": name}), flush=True)
+    code = proc.wait()
+    if code != 0 or job_id is None:
+        print("ratchet flink: submission failed:\n" + "".join(tail), file=sys.stderr)
+        return code or 1
     return 0

@@ -92,7 +92,6 @@ class FlinkConfig:
         if self.tmp_dir:
             Path(self.tmp_dir).mkdir(parents=True, exist_ok=True)
             conf["io.tmp.dirs"] = self.tmp_dir
-            conf["env.java.opts.all"] = f"-Djava.io.tmpdir={self.tmp_dir}"
         conf.update(self.extra)
         return conf
 

@@ -205,6 +205,7 @@ class AgentCore:
         """Apply the key's finished tasks; with `end` (end of input) wait until the key is idle."""
         info = self._load(key, store)
         step = Step()
+        self._pump(key, info, step)  # a run restored by `_load` dispatches its first tasks
         applied = self._apply_done(key, info, step)
         if end:
             waited = time.monotonic()

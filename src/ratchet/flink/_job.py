@@ -36,6 +36,10 @@ def environment(
     """A StreamExecutionEnvironment configured for ratchet: a local mini-cluster, or the
     cluster whose REST endpoint is `jobmanager` ("host:port")."""
     config = config or FlinkConfig()
+    # PyFlink runs a mini-cluster's Python workers inside the client process ("loopback")
+    # unless told otherwise; separate worker processes behave like a cluster's, and a worker
+    # that dies does not take the client with it.
+    os.environ.setdefault("_python_worker_execution_mode", "process")
     conf = Configuration()
     for k, v in config.to_flink().items():
         conf.set_string(k, v)

@@ -1,0 +1,232 @@
+"""A standalone Flink cluster started from the pip package's own scripts, for the kill tests.
+
+Everything it writes (config, logs, pid files, temp files, checkpoints) is under one folder;
+every process it starts, and every Python worker under a TaskManager, is ended by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyflink
+
+BIN = Path(pyflink.__file__).parent / "bin"
+CONF = Path(pyflink.__file__).parent / "conf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (OSError, ValueError, KeyError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Cluster:
+    def __init__(self, base: Path, slots: int = 2) -> None:
+        self.base = base
+        self.conf = base / "conf"
+        self.log = base / "log"
+        self.pid_dir = base / "pid"
+        self.tmp = base / "tmp"
+        for d in (self.conf, self.log, self.pid_dir, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        for f in CONF.glob("log4j*.properties"):
+            shutil.copy(f, self.conf / f.name)
+        self.rest_port = free_port()
+        base_opts = _java_opts()
+        settings = {
+            "jobmanager.rpc.address": "localhost",
+            "jobmanager.rpc.port": free_port(),
+            "jobmanager.bind-host": "localhost",
+            "taskmanager.bind-host": "localhost",
+            "taskmanager.host": "localhost",
+            "rest.address": "localhost",
+            "rest.bind-address": "localhost",
+            "rest.port": self.rest_port,
+            "taskmanager.numberOfTaskSlots": slots,
+            "jobmanager.memory.process.size": "1024m",
+            "taskmanager.memory.process.size": "1600m",
+            "io.tmp.dirs": str(self.tmp),
+            "env.java.opts.all": f"{base_opts} -Djava.io.tmpdir={self.tmp}",
+            "python.executable": sys.executable,
+            "heartbeat.timeout": 8000,
+            "heartbeat.interval": 1000,
+            "slot.request.timeout": 120000,
+        }
+        (self.conf / "config.yaml").write_text(
+            "".join(
+                f"{k}: {json.dumps(v) if isinstance(v, str) else v}\n" for k, v in settings.items()
+            )
+        )
+        self.env = dict(
+            os.environ,
+            FLINK_CONF_DIR=str(self.conf),
+            FLINK_LOG_DIR=str(self.log),
+            FLINK_PID_DIR=str(self.pid_dir),
+            TMPDIR=str(self.tmp),
+            JVM_ARGS=f"-Djava.io.tmpdir={self.tmp}",
+            RATCHET_TEST_EXEC_LOG=str(base / "exec.log"),  # the Python workers inherit it
+        )
+        self.exec_log = base / "exec.log"
+        self.started: list[int] = []
+
+    @property
+    def jobmanager(self) -> str:
+        return f"localhost:{self.rest_port}"
+
+    def _script(self, name: str, *args: str) -> None:
+        subprocess.run(
+            ["bash", str(BIN / name), *args],
+            env=self.env,
+            check=True,
+            timeout=60,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def _pids(self, kind: str) -> list[int]:
+        f = self.pid_dir / f"flink-{os.environ.get('USER', 'root')}-{kind}.pid"
+        if not f.exists():
+            matches = list(self.pid_dir.glob(f"flink-*-{kind}.pid"))
+            if not matches:
+                return []
+            f = matches[0]
+        return [int(x) for x in f.read_text().split()]
+
+    def start(self) -> None:
+        self._script("jobmanager.sh", "start")
+        self.start_taskmanager()
+        wait_for("the JobManager's REST API", lambda: self.rest("/overview"), 90)
+        self.started += self._pids("standalonesession")
+
+    def start_taskmanager(self) -> int:
+        before = set(self._pids("taskexecutor"))
+        self._script("taskmanager.sh", "start")
+        pid = wait_for(
+            "a new TaskManager pid",
+            lambda: (
+                (set(self._pids("taskexecutor")) - before)
+                and max(set(self._pids("taskexecutor")) - before)
+            ),
+            30,
+        )
+        self.started.append(pid)
+        return int(pid)
+
+    def taskmanager_pids(self) -> list[int]:
+        return [p for p in self._pids("taskexecutor") if Path(f"/proc/{p}").exists()]
+
+    def rest(self, path: str, method: str = "GET", body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            f"http://localhost:{self.rest_port}{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else {}
+
+    def job_status(self, job_id: str) -> str:
+        return str(self.rest(f"/jobs/{job_id}")["state"])
+
+    def checkpoints(self, job_id: str) -> dict[str, Any]:
+        return self.rest(f"/jobs/{job_id}/checkpoints")  # type: ignore[no-any-return]
+
+    def cancel(self, job_id: str) -> None:
+        try:
+            self.rest(f"/jobs/{job_id}?mode=cancel", method="PATCH")
+        except OSError:
+            return
+        wait_for(
+            f"job {job_id} to end",
+            lambda: self.job_status(job_id) in ("CANCELED", "FINISHED", "FAILED"),
+            60,
+        )
+
+    def stop_with_savepoint(self, job_id: str, directory: Path) -> str:
+        trig = self.rest(
+            f"/jobs/{job_id}/stop",
+            method="POST",
+            body={"targetDirectory": str(directory), "drain": False},
+        )["request-id"]
+
+        def done() -> Any:
+            st = self.rest(f"/jobs/{job_id}/savepoints/{trig}")
+            if st["status"]["id"] != "COMPLETED":
+                return None
+            op = st["operation"]
+            if "failure-cause" in op:
+                raise AssertionError(f"savepoint failed: {op['failure-cause']}")
+            return op["location"]
+
+        return str(wait_for("the savepoint", done, 90))
+
+    def stop(self) -> None:
+        pids = list(self.started)
+        for p in list(pids):
+            pids += descendants(p)
+        kill_pids(pids)
+
+
+def _java_opts() -> str:
+    text = (CONF / "config.yaml").read_text()
+    for line in text.splitlines():
+        if line.strip().startswith("all: --add-exports"):
+            return line.strip()[len("all: ") :]
+    return ""

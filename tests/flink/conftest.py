@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HAVE_PYFLINK = importlib.util.find_spec("pyflink") is not None
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One standalone cluster (JobManager + TaskManager, 2 slots) for the whole Flink suite."""
+    if not HAVE_PYFLINK:
+        pytest.skip("PyFlink is not installed")
+    from .cluster import Cluster
+
+    c = Cluster(Path(tmp_path_factory.mktemp("flink-cluster")))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()

@@ -1,0 +1,103 @@
+"""Helpers of the Flink suite: subprocess runs with contained temp dirs, outputs, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+AGENTS = HERE / "agents.py"
+CLI = [sys.executable, str(HERE / "_cli.py"), "flink", "run"]
+
+
+def flink_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """Environment for anything that starts a JVM: temp files under `tmp`, not /tmp."""
+    jtmp = tmp / "jvm-tmp"
+    jtmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        TMPDIR=str(jtmp),
+        JVM_ARGS=f"-Djava.io.tmpdir={jtmp}",
+        RATCHET_TEST_EXEC_LOG=str(tmp / "exec.log"),
+    )
+    env.update(extra)
+    return env
+
+
+def run_cli(
+    tmp: Path, args: list[str], timeout: float, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`ratchet flink run ...` on a local mini-cluster; fails with its stderr on error/timeout."""
+    cmd = [*CLI, *args, "--tmp-dir", str(tmp / "flink-tmp")]
+    try:
+        proc = subprocess.run(
+            cmd, env=flink_env(tmp, **env), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(
+            f"flink job did not finish within {timeout:.0f}s: {' '.join(cmd)}\n"
+            f"stderr tail: {(exc.stderr or b'')[-3000:]!r}"
+        ) from None
+    if proc.returncode != 0:
+        raise AssertionError(f"flink job failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def write_inputs(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def per_key(
+    outputs: list[dict[str, Any]], renumber: bool = False
+) -> dict[Any, list[dict[str, Any]]]:
+    """Outputs grouped by key, sorted by (seq, task). With `renumber`, `seq` is made per key
+    (the embedded engine numbers inputs across the whole source, Flink per key)."""
+    grouped: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for rec in outputs:
+        grouped[rec["key"]].append(rec)
+    result = {}
+    for key, recs in grouped.items():
+        recs.sort(key=lambda r: (r["seq"], r["task"], r["id"]))
+        if renumber:
+            local = {s: i for i, s in enumerate(sorted({r["seq"] for r in recs}))}
+            recs = [
+                dict(
+                    r,
+                    seq=local[r["seq"]],
+                    id=f"{key}:{local[r['seq']]}:{r['task']}:{r['id'].rsplit(':', 1)[1]}",
+                )
+                for r in recs
+            ]
+        result[key] = recs
+    return result
+
+
+def embedded_memory(state: Path) -> dict[Any, dict[str, Any]]:
+    from ratchet.runtime._memops import from_wire
+    from ratchet.store import codec
+    from ratchet.store._sqlite import SqliteStore
+
+    store = SqliteStore.open_readonly(state)
+    try:
+        loaded = store.load()
+    finally:
+        store.close()
+    return {codec.decode(k): from_wire(codec.decode(mem)) for k, _nd, mem in loaded.keys}
+
+
+def flink_memory(directory: Path) -> dict[Any, dict[str, Any]]:
+    from ratchet.flink import decode_memory_line, read_output_dir
+
+    return dict(decode_memory_line(r) for r in read_output_dir(directory))
+
+
+def exec_log(tmp: Path) -> list[list[str]]:
+    log = tmp / "exec.log"
+    if not log.exists():
+        return []
+    return [line.split() for line in log.read_text().splitlines() if line]

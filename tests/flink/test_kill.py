@@ -138,14 +138,14 @@ def test_taskmanager_sigkill_restores_parked_run_exactly_once(cluster, tmp_path:
     assert kb[0]["output"]["tool"] == 1100
 
     log = exec_log(cluster.exec_log.parent)
-    execs = Counter(tuple(l[2:]) for l in log if l[1] == "exec")
+    execs = Counter(tuple(l[2:]) for ln in log if ln[1] == "exec")
     # Runs committed (their outputs were committed) before the kill never ran again.
     for r in before:
         assert execs[(r["key"], str(r["seq"]), "r>handle")] == 1, (r, execs)
     # The parked run was replayed; its first durable call had been checkpointed.
     assert execs[("kb", "0", "r>handle")] == 2
-    assert sum(1 for l in log if l[1:4] == ["call", "quote", "100"]) == 1, log
-    assert sum(1 for l in log if l[1:4] == ["call", "blocked_tool", "start"]) == 2
+    assert sum(1 for ln in log if ln[1:4] == ["call", "quote", "100"]) == 1, log
+    assert sum(1 for ln in log if ln[1:4] == ["call", "blocked_tool", "start"]) == 2
 
 
 def _gone(pid: int) -> bool:

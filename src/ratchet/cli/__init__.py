@@ -21,12 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     from ratchet.cli import _agents
 
     _agents.register(sub)
-    try:
-        from ratchet.cli import _checks
-    except ImportError:  # the checks front end is optional while it is being built
-        _checks = None  # type: ignore[assignment]
-    if _checks is not None:
-        _checks.register(sub)
+    from ratchet.cli import _checks, _flink
+
+    _checks.register(sub)
+    _flink.register(sub)  # imports PyFlink only when a flink command runs
     return parser
 
 

@@ -34,8 +34,15 @@ def test_savepoint_at_parallelism_1_restores_at_parallelism_2(cluster, tmp_path:
         raise
     write_inputs(inputs / "b.jsonl", [{"key": k, "v": 2} for k in KEYS])
     job2 = submit(
-        cluster, tmp_path, "BlobAgent", inputs, out, "--parallelism", "2",
-        "--from-savepoint", savepoint,
+        cluster,
+        tmp_path,
+        "BlobAgent",
+        inputs,
+        out,
+        "--parallelism",
+        "2",
+        "--from-savepoint",
+        savepoint,
     )
     try:
         assert cluster.rest(f"/jobs/{job2}")["vertices"][-1]["parallelism"] == 2

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-flink lint format bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
@@ -20,6 +20,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The Flink engine's suite, in its own environment (PyFlink is large and pins its own deps).
+FLINK_VENV := .venv-flink
+test-flink:
+	@test -x $(FLINK_VENV)/bin/python || $(PY) -m venv $(FLINK_VENV)
+	@test -f $(FLINK_VENV)/.installed || { $(FLINK_VENV)/bin/python -m pip install -q --upgrade pip && \
+		$(FLINK_VENV)/bin/python -m pip install -q -e '.[flink]' pytest pytest-timeout && touch $(FLINK_VENV)/.installed; }
+	$(FLINK_VENV)/bin/python -m pytest -q -m flink tests/flink
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -38,6 +38,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks examples
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

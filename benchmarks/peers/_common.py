@@ -82,7 +82,11 @@ def output_ids(path: Path) -> list[str]:
         files = [path]
     ids = []
     for f in files:
-        with open(f, errors="replace") as fh:
+        try:
+            fh = open(f, errors="replace")
+        except OSError:  # renamed or just created as a folder under our feet: not an output yet
+            continue
+        with fh:
             for line in fh:
                 if not line.endswith("\n"):
                     continue  # cut short by a kill

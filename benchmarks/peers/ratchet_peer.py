@@ -16,8 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c  # noqa: E402
 
-from ratchet import EngineConfig, run  # noqa: E402
-
 MODES = {
     "default": {"checkpoint_interval": 0.2, "synchronous": "NORMAL"},
     "strict": {"checkpoint_interval": 0.0, "synchronous": "FULL"},
@@ -39,7 +37,10 @@ def main() -> None:
     wd: Path = a.workdir
     wd.mkdir(parents=True, exist_ok=True)
     cfg = MODES[a.mode]
-    import ratchet_agents as agents
+    if a.workload in ("w1", "w2"):  # in this process; w3 and w4 exec the CLI, importing nothing
+        import ratchet_agents as agents
+
+        from ratchet import EngineConfig, run
 
     if a.workload == "w1":
         n = a.n or c.W1_INPUTS

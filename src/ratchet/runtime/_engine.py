@@ -272,7 +272,6 @@ class Engine:
         self._stop_reason = ""
         self._fatal: BaseException | None = None
         self._bad: BadInputError | None = None
-        self._source_done = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._work: collections.deque[tuple[Task, TaskResult]] = collections.deque()
@@ -282,7 +281,6 @@ class Engine:
         self._workers: list[threading.Thread] = []
         self._async_tasks: set[asyncio.Task[Any]] = set()
         self._checkpoint_lock: asyncio.Lock | None = None
-        self.started_at = time.time()
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -408,7 +406,6 @@ class Engine:
                 return
             if rec is None:
                 if not self.source.follow:
-                    self._source_done = True
                     return
                 await self._wait_wake(cfg.follow_poll)
                 continue
@@ -436,7 +433,6 @@ class Engine:
             f"{rec.error}; stopped before admitting it (inputs before it are processed and "
             f"checkpointed; fix the line and run again, or pass --on-bad-input skip)"
         )
-        self._source_done = True
 
     # -- dispatch ---------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ thread across runs, like ratchet's short-term memory); each input is one invoke 
 thread; nodes are the steps. Durability: `durability="sync"` (the checkpoint of every
 super-step is written before the next step starts) with SqliteSaver for workload 1
 (sequential, its fastest there) and AsyncSqliteSaver for the others (64 runs at once);
-SQLite in WAL mode with its default synchronous setting.
+SQLite in WAL mode with sqlite's default synchronous=FULL.
 
 Resuming after a kill (what the user must write, `drive(..., resume=True)` below): for every
 key, read the thread's state; if it has pending nodes, `ainvoke(None)` finishes the

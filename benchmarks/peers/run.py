@@ -66,10 +66,10 @@ PEERS = [
     Peer("asyncio", "asyncio", "asyncio_peer.py", "default", "none (the floor)",
          [], {"w1", "w2", "w3"}),
     Peer("LangGraph", "langgraph", "langgraph_peer.py", "default",
-         "AsyncSqliteSaver, durability='sync': a checkpoint per super-step (SQLite WAL, synchronous=FULL by default)",
+         "durability='sync': a checkpoint per super-step; SqliteSaver (1), AsyncSqliteSaver (2-4); SQLite WAL, synchronous=FULL (sqlite's default)",
          ["langgraph", "langgraph-checkpoint-sqlite"], ALL, w1_inputs=2_000, w4_settle=0.2),
     Peer("DBOS", "dbos", "dbos_peer.py", "default",
-         "SQLite system database: each step's result recorded when it returns; memory by @ds.transaction (exactly once)",
+         "SQLite system database (sqlite's defaults: synchronous=FULL): each step's result recorded when it returns; memory by @ds.transaction (exactly once)",
          ["dbos"], ALL, w1_inputs=1_000, w4_settle=0.2),
     Peer("Flink Agents", "flink-agents", "flink_agents_peer.py", "default",
          "Flink checkpoints every 1 s (hashmap state, filesystem storage); outputs by FileSink, committed on checkpoint",
@@ -334,7 +334,7 @@ ROWS = [
     ("lost", "3. outputs lost", ".0f", False),
     ("duplicated", "3. outputs duplicated", ".0f", False),
     ("restart_s", "4. restart -> first new output, 10k keys: s", ".2f", False),
-    ("bytes_step", "5. state on disk per step, bytes", ",.0f", False),
+    ("bytes_step", "5. state on disk per step, bytes", ",.1f", False),
 ]
 
 
@@ -397,7 +397,12 @@ def main() -> int:
     ap.add_argument("--workloads", default="w1,w2,w3,w4")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     ap.add_argument("--keep", action="store_true", help="keep the work folders")
+    ap.add_argument("--render", type=Path, default=None, help="print the table of a --json file")
     a = ap.parse_args()
+    if a.render:
+        saved = json.loads(a.render.read_text())
+        print(table(saved["results"], saved["header"]))
+        return 0
     repeat = 1 if a.quick else a.repeat
     wanted = {s.strip().lower() for s in a.peers.split(",") if s.strip()}
     workloads = {w.strip() for w in a.workloads.split(",")}
@@ -432,7 +437,7 @@ def main() -> int:
     )
     print(table(results, header))
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1, default=str))
+        a.json.write_text(json.dumps({"header": header, "results": results}, indent=1, default=str))
     return 0
 
 

@@ -233,6 +233,8 @@ def w4(peer: Peer, base: Path, repeat: int) -> dict[str, Any]:
 
 
 def versions(peer: Peer) -> str:
+    if not peer.packages:
+        return "standard library only"
     code = ("import importlib.metadata as m, json, sys; print(json.dumps({p: m.version(p) for p in "
             + repr(peer.packages) + "}))")  # fmt: skip
     try:

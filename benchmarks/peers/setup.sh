@@ -27,6 +27,12 @@ declare -A PKGS=(
 ORDER=(ratchet asyncio langgraph dbos flink-agents pyflink)
 if [ $# -gt 0 ]; then ORDER=("$@"); fi
 
+# pip, without the index's "Location ... is ignored" noise; returns pip's own status.
+pip_q() {
+  "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
+  return "${PIPESTATUS[0]}"
+}
+
 status=0
 for name in "${ORDER[@]}"; do
   venv="$BENCH/$name"
@@ -35,9 +41,8 @@ for name in "${ORDER[@]}"; do
   start=$(date +%s)
   rm -rf "$venv"
   if "$PY" -m venv "$venv" \
-     && "$venv/bin/python" -m pip install -q --upgrade pip \
-     && { [ -z "${PKGS[$name]}" ] || "$venv/bin/python" -m pip install -q ${PKGS[$name]} 2>&1 \
-          | grep -v "is ignored: it is neither a file nor a directory"; test "${PIPESTATUS[0]}" = 0; }; then
+     && pip_q "$venv/bin/python" -m pip install -q --upgrade pip \
+     && { [ -z "${PKGS[$name]}" ] || pip_q "$venv/bin/python" -m pip install -q ${PKGS[$name]}; }; then
     touch "$venv/.installed"
     echo "[$name] installed in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
   else

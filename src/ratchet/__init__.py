@@ -26,46 +26,60 @@ from ratchet.agents import (
     action,
     run,
 )
-from ratchet.agents.chat import (
-    AnthropicChatModel,
-    ChatAgent,
-    ChatError,
-    ChatMessage,
-    ChatModel,
-    ChatModelSetup,
-    ChatRequestEvent,
-    ChatResponseEvent,
-    MessageRole,
-    ModelCallError,
-    OllamaChatModel,
-    OpenAIChatModel,
-    Prompt,
-    PromptArgumentError,
-    ReActAgent,
-    ResourceDescriptor,
-    ResourceType,
-    RetryPolicy,
-    ScriptedChatModel,
-    StructuredOutputError,
-    TokenBudget,
-    TokenBudgetExceededError,
-    TokenUsage,
-    Tool,
-    ToolCall,
-    ToolContext,
-    ToolRequestEvent,
-    ToolResponseEvent,
-    TurnLimitError,
-    chat_model_connection,
-    chat_model_setup,
-    chat_usage,
-    prompt,
-    tool,
-)
 from ratchet.runtime._engine import EngineConfig, EngineResult
 from ratchet.store.codec import register as register_type
 
 __version__ = "0.1.0"
+
+# The chat layer is imported on first use: `ratchet run` of an agent without models starts
+# faster, and the names are still ratchet.ChatAgent etc.
+_CHAT = frozenset(
+    {
+        "AnthropicChatModel",
+        "ChatAgent",
+        "ChatError",
+        "ChatMessage",
+        "ChatModel",
+        "ChatModelSetup",
+        "ChatRequestEvent",
+        "ChatResponseEvent",
+        "MessageRole",
+        "ModelCallError",
+        "OllamaChatModel",
+        "OpenAIChatModel",
+        "Prompt",
+        "PromptArgumentError",
+        "ReActAgent",
+        "ResourceDescriptor",
+        "ResourceType",
+        "RetryPolicy",
+        "ScriptedChatModel",
+        "StructuredOutputError",
+        "TokenBudget",
+        "TokenBudgetExceededError",
+        "TokenUsage",
+        "Tool",
+        "ToolCall",
+        "ToolContext",
+        "ToolRequestEvent",
+        "ToolResponseEvent",
+        "TurnLimitError",
+        "chat_model_connection",
+        "chat_model_setup",
+        "chat_usage",
+        "prompt",
+        "tool",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _CHAT:
+        from ratchet.agents import chat
+
+        return getattr(chat, name)
+    raise AttributeError(f"module 'ratchet' has no attribute {name!r}")
+
 
 __all__ = [
     "Agent",

@@ -10,8 +10,18 @@ import threading
 
 from ratchet._errors import RatchetError
 
+_GROUPS = {
+    "checks": "run checks incrementally with sealed receipts",
+    "flink": "run agents on Apache Flink (needs ratchet[flink])",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; for a known `command`, the other groups are stubs (not imported).
+
+    `ratchet run` is what a restarted worker executes, so its start-up should not pay for
+    importing the check runner or the Flink front end.
+    """
     parser = argparse.ArgumentParser(
         prog="ratchet",
         description="Durable, event-driven agents and incremental, verified checks.",
@@ -21,15 +31,31 @@ def build_parser() -> argparse.ArgumentParser:
     from ratchet.cli import _agents
 
     _agents.register(sub)
-    from ratchet.cli import _checks, _flink
+    for group, help_text in _GROUPS.items():
+        if command is not None and command != group:
+            sub.add_parser(group, help=help_text)
+        elif group == "checks":
+            from ratchet.cli import _checks
 
-    _checks.register(sub)
-    _flink.register(sub)  # imports PyFlink only when a flink command runs
+            _checks.register(sub)
+        else:
+            from ratchet.cli import _flink
+
+            _flink.register(sub)  # imports PyFlink only when a flink command runs
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = _command_of(argv)
+    parser = build_parser(command if command in ("run", "status", "inspect") else None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -204,6 +204,19 @@ def to_json_line(record: dict[str, Any]) -> str:
     return json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"))
 
 
+_ID_PREFIX = b'{"id":'
+_decoder = json.JSONDecoder()
+
+
+def _line_id(raw: bytes) -> str:
+    """The id of an output line; ratchet writes it first, so only that string is decoded."""
+    if raw.startswith(_ID_PREFIX):
+        value, _ = _decoder.raw_decode(raw.decode("utf-8"), len(_ID_PREFIX))
+        if isinstance(value, str):
+            return value
+    return json.loads(raw)["id"]  # a line written some other way: read it whole
+
+
 class Sink:
     """Receives outputs after the checkpoint holding them completed."""
 
@@ -234,7 +247,7 @@ class JsonlSink(Sink):
                     break  # a line cut by a crash: dropped below and written again
                 keep += len(raw)
                 try:
-                    self._ids.add(json.loads(raw)["id"])
+                    self._ids.add(_line_id(raw))
                 except (ValueError, KeyError, TypeError) as exc:
                     raise ConfigError(
                         f"--output {self.path} has a line that is not a ratchet output ({exc}); "

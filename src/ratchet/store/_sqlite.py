@@ -44,6 +44,7 @@ _SCHEMA = [
     """
 ]
 _KEEP_CHECKPOINT_ROWS = 100
+_VACUUM_FREE_PAGES = 256
 
 
 @dataclass
@@ -152,7 +153,7 @@ class SqliteStore:
         if fresh and path.exists():
             # A zero-length file is what a crash during creation leaves; nothing is in it.
             path.unlink()
-        conn = cls._connect_checked(path)
+        conn = cls._connect_checked(path, fresh)
         store = cls(conn, path)
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise StateError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
@@ -178,9 +179,13 @@ class SqliteStore:
         return store
 
     @staticmethod
-    def _connect_checked(path: Path) -> sqlite3.Connection:
+    def _connect_checked(path: Path, fresh: bool = False) -> sqlite3.Connection:
         try:
             conn = _connect(path)
+            if fresh:
+                # Outbox and input rows come and go at every checkpoint: let the file give their
+                # pages back (only settable before the first table, and before WAL mode).
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 raise StateError(f"{path}: could not switch to WAL mode (got {mode})")
@@ -384,6 +389,7 @@ class SqliteStore:
         except BaseException:
             c.execute("ROLLBACK")
             raise
+        self._maybe_vacuum()
         return {
             "id": checkpoint_id,
             "trigger_timestamp": triggered_at,
@@ -391,12 +397,20 @@ class SqliteStore:
             "size_bytes": size,
         }
 
+    def _maybe_vacuum(self) -> None:
+        """Return free pages to the file system once there are enough of them to matter."""
+        free = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+        if free >= _VACUUM_FREE_PAGES:
+            # executescript steps the pragma to the end (execute() would free one page).
+            self.conn.executescript("PRAGMA incremental_vacuum;")
+
     def forget_outputs(self, ids: list[str]) -> None:
         """Delete outbox rows whose outputs the sink holds (they are never needed again)."""
         c = self.conn
         c.execute("BEGIN IMMEDIATE")
         c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in ids])
         c.execute("COMMIT")
+        self._maybe_vacuum()
 
     def count_failed_checkpoint(self) -> None:
         """Best effort: the disk that failed the checkpoint may fail this too."""

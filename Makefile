@@ -41,5 +41,11 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/run_all.py
 
+# ratchet beside LangGraph, DBOS, Flink Agents, PyFlink and plain asyncio: one venv per peer
+# under .bench/ (about 2.8 GB), then one table (about 15 minutes). See docs/benchmarks.md.
+bench-peers:
+	bash benchmarks/peers/setup.sh || true  # a peer that fails to install shows as "not installed"
+	$(PY) benchmarks/peers/run.py --repeat 3
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

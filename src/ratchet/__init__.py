@@ -31,50 +31,9 @@ from ratchet.store.codec import register as register_type
 
 __version__ = "0.1.0"
 
-# The chat layer is imported on first use: `ratchet run` of an agent without models starts
-# faster, and the names are still ratchet.ChatAgent etc.
-_CHAT = frozenset(
-    {
-        "AnthropicChatModel",
-        "ChatAgent",
-        "ChatError",
-        "ChatMessage",
-        "ChatModel",
-        "ChatModelSetup",
-        "ChatRequestEvent",
-        "ChatResponseEvent",
-        "MessageRole",
-        "ModelCallError",
-        "OllamaChatModel",
-        "OpenAIChatModel",
-        "Prompt",
-        "PromptArgumentError",
-        "ReActAgent",
-        "ResourceDescriptor",
-        "ResourceType",
-        "RetryPolicy",
-        "ScriptedChatModel",
-        "StructuredOutputError",
-        "TokenBudget",
-        "TokenBudgetExceededError",
-        "TokenUsage",
-        "Tool",
-        "ToolCall",
-        "ToolContext",
-        "ToolRequestEvent",
-        "ToolResponseEvent",
-        "TurnLimitError",
-        "chat_model_connection",
-        "chat_model_setup",
-        "chat_usage",
-        "prompt",
-        "tool",
-    }
-)
-
 
 def __getattr__(name: str) -> object:
-    if name in _CHAT:
+    if name in _LAZY:
         from ratchet.agents import chat
 
         return getattr(chat, name)
@@ -138,3 +97,7 @@ __all__ = [
     "run",
     "tool",
 ]
+
+# The chat layer is imported on first use (`ratchet run` of an agent without models starts
+# faster); its public names are the ones in __all__ not defined above.
+_LAZY = frozenset(name for name in __all__ if name not in globals())

@@ -35,6 +35,8 @@ class Renamed(Agent):
 
 def test_public_names_are_pinned() -> None:
     assert ratchet.__all__ == sorted(ratchet.__all__)
+    for name in ratchet.__all__:  # every public name resolves, the lazily loaded ones too
+        assert getattr(ratchet, name) is not None
     assert ratchet.__all__ == [
         "Agent",
         "AnthropicChatModel",

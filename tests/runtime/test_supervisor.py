@@ -139,3 +139,29 @@ def test_a_second_supervisor_on_one_state_directory_is_refused(tmp_path: Path) -
         first.wait(timeout=20)
         assert first.stderr is not None
         first.stderr.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "State:\tZ" in status  # exited; waiting to be reaped by whoever adopted it
+
+
+def test_a_worker_does_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
+    port = free_port()
+    proc = supervised(tmp_path, [{"key": "a"}], "--follow", "--rest-port", str(port))
+    try:
+        worker = wait_running(port)["worker_pid"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker), "the worker kept running after its supervisor was killed"
+    finally:
+        assert proc.stderr is not None
+        proc.stderr.close()
+    # It stopped cleanly: its final checkpoint holds the input's output.
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1

@@ -141,6 +141,26 @@ def _supervise(args: argparse.Namespace) -> int:
     return sup.run()
 
 
+def _die_with_supervisor() -> None:
+    """A worker whose supervisor was killed must not run on unsupervised: on Linux the kernel
+    sends it SIGTERM (a clean stop with a final checkpoint) when the supervisor dies."""
+    import ctypes
+    import os
+    import signal
+
+    from ratchet.runtime._supervisor import SUPERVISOR_PID_ENV
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: the broken status pipe still stops the worker at its next report
+    expected = os.environ.get(SUPERVISOR_PID_ENV)
+    if expected and os.getppid() != int(expected):
+        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor died before prctl took effect
+
+
 def _status_reporter(args: argparse.Namespace) -> Any:
     """In a supervised worker: one JSON line per restore/checkpoint to the supervisor's pipe."""
     import os
@@ -150,6 +170,7 @@ def _status_reporter(args: argparse.Namespace) -> Any:
     fd = os.environ.get(STATUS_FD_ENV)
     if not fd:
         return None
+    _die_with_supervisor()
     pipe = os.fdopen(int(fd), "w", encoding="utf-8", buffering=1)
     resource_id = os.environ.get(RESOURCE_ID_ENV)
 
@@ -164,7 +185,7 @@ def _status_reporter(args: argparse.Namespace) -> Any:
         try:
             pipe.write(json.dumps(line, default=str) + "\n")
         except BrokenPipeError:
-            pass
+            engine.request_stop("the supervisor is gone")
 
     return report
 

@@ -29,6 +29,7 @@ log = logging.getLogger("ratchet.supervisor")
 
 STATUS_FD_ENV = "RATCHET_STATUS_FD"
 RESOURCE_ID_ENV = "RATCHET_RESOURCE_ID"
+SUPERVISOR_PID_ENV = "RATCHET_SUPERVISOR_PID"
 # A worker that exits with these codes hit an error a restart cannot fix (bad agent, refused
 # state, bad input): the job fails instead of restarting.
 _NO_RESTART = {2, 3}
@@ -159,7 +160,14 @@ class Supervisor:
     def _spawn(self) -> _Worker:
         read_fd, write_fd = os.pipe()
         resource_id = uuid.uuid4().hex
-        env = dict(os.environ, **{STATUS_FD_ENV: str(write_fd), RESOURCE_ID_ENV: resource_id})
+        env = dict(
+            os.environ,
+            **{
+                STATUS_FD_ENV: str(write_fd),
+                RESOURCE_ID_ENV: resource_id,
+                SUPERVISOR_PID_ENV: str(os.getpid()),
+            },
+        )
         proc = subprocess.Popen(self.worker_argv, env=env, pass_fds=(write_fd,))
         os.close(write_fd)
         reader = threading.Thread(

@@ -73,18 +73,7 @@ def main() -> None:
     result = {"inputs": n, "wall_s": (done - t0) if done else None,
               "first_output_s": (first - t0) if first else None,
               "first_to_last_s": (done - first) if done and first else None}  # fmt: skip
-    if a.workload == "w1" and done:
-        result["steps"] = 3 * n
-        time.sleep(fl.CHECKPOINT_MS / 1000 * 1.5)  # the state as of a checkpoint after the end
-        result["state_bytes"] = c.dir_bytes(wd / "chk")
-    if done is None:
-        result["error"] = f"only {len(c.output_ids(wd / 'out'))} outputs"
-    c.emit(result)
-    try:
-        job.cancel()
-    except Exception:  # noqa: BLE001 - the driver ends the process group anyway
-        pass
-    os._exit(0)
+    fl.finish(job, result, a.workload, n, done, wd)
 
 
 if __name__ == "__main__":

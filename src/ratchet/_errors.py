@@ -1,6 +1,55 @@
-"""The exception hierarchy: every error ratchet raises on purpose derives from RatchetError."""
+"""The exception hierarchy, in one place: everything ratchet raises on purpose is below.
+
+    RatchetError                      catch this to handle anything ratchet raised on purpose
+    ├── ConfigError                   a setting, agent, flag or file is wrong; exit 2
+    │   ├── PromptArgumentError       a prompt formatted without one of its arguments
+    │   └── ProjectError              (also ValueError) a checks project file or plan is invalid
+    ├── StateError                    a state directory cannot be used as it is; exit 2
+    │   ├── ReceiptError              (also ValueError) a checks receipt cannot be trusted
+    │   │   └── LegacyReceiptError    a receipt from before checkpoints: grants no reuse
+    │   └── ResumeRefusedError        (also ValueError) a checks run cannot be resumed as it is
+    ├── BadInputError                 an input record cannot be admitted; exit 3
+    ├── NonDeterminismError           replay met a different call than the journal recorded
+    ├── CheckpointError               checkpoints failed more times in a row than tolerated
+    ├── CodecError                    (also TypeError) a value cannot be stored
+    │   └── UnknownTypeError          stored data names a class this process has not registered
+    ├── CorruptDataError              (also ValueError) bytes are not something encode wrote
+    ├── ReplayedCallError             a journaled call failed with a type that cannot be rebuilt
+    ├── ChatError                     the chat layer
+    │   ├── ModelCallError            a provider refused or failed a request
+    │   ├── TurnLimitError            the tool loop reached max_turns
+    │   ├── TokenBudgetExceededError  a run or key used up its token budget
+    │   └── StructuredOutputError     a reply does not validate against the requested schema
+    ├── StageTimeoutError             a check stage ran past its timeout
+    └── InternalError                 a broken invariant inside ratchet: a bug, please report it
+
+Errors from lower layers (sqlite3, OSError, pydantic) are translated at the boundary with
+``raise ... from exc``, so the original stays attached. Exit codes are the constants below,
+shared by the CLI and the supervisor (which does not restart a worker that exited with one a
+restart cannot fix).
+"""
 
 from __future__ import annotations
+
+from typing import Final
+
+# -- exit codes of `ratchet` (documented in README "Exit codes") ---------------------------------
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1  # the work ran and failed (a check failed, a supervised job gave up)
+EXIT_USAGE: Final = 2  # a ConfigError/StateError or any other RatchetError: fix and run again
+EXIT_BAD_INPUT: Final = 3  # an input line was refused; everything before it is committed
+EXIT_INTERRUPTED: Final = 130  # Ctrl-C
+# A worker that exits with one of these hit an error a restart cannot fix.
+EXIT_NO_RESTART: Final = frozenset({EXIT_USAGE, EXIT_BAD_INPUT})
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code the CLI uses for an error that ends a command."""
+    if isinstance(exc, BadInputError):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_USAGE
 
 
 class RatchetError(Exception):
@@ -29,3 +78,105 @@ class BadInputError(RatchetError):
 
 class InternalError(RatchetError):
     """A broken invariant inside ratchet: a bug, please report it."""
+
+
+# -- the codec -----------------------------------------------------------------------------------
+
+
+class CodecError(RatchetError, TypeError):
+    """A value cannot be stored: the message names where it is, its type, and what to use."""
+
+
+class UnknownTypeError(CodecError):
+    """Stored data names a registered class that this process has not registered."""
+
+
+class CorruptDataError(RatchetError, ValueError):
+    """Bytes given to `decode` are not something `encode` wrote (truncated, damaged, foreign)."""
+
+
+# -- durable calls -------------------------------------------------------------------------------
+
+
+class ReplayedCallError(RatchetError):
+    """A durable call failed before a crash with an exception ratchet cannot rebuild by type.
+
+    Built-in exceptions are re-raised with their own type; others arrive as this error,
+    carrying the original type name and message.
+    """
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+
+
+# -- the chat layer ------------------------------------------------------------------------------
+
+
+class ChatError(RatchetError):
+    """Root of the chat layer's errors."""
+
+
+class PromptArgumentError(ChatError, ConfigError):
+    """A prompt was formatted without one of its named arguments."""
+
+
+class ModelCallError(ChatError):
+    """A provider refused or failed a request.
+
+    `transient` says whether a retry may succeed (429, 5xx, timeouts, dropped connections);
+    `status` is the HTTP status when there was one; `retry_after` is the server's hint in
+    seconds. The message carries the provider's own message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        provider: str = "",
+        status: int | None = None,
+        transient: bool = False,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.provider = provider
+        self.status = status
+        self.transient = transient
+        self.retry_after = retry_after
+
+
+class TurnLimitError(ChatError):
+    """The tool loop called the model `max_turns` times without a final reply."""
+
+
+class TokenBudgetExceededError(ChatError):
+    """A run or a key used up its token budget; no further model call is made."""
+
+
+class StructuredOutputError(ChatError):
+    """The model's reply does not validate against the requested output schema."""
+
+
+# -- the check runner ----------------------------------------------------------------------------
+# Where the checks contract asks for a ValueError the classes subclass it too.
+
+
+class ProjectError(ConfigError, ValueError):
+    """The project file (or a hand-built plan) is invalid; the message names the field."""
+
+
+class ReceiptError(StateError, ValueError):
+    """A receipt cannot be trusted: missing, unreadable, or its seal does not match."""
+
+
+class LegacyReceiptError(ReceiptError):
+    """A receipt written before checkpoints existed: it grants no reuse."""
+
+
+class ResumeRefusedError(StateError, ValueError):
+    """A run cannot be resumed from this receipt as it stands (e.g. it is still `running`)."""
+
+
+class StageTimeoutError(RatchetError):
+    """A stage ran past its `timeout_seconds`; its process group was killed."""

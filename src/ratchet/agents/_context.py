@@ -10,7 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ratchet._errors import NonDeterminismError, RatchetError
+from ratchet._errors import NonDeterminismError, ReplayedCallError
 from ratchet.agents._agent import Agent, AgentSpec
 from ratchet.agents._events import (
     ErrorEvent,
@@ -33,19 +33,6 @@ T = TypeVar("T")
 _current: contextvars.ContextVar[RunnerContext | None] = contextvars.ContextVar(
     "ratchet_ctx", default=None
 )
-
-
-class ReplayedCallError(RatchetError):
-    """A durable call failed before a crash with an exception ratchet cannot rebuild by type.
-
-    Built-in exceptions are re-raised with their own type; others arrive as this error,
-    carrying the original type name and message.
-    """
-
-    def __init__(self, type_name: str, message: str) -> None:
-        super().__init__(f"{type_name}: {message}")
-        self.type_name = type_name
-        self.message = message
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from ratchet._errors import RatchetError
+from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RatchetError
 from ratchet.checks import _report, runner
 
 
@@ -22,8 +22,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def exit_code(result: dict[str, Any]) -> int:
     """0 for a passed run (or a successful recover/explain/list), 1 otherwise."""
     if "ok" in result:
-        return 0 if result["ok"] else 1
-    return 0 if result.get("status") in ("passed", "planned") else 1
+        return EXIT_OK if result["ok"] else EXIT_FAILED
+    return EXIT_OK if result.get("status") in ("passed", "planned") else EXIT_FAILED
 
 
 def dispatch(parsed: argparse.Namespace) -> int:
@@ -32,7 +32,7 @@ def dispatch(parsed: argparse.Namespace) -> int:
         result = parsed.handler(parsed)
     except (RatchetError, ValueError, OSError) as exc:
         print(f"ratchet checks: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if getattr(parsed, "json", False):
         print(json.dumps(result, indent=2, sort_keys=True))
     else:

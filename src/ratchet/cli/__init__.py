@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from ratchet._errors import RatchetError
+from ratchet._errors import EXIT_INTERRUPTED, RatchetError, exit_code_for
 
 _GROUPS = {
     "checks": "run checks incrementally with sealed receipts",
@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.func(args) or 0)
     except RatchetError as exc:
         print(f"ratchet: error: {exc}", file=sys.stderr)
-        code = 2
+        code = exit_code_for(exc)
     except KeyboardInterrupt:
-        code = 130
+        code = EXIT_INTERRUPTED
     if args.command == "run" and threading.active_count() > 1:
         # A thread still blocked in a user's call would hold the interpreter's exit; the job's
         # state is already committed, so leave without waiting for it.

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from ratchet._errors import BadInputError
+from ratchet._errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInputError
 from ratchet.runtime._io import to_json_line
 
 
@@ -239,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = run_owned(job, handle_signals=True)
     except BadInputError as exc:
         print(f"ratchet: bad input: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_BAD_INPUT
     finally:
         if live is not None:
             live.stop()
@@ -269,7 +269,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         store.close()
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
-        return 0
+        return EXIT_OK
     from rich.console import Console
     from rich.table import Table
 
@@ -296,7 +296,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     table.add_row("unreleased outputs", str(summary["unreleased_outputs"]))
     table.add_row("source", json.dumps(summary["source"]))
     Console().print(table)
-    return 0
+    return EXIT_OK
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -312,18 +312,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         store.close()
     if args.key is not None and not rows:
         print(f"ratchet: no committed memory for key {args.key!r}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     memories = {str(codec.decode(k)): nested(from_wire(codec.decode(m))) for k, m in rows}
     if args.json:
         print(to_json_line(memories))
-        return 0
+        return EXIT_OK
     from rich.console import Console
     from rich.pretty import Pretty
 
     console = Console()
     for key, memory in memories.items():
         console.print(f"[bold]{key}[/]", Pretty(memory))
-    return 0
+    return EXIT_OK
 
 
 def _get(url: str, model: Any, timeout: float = 5.0) -> Any:
@@ -364,7 +364,7 @@ def _status_url(args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
-        return 0
+        return EXIT_OK
     from rich.console import Console
     from rich.table import Table
 
@@ -391,4 +391,4 @@ def _status_url(args: argparse.Namespace) -> int:
         "restart strategy", f"{rs.type}, {rs.attempts} attempts, {rs.delay_seconds:g} s delay"
     )
     Console().print(table)
-    return 0
+    return EXIT_OK

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+from ratchet._errors import EXIT_OK, EXIT_USAGE
+
 
 def register(sub: Any) -> argparse.ArgumentParser:
     """Add the `flink` command group to the top-level subparsers; `func` returns the exit code."""
@@ -108,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "(apache-flink 2.3.0, Python 3.9-3.12)",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     import os
 
     from ratchet.agents._run import load_agent
@@ -139,7 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job_id = str(client.get_job_id())
     print(json.dumps({"job_id": job_id, "name": name}), flush=True)
     if args.detach:
-        return 0
+        return EXIT_OK
     client.get_job_execution_result().result()
     print(
         json.dumps(
@@ -151,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ),
         flush=True,
     )
-    return 0
+    return EXIT_OK
 
 
 def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int:
@@ -173,7 +175,7 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
             f"ratchet flink: --jobmanager {args.jobmanager!r} must look like host:port",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     spec = {
         "agent": agent,
         "input": os.path.abspath(args.input),
@@ -215,4 +217,4 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
     if code != 0 or job_id is None:
         print("ratchet flink: submission failed:\n" + "".join(tail), file=sys.stderr)
         return code or 1
-    return 0
+    return EXIT_OK

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ratchet._errors import ConfigError
+from ratchet._errors import EXIT_FAILED, EXIT_NO_RESTART, EXIT_OK, ConfigError
 from ratchet.store._sqlite import StateLock
 
 log = logging.getLogger("ratchet.supervisor")
@@ -30,9 +30,6 @@ log = logging.getLogger("ratchet.supervisor")
 STATUS_FD_ENV = "RATCHET_STATUS_FD"
 RESOURCE_ID_ENV = "RATCHET_RESOURCE_ID"
 SUPERVISOR_PID_ENV = "RATCHET_SUPERVISOR_PID"
-# A worker that exits with these codes hit an error a restart cannot fix (bad agent, refused
-# state, bad input): the job fails instead of restarting.
-_NO_RESTART = {2, 3}
 
 
 @dataclass
@@ -225,12 +222,12 @@ class Supervisor:
             if rc == 0:
                 with self._lock:
                     self.s.state = "finished"
-                return 0
+                return EXIT_OK
             if self._stop.is_set():
                 with self._lock:
                     self.s.state = "failed"
                 return rc if rc > 0 else 1
-            if rc in _NO_RESTART:
+            if rc in EXIT_NO_RESTART:
                 with self._lock:
                     self.s.state = "failed"
                 print(f"ratchet: worker failed ({how}); not restarting", file=sys.stderr)
@@ -243,7 +240,7 @@ class Supervisor:
                         f"are used up; the state directory keeps the last checkpoint",
                         file=sys.stderr,
                     )
-                    return 1
+                    return EXIT_FAILED
                 self.s.restarts += 1
                 self.s.state = "restarting"
             print(
@@ -254,4 +251,4 @@ class Supervisor:
             if self._stop.wait(self.delay):
                 with self._lock:
                     self.s.state = "finished"
-                return 0
+                return EXIT_OK

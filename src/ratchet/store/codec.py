@@ -57,7 +57,7 @@ from zoneinfo import ZoneInfo
 import msgpack
 from msgpack import ExtType
 
-from ratchet._errors import RatchetError
+from ratchet._errors import CodecError, CorruptDataError, UnknownTypeError
 
 __all__ = [
     "CodecError",
@@ -74,18 +74,6 @@ __all__ = [
 ]
 
 T = TypeVar("T", bound=type)
-
-
-class CodecError(RatchetError, TypeError):
-    """A value cannot be stored: the message names where it is, its type, and what to use."""
-
-
-class UnknownTypeError(CodecError):
-    """Stored data names a registered class that this process has not registered."""
-
-
-class CorruptDataError(RatchetError, ValueError):
-    """Bytes given to `decode` are not something `encode` wrote (truncated, damaged, foreign)."""
 
 
 # --- wire constants ------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""Time as an input: every read of the wall clock, the monotonic clock or a sleep goes here.
+
+Engines, stores, the supervisor and the check runner take a `Clock`; production code passes
+`SYSTEM_CLOCK`, tests pass `ratchet.testing.FakeClock`, which only moves when told to, so a
+timer or a timeout is tested at an exact virtual time without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import time
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """The three things ratchet asks of time."""
+
+    def now(self) -> float:
+        """Wall-clock seconds since the epoch (stored in checkpoints and receipts)."""
+        ...
+
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back (durations, deadlines)."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds` on this clock (in an event loop)."""
+        ...
+
+    def sleep_sync(self, seconds: float) -> None:
+        """Block the calling thread for `seconds` on this clock."""
+        ...
+
+
+class SystemClock:
+    """The real clocks of the machine."""
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(seconds, 0.0))
+
+    def sleep_sync(self, seconds: float) -> None:
+        time.sleep(max(seconds, 0.0))
+
+    def __repr__(self) -> str:
+        return "SystemClock()"
+
+
+SYSTEM_CLOCK: Clock = SystemClock()
+
+
+def utc_iso(clock: Clock, timespec: str = "milliseconds") -> str:
+    """`clock.now()` as an ISO-8601 UTC timestamp ending in Z (receipts, logs)."""
+    stamp = _dt.datetime.fromtimestamp(clock.now(), _dt.UTC)
+    return stamp.isoformat(timespec=timespec).replace("+00:00", "Z")

@@ -1,4 +1,4 @@
-"""The embedded state store: one SQLite database in WAL mode, written by one thread.
+"""The embedded `CheckpointStore`: one SQLite database in WAL mode, written by one thread.
 
 It stores bytes and plain values only; what they mean belongs to the engine. Rows are keyed
 naturally (key, input sequence, task id, call index) so a retried write is harmless.
@@ -9,14 +9,14 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import StateError
 from ratchet.store import codec
+from ratchet.store._base import CallRecord, CheckpointRows, Loaded
 
 SCHEMA_VERSION = 1
 DB_NAME = "ratchet.db"
@@ -45,51 +45,6 @@ _SCHEMA = [
 ]
 _KEEP_CHECKPOINT_ROWS = 100
 _VACUUM_FREE_PAGES = 256
-
-
-@dataclass
-class CheckpointRows:
-    """One checkpoint, already encoded: applied in a single transaction."""
-
-    keys: list[tuple[bytes, str, int, bytes]] = field(default_factory=list)
-    new_inputs: list[tuple[int, bytes, bytes]] = field(default_factory=list)
-    done_inputs: list[int] = field(default_factory=list)
-    completed: list[int] = field(default_factory=list)
-    runs: list[tuple[int, bytes, int, bytes]] = field(default_factory=list)
-    outbox: list[tuple[str, int, bytes]] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)
-    source: dict[str, Any] = field(default_factory=dict)
-
-    def size(self) -> int:
-        n = sum(len(k) + len(t) + 8 + len(m) for k, t, _, m in self.keys)
-        n += sum(8 + len(k) + len(e) for _, k, e in self.new_inputs)
-        n += sum(8 + len(k) + 8 + len(j) for _, k, _, j in self.runs)
-        n += sum(len(i) + 8 + len(r) for i, _, r in self.outbox)
-        return n + 8 * len(self.done_inputs) + sum(len(i) for i in self.released)
-
-
-@dataclass
-class CallRecord:
-    seq: int
-    task_id: str
-    idx: int
-    fn: str
-    digest: str
-    status: str  # "intent", "ok" or "error"
-    payload: bytes | None
-
-
-@dataclass
-class Loaded:
-    """Everything a restore needs, still encoded."""
-
-    keys: list[tuple[bytes, int, bytes]]
-    inputs: list[tuple[int, bytes, bytes]]
-    runs: list[tuple[int, bytes, int, bytes]]
-    outbox: list[tuple[str, int, bytes]]
-    calls: list[CallRecord]
-    source: dict[str, Any]
-    stats: dict[str, Any]
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -128,9 +83,10 @@ class StateLock:
 class SqliteStore:
     """The SQLite state of one job. Open with `open()`; call methods from one thread at a time."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path, clock: Clock = SYSTEM_CLOCK) -> None:
         self.conn = conn
         self.path = path
+        self.clock = clock
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -142,6 +98,7 @@ class SqliteStore:
         agent_fingerprint: str,
         actions: list[str],
         synchronous: str = "NORMAL",
+        clock: Clock = SYSTEM_CLOCK,
     ) -> SqliteStore:
         """Open or create the state of `agent_name`; refuse state that does not belong to it."""
         sdir = Path(state_dir)
@@ -154,7 +111,7 @@ class SqliteStore:
             # A zero-length file is what a crash during creation leaves; nothing is in it.
             path.unlink()
         conn = cls._connect_checked(path, fresh)
-        store = cls(conn, path)
+        store = cls(conn, path, clock)
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise StateError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
@@ -215,7 +172,7 @@ class SqliteStore:
             "agent_name": agent_name,
             "agent_fingerprint": fingerprint,
             "actions": actions,
-            "created_at": time.time(),
+            "created_at": self.clock.now(),
             "source": {},
             "counts": {"completed": 0, "failed": 0, "restored": 0},
             "latest_restored": None,
@@ -337,7 +294,7 @@ class SqliteStore:
     def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
         """Apply one checkpoint in one transaction; on any error nothing of it is applied."""
         c = self.conn
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         c.execute("BEGIN IMMEDIATE")
         try:
             checkpoint_id = self.meta("next_checkpoint_id")
@@ -373,7 +330,7 @@ class SqliteStore:
             if rows.source:
                 self._set_meta("source", rows.source)
             size = rows.size()
-            duration_ms = (time.perf_counter() - started) * 1000.0
+            duration_ms = (self.clock.monotonic() - started) * 1000.0
             c.execute(
                 "INSERT INTO checkpoints(id, triggered_at, duration_ms, size_bytes) VALUES (?, ?, ?, ?)",
                 (checkpoint_id, triggered_at, duration_ms, size),
@@ -393,7 +350,7 @@ class SqliteStore:
         return {
             "id": checkpoint_id,
             "trigger_timestamp": triggered_at,
-            "duration_ms": (time.perf_counter() - started) * 1000.0,
+            "duration_ms": (self.clock.monotonic() - started) * 1000.0,
             "size_bytes": size,
         }
 
@@ -434,7 +391,7 @@ class SqliteStore:
         c.execute("BEGIN IMMEDIATE")
         counts = self.meta("counts")
         counts["restored"] += 1
-        restored = dict(latest, restored_at=time.time())
+        restored = dict(latest, restored_at=self.clock.now())
         self._set_meta("counts", counts)
         self._set_meta("latest_restored", restored)
         c.execute("COMMIT")

@@ -1,0 +1,104 @@
+"""The store interface: a handful of methods every checkpoint backend implements.
+
+A store holds bytes and plain values; what they mean belongs to the engine. Rows are keyed
+naturally (key, input sequence, task id, call index), so a retried write is harmless. The
+in-memory store (`_memory.py`) is the reference; SQLite (`_sqlite.py`) is the embedded
+default; `tests/store/` is the conformance suite both pass, and any later backend must.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class CheckpointRows:
+    """One checkpoint, already encoded: applied all at once or not at all."""
+
+    # (encoded key, key as text, next dispatch index, encoded memory)
+    keys: list[tuple[bytes, str, int, bytes]] = field(default_factory=list)
+    # (input seq, encoded key, encoded event): inputs admitted since the last checkpoint
+    new_inputs: list[tuple[int, bytes, bytes]] = field(default_factory=list)
+    # input seqs whose runs completed: their input and run rows go
+    done_inputs: list[int] = field(default_factory=list)
+    # input seqs whose runs completed: their call records go
+    completed: list[int] = field(default_factory=list)
+    # (input seq, encoded key, base dispatch index, encoded journal): runs in flight
+    runs: list[tuple[int, bytes, int, bytes]] = field(default_factory=list)
+    # (output id, input seq, encoded sink record): outputs not yet released to the sink
+    outbox: list[tuple[str, int, bytes]] = field(default_factory=list)
+    # output ids the sink holds: their outbox rows go
+    released: list[str] = field(default_factory=list)
+    # the source position and anything else the engine resumes from; {} keeps the old one
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def size(self) -> int:
+        n = sum(len(k) + len(t) + 8 + len(m) for k, t, _, m in self.keys)
+        n += sum(8 + len(k) + len(e) for _, k, e in self.new_inputs)
+        n += sum(8 + len(k) + 8 + len(j) for _, k, _, j in self.runs)
+        n += sum(len(i) + 8 + len(r) for i, _, r in self.outbox)
+        return n + 8 * len(self.done_inputs) + sum(len(i) for i in self.released)
+
+
+@dataclass
+class CallRecord:
+    """One durable call of one task: written through before the task's result is used."""
+
+    seq: int
+    task_id: str
+    idx: int
+    fn: str
+    digest: str
+    status: str  # "intent", "ok" or "error"
+    payload: bytes | None
+
+
+@dataclass
+class Loaded:
+    """Everything a restore needs, still encoded, in the order the engine restores it."""
+
+    keys: list[tuple[bytes, int, bytes]]  # (key, next dispatch, memory)
+    inputs: list[tuple[int, bytes, bytes]]  # (seq, key, event), by seq
+    runs: list[tuple[int, bytes, int, bytes]]  # (seq, key, base dispatch, journal), by seq
+    outbox: list[tuple[str, int, bytes]]  # (id, seq, record), by seq then id
+    calls: list[CallRecord]  # by seq, task id, idx
+    source: dict[str, Any]
+    stats: dict[str, Any]
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """What an engine needs from durable state. Called from one thread at a time."""
+
+    def load(self) -> Loaded:
+        """The state of the latest completed checkpoint plus every call record written since."""
+        ...
+
+    def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
+        """Apply one checkpoint atomically; returns its stats (id, trigger_timestamp,
+        duration_ms, size_bytes). On any error nothing of it is applied."""
+        ...
+
+    def put_calls(self, records: Iterable[CallRecord]) -> None:
+        """Make durable-call records durable now, all or none (a group commit)."""
+        ...
+
+    def forget_outputs(self, ids: list[str]) -> None:
+        """Drop outbox rows of outputs the sink holds (they are never needed again)."""
+        ...
+
+    def count_failed_checkpoint(self) -> None:
+        """Count a failed checkpoint; best effort (the failing disk may fail this too)."""
+        ...
+
+    def record_restore(self) -> dict[str, Any] | None:
+        """Count a restore of the latest completed checkpoint and return it (None if fresh)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """{"counts": {completed, failed, restored}, "latest_completed", "latest_restored"}."""
+        ...
+
+    def close(self) -> None: ...

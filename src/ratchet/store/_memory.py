@@ -1,0 +1,116 @@
+"""The reference `CheckpointStore`: plain dicts, no I/O. What SQLite must behave like.
+
+It lives as long as the object does, so it is for tests, examples and the Flink core's
+tests; a process that dies loses it. The conformance suite in `tests/store/` runs against it
+and against every durable backend, so the semantics are written down once, here, simply.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet.store._base import CallRecord, CheckpointRows, Loaded
+
+_KEEP_CHECKPOINT_STATS = 100
+
+
+class MemoryStore:
+    """A `CheckpointStore` in memory; `reopen()` models a restart of the process."""
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
+        self.keys: dict[bytes, tuple[str, int, bytes]] = {}
+        self.inputs: dict[int, tuple[bytes, bytes]] = {}
+        self.runs: dict[int, tuple[bytes, int, bytes]] = {}
+        self.outbox: dict[str, tuple[int, bytes]] = {}
+        self.calls: dict[tuple[int, str, int], CallRecord] = {}
+        self.source: dict[str, Any] = {}
+        self.counts = {"completed": 0, "failed": 0, "restored": 0}
+        self.checkpoints: list[dict[str, Any]] = []
+        self.latest_restored: dict[str, Any] | None = None
+        self.next_checkpoint_id = 1
+        self.closed = False
+
+    def load(self) -> Loaded:
+        return Loaded(
+            keys=[(k, nd, mem) for k, (_t, nd, mem) in self.keys.items()],
+            inputs=[(seq, k, ev) for seq, (k, ev) in sorted(self.inputs.items())],
+            runs=[(seq, k, base, j) for seq, (k, base, j) in sorted(self.runs.items())],
+            outbox=sorted(
+                ((i, seq, rec) for i, (seq, rec) in self.outbox.items()),
+                key=lambda row: (row[1], row[0]),
+            ),
+            calls=[copy.copy(self.calls[k]) for k in sorted(self.calls)],
+            source=copy.deepcopy(self.source),
+            stats=self.stats(),
+        )
+
+    def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
+        started = self.clock.monotonic()
+        for key, text, next_dispatch, memory in rows.keys:
+            self.keys[key] = (text, next_dispatch, memory)
+        for seq, key, event in rows.new_inputs:
+            self.inputs[seq] = (key, event)
+        for seq in rows.done_inputs:
+            self.inputs.pop(seq, None)
+            self.runs.pop(seq, None)
+        if rows.completed:
+            done = set(rows.completed)
+            for k in [k for k in self.calls if k[0] in done]:
+                del self.calls[k]
+        for seq, key, base, journal in rows.runs:
+            self.runs[seq] = (key, base, journal)
+        for out_id, seq, record in rows.outbox:
+            self.outbox[out_id] = (seq, record)
+        for out_id in rows.released:
+            self.outbox.pop(out_id, None)
+        if rows.source:
+            self.source = copy.deepcopy(rows.source)
+        info = {
+            "id": self.next_checkpoint_id,
+            "trigger_timestamp": triggered_at,
+            "duration_ms": (self.clock.monotonic() - started) * 1000.0,
+            "size_bytes": rows.size(),
+        }
+        self.checkpoints = [*self.checkpoints[-(_KEEP_CHECKPOINT_STATS - 1) :], info]
+        self.next_checkpoint_id += 1
+        self.counts["completed"] += 1
+        return dict(info)
+
+    def put_calls(self, records: Iterable[CallRecord]) -> None:
+        for r in list(records):
+            self.calls[(r.seq, r.task_id, r.idx)] = copy.copy(r)
+
+    def forget_outputs(self, ids: list[str]) -> None:
+        for out_id in ids:
+            self.outbox.pop(out_id, None)
+
+    def count_failed_checkpoint(self) -> None:
+        self.counts["failed"] += 1
+
+    def record_restore(self) -> dict[str, Any] | None:
+        latest = self.stats()["latest_completed"]
+        if latest is None:
+            return None
+        self.counts["restored"] += 1
+        self.latest_restored = dict(latest, restored_at=self.clock.now())
+        return dict(self.latest_restored)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "latest_completed": dict(self.checkpoints[-1]) if self.checkpoints else None,
+            "latest_restored": dict(self.latest_restored) if self.latest_restored else None,
+        }
+
+    def close(self) -> None:
+        self.closed = True
+
+    def reopen(self) -> MemoryStore:
+        """The same durable contents as a new, open store: what a restarted engine would see."""
+        other = copy.deepcopy(self, {id(self.clock): self.clock})
+        other.closed = False
+        return other

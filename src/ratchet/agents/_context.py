@@ -21,7 +21,7 @@ from ratchet.agents._events import (
     event_to_wire,
 )
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
-from ratchet.runtime._engine import TaskCalls
+from ratchet.runtime._dispatch import TaskCalls
 from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.runtime._metrics import KeyMetrics, Metrics
 from ratchet.store import codec
@@ -152,7 +152,8 @@ class RunnerContext:
             return False, None
         if rec.fn != name or rec.digest != digest:
             raise NonDeterminismError(
-                f"task {self.task_id}: durable call #{idx} was {rec.fn} with argument digest "
+                f"replay of key {self.key!r} input {self.seq}, task {self.task_id}: durable "
+                f"call #{idx} was {rec.fn} with argument digest "
                 f"{rec.digest[:12]}, now it is {name} with {digest[:12]}; the action's calls changed "
                 f"since they were recorded"
             )

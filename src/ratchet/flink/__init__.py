@@ -5,7 +5,6 @@ state, checkpoints by Flink, outputs through the exactly-once file sink. See doc
 """
 
 from ratchet.flink._config import FlinkConfig
-from ratchet.flink._core import CoreConfig, decode_memory, encode_memory
 from ratchet.flink._function import END_OF_INPUT, MEMORY_TAG, AgentFunction, ParseLines
 from ratchet.flink._job import (
     AgentsEnvironment,
@@ -16,6 +15,8 @@ from ratchet.flink._job import (
     file_sink,
     read_output_dir,
 )
+from ratchet.runtime._flink_core import CoreConfig
+from ratchet.runtime._journal import decode_memory, encode_memory
 
 __all__ = [
     "END_OF_INPUT",

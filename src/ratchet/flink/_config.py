@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ratchet._errors import ConfigError
-from ratchet.flink._core import CoreConfig
+from ratchet.runtime._flink_core import CoreConfig
 
 _BACKENDS = ("rocksdb", "hashmap")
 _RESTARTS = ("fixed-delay", "exponential-delay", "none")

@@ -13,8 +13,8 @@ from pyflink.common import Configuration
 from pyflink.datastream import StreamExecutionEnvironment
 
 from ratchet.flink._config import FlinkConfig
-from ratchet.flink._core import CoreConfig
 from ratchet.flink._job import build_job
+from ratchet.runtime._flink_core import CoreConfig
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,8 @@ from pyflink.datastream import FlatMapFunction, KeyedProcessFunction, OutputTag,
 from pyflink.datastream.functions import TimeDomain
 from pyflink.datastream.state import MapStateDescriptor, ValueStateDescriptor
 
-from ratchet.flink._core import AgentCore, CoreConfig, Step, encode_memory
+from ratchet.runtime._flink_core import AgentCore, CoreConfig, Step
+from ratchet.runtime._journal import encode_memory
 
 log = logging.getLogger("ratchet.flink")
 

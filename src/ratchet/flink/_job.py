@@ -24,8 +24,8 @@ from pyflink.datastream.connectors.file_system import (
 
 from ratchet._errors import ConfigError
 from ratchet.flink._config import FlinkConfig
-from ratchet.flink._core import decode_memory
 from ratchet.flink._function import MEMORY_TAG, AgentFunction, ParseLines
+from ratchet.runtime._journal import decode_memory
 
 log = logging.getLogger("ratchet.flink")
 

@@ -13,25 +13,27 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from ratchet._errors import BadInputError, CheckpointError, InternalError, RatchetError
+from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._errors import BadInputError, CheckpointError, ConfigError, RatchetError
+from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome, TaskCalls
 from ratchet.runtime._io import Sink, Source
-from ratchet.runtime._machine import (
-    Delta,
-    JournalEntry,
-    Machine,
-    Output,
-    RestoredRun,
-    Task,
-    TaskResult,
+from ratchet.runtime._journal import (
+    decode_event,
+    decode_journal,
+    decode_memory,
+    encode_event,
+    encode_journal,
+    encode_memory,
 )
-from ratchet.runtime._memops import from_wire, to_wire
+from ratchet.runtime._machine import Delta, Machine, Output, RestoredRun, Task
 from ratchet.store import codec
-from ratchet.store._sqlite import CallRecord, CheckpointRows, SqliteStore
+from ratchet.store._base import CallRecord, CheckpointRows, CheckpointStore
+
+__all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
 
 log = logging.getLogger("ratchet.engine")
 
@@ -54,7 +56,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.checkpoint_interval < 0:
-            raise ValueError("checkpoint_interval must be >= 0")
+            raise ConfigError(f"checkpoint_interval must be >= 0, not {self.checkpoint_interval!r}")
         if (
             min(
                 self.max_concurrent_runs,
@@ -64,70 +66,22 @@ class EngineConfig:
             )
             < 1
         ):
-            raise ValueError(
-                "max_concurrent_runs, max_buffered_inputs and sync_workers must be >= 1"
+            raise ConfigError(
+                "max_concurrent_runs, max_buffered_inputs, sync_workers and sync_batch must be "
+                f">= 1 (got {self.max_concurrent_runs}, {self.max_buffered_inputs}, "
+                f"{self.sync_workers}, {self.sync_batch})"
             )
         if self.on_bad_input not in ("stop", "skip"):
-            raise ValueError(f"on_bad_input must be 'stop' or 'skip', not {self.on_bad_input!r}")
+            raise ConfigError(f"on_bad_input must be 'stop' or 'skip', not {self.on_bad_input!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-class Binding(Protocol):
-    """What the engine needs from an agent (implemented in `ratchet.agents`)."""
-
-    name: str
-    fingerprint: str
-    action_names: list[str]
-
-    def listeners(self, event: Any) -> list[str]: ...
-    def is_output(self, event: Any) -> bool: ...
-    def action_mode(self, action: str) -> str: ...
-    def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult: ...
-    async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult: ...
-    def event_to_wire(self, event: Any) -> Any: ...
-    def event_from_wire(self, wire: Any) -> Any: ...
-    def event_from_input(self, value: Any) -> Any: ...
-    def output_record(self, output: Output) -> dict[str, Any]: ...
-
-
-class TaskCalls:
-    """The durable-call journal of one task: recorded results by position, and write-through."""
-
-    __slots__ = ("seq", "task_id", "key", "_recorded", "_writer", "_next")
-
-    def __init__(
-        self, seq: int, task_id: str, key: Any, recorded: dict[int, CallRecord], writer: _Writer
-    ) -> None:
-        self.seq = seq
-        self.task_id = task_id
-        self.key = key
-        self._recorded = recorded
-        self._writer = writer
-        self._next = 0
-
-    def next_index(self) -> int:
-        idx = self._next
-        self._next += 1
-        return idx
-
-    def recorded(self, idx: int) -> CallRecord | None:
-        return self._recorded.get(idx)
-
-    def write(
-        self, idx: int, fn: str, digest: str, status: str, payload: bytes | None
-    ) -> concurrent.futures.Future[None]:
-        """Persist a record now (not at the next checkpoint); the future resolves once durable."""
-        return self._writer.put_call(
-            CallRecord(self.seq, self.task_id, idx, fn, digest, status, payload)
-        )
-
-
 class _Writer(threading.Thread):
     """The single thread that writes SQLite; durable-call records are group-committed."""
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self, store: CheckpointStore) -> None:
         super().__init__(name="ratchet-writer", daemon=True)
         self.store = store
         self._q: queue.SimpleQueue[tuple[str, Any, concurrent.futures.Future[Any]]] = (
@@ -235,16 +189,17 @@ class EngineResult:
 
 
 class Engine:
-    """Drive one agent over one source into one sink, checkpointing to one SQLite store."""
+    """Drive one agent over one source into one sink, checkpointing to one store."""
 
     def __init__(
         self,
         binding: Binding,
-        store: SqliteStore,
+        store: CheckpointStore,
         source: Source,
         sink: Sink,
         config: EngineConfig | None = None,
         on_progress: Callable[[Engine], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.binding = binding
         self.store = store
@@ -253,6 +208,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.config.validate()
         self.on_progress = on_progress
+        self.clock = clock
         self.machine = Machine(
             binding.listeners, binding.is_output, self.config.max_concurrent_runs
         )
@@ -266,7 +222,7 @@ class Engine:
         self._carry: Delta | None = None
         self._unreleased: dict[str, Output] = {}
         self._released: list[str] = []
-        self._calls: dict[tuple[int, str], dict[int, CallRecord]] = {}
+        self._calls = CallJournal()
         self._failures_in_row = 0
         self._stop = False
         self._stop_reason = ""
@@ -274,12 +230,18 @@ class Engine:
         self._bad: BadInputError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        self._work: collections.deque[tuple[Task, TaskResult]] = collections.deque()
+        self._work: collections.deque[tuple[Task, Outcome]] = collections.deque()
         self._work_lock = threading.Lock()
         self._work_scheduled = False
-        self._sync_q: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
-        self._workers: list[threading.Thread] = []
         self._async_tasks: set[asyncio.Task[Any]] = set()
+        self._dispatcher = Dispatcher(
+            binding,
+            spawn=self._spawn,
+            on_async_done=self._settle,
+            on_sync_done=self._settle_from_thread,
+            sync_workers=self.config.sync_workers,
+            sync_batch=self.config.sync_batch,
+        )
         self._checkpoint_lock: asyncio.Lock | None = None
 
     # -- restore ----------------------------------------------------------------------------
@@ -288,21 +250,15 @@ class Engine:
         loaded = self.store.load()
         decode = codec.decode
         b = self.binding
-        memories = {decode(k): (from_wire(decode(mem)), nd) for k, nd, mem in loaded.keys}
-        queued = [(seq, decode(k), b.event_from_wire(decode(ev))) for seq, k, ev in loaded.inputs]
+        memories = {decode(k): (decode_memory(mem), nd) for k, nd, mem in loaded.keys}
+        queued = [(seq, decode(k), decode_event(b, ev)) for seq, k, ev in loaded.inputs]
         inputs = {seq: (key, ev) for seq, key, ev in queued}
         runs = []
         for seq, _k, base, journal in loaded.runs:
             key, event = inputs[seq]
-            entries = [
-                JournalEntry(
-                    tid, di, tuple(so), tuple(se), tuple(b.event_from_wire(e) for e in evs)
-                )
-                for tid, di, so, se, evs in decode(journal)
-            ]
-            runs.append(RestoredRun(key, seq, event, base, entries))
+            runs.append(RestoredRun(key, seq, event, base, decode_journal(b, journal)))
         for rec in loaded.calls:
-            self._calls.setdefault((rec.seq, rec.task_id), {})[rec.idx] = rec
+            self._calls.add(rec)
         self.machine.restore(memories, runs, queued)
         for out_id, _seq, blob in loaded.outbox:
             record = decode(blob)
@@ -331,10 +287,7 @@ class Engine:
         self._writer.start()
         try:
             await asyncio.wrap_future(self._writer.submit(self._restore))
-            for i in range(self.config.sync_workers):
-                t = threading.Thread(target=self._worker, name=f"ratchet-sync-{i}", daemon=True)
-                t.start()
-                self._workers.append(t)
+            self._dispatcher.start()
             if self._unreleased:
                 await self._release([])
             self._report()
@@ -354,7 +307,7 @@ class Engine:
             attempt = 0
             while await self.checkpoint() is None:  # raises once failures exceed the tolerance
                 attempt += 1
-                await asyncio.sleep(min(0.05 * attempt, 1.0))
+                await self.clock.sleep(min(0.05 * attempt, 1.0))
             await self._forget_released()
             if self._bad is not None:
                 raise self._bad
@@ -385,11 +338,24 @@ class Engine:
 
     async def _wait_wake(self, limit: float | None = None) -> None:
         assert self._wake is not None
-        try:
-            await asyncio.wait_for(self._wake.wait(), limit)
-        except TimeoutError:
-            pass
+        if limit is None:
+            await self._wake.wait()
+        else:
+            await self._sleep_unless(self._wake, limit)
         self._wake.clear()
+
+    async def _sleep_unless(self, event: asyncio.Event, seconds: float) -> bool:
+        """Sleep `seconds` on the engine's clock, or less if `event` is set; True if it was."""
+        if event.is_set():
+            return True
+        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait((sleeper, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            waiter.cancel()
+        return event.is_set()
 
     async def _source_loop(self) -> None:
         cfg = self.config
@@ -439,7 +405,7 @@ class Engine:
     def _pump(self) -> None:
         """Perform what the machine asked for until it asks for nothing more right now."""
         m = self.machine
-        b = self.binding
+        dispatcher = self._dispatcher
         while True:
             dispatched, _outputs, completed = m.take_effects()
             if completed:
@@ -448,82 +414,41 @@ class Engine:
             if not dispatched:
                 return
             for task in dispatched:
-                mode = b.action_mode(task.action)
-                calls = self._task_calls(task)
-                if mode == "inline":
-                    m.finish(task, b.run_sync(task, calls))
-                elif mode == "async":
-                    t = asyncio.ensure_future(self._run_async(task, calls))
-                    self._async_tasks.add(t)
-                    t.add_done_callback(self._async_tasks.discard)
-                else:
-                    self._sync_q.put((task, calls))  # type: ignore[arg-type]
+                outcome = dispatcher.dispatch(task, self._calls.calls_for(task, self._writer))
+                if outcome is None:
+                    continue
+                if isinstance(outcome, RatchetError):
+                    raise outcome
+                m.finish(task, outcome)
 
-    def _task_calls(self, task: Task) -> TaskCalls:
-        recorded = self._calls.pop((task.run.seq, task.task_id), None) or {}
-        return TaskCalls(task.run.seq, task.task_id, task.run.key, recorded, self._writer)
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        t = asyncio.ensure_future(coro)
+        self._async_tasks.add(t)
+        t.add_done_callback(self._async_tasks.discard)
 
-    async def _run_async(self, task: Task, calls: TaskCalls) -> None:
+    def _settle(self, task: Task, outcome: Outcome) -> None:
+        """An async task's outcome, on the loop."""
         try:
-            result = await self.binding.run_async(task, calls)
-        except asyncio.CancelledError:
-            raise
-        except RatchetError as exc:
-            self._fail(exc)
-            return
-        except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
-            self._fail(InternalError(f"task {task.task_id} could not be run: {exc!r}"))
-            return
-        self._finish(task, result)
-
-    def _finish(self, task: Task, result: TaskResult) -> None:
-        try:
-            self.machine.finish(task, result)
+            if isinstance(outcome, RatchetError):
+                raise outcome
+            self.machine.finish(task, outcome)
             self._pump()
         except RatchetError as exc:
             self._fail(exc)
 
-    def _worker(self) -> None:
-        q = self._sync_q
-        b = self.binding
-        nworkers = self.config.sync_workers
-        cap = self.config.sync_batch
-        while True:
-            item = q.get()
-            if item is None:
+    def _settle_from_thread(self, batch: list[tuple[Task, Outcome]]) -> None:
+        """Sync tasks' outcomes, from a worker thread: queued, and taken on the loop at once."""
+        self._work.extend(batch)
+        with self._work_lock:
+            if self._work_scheduled:
                 return
-            batch = [item]
-            extra = min(cap - 1, q.qsize() // nworkers)
-            for _ in range(extra):
-                try:
-                    nxt = q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    q.put(None)
-                    break
-                batch.append(nxt)
-            done = []
-            for task, calls in batch:  # type: ignore[misc]
-                try:
-                    done.append((task, b.run_sync(task, calls)))
-                except BaseException as exc:  # noqa: BLE001 - fatal for the job, reported on the loop
-                    if not isinstance(exc, RatchetError):
-                        exc = InternalError(f"task {task.task_id} could not be run: {exc!r}")
-                    loop = self._loop
-                    if loop is not None:
-                        loop.call_soon_threadsafe(self._fail, exc)
-            self._work.extend(done)
-            with self._work_lock:
-                if self._work_scheduled:
-                    continue
-                self._work_scheduled = True
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                try:
-                    loop.call_soon_threadsafe(self._take_work)
-                except RuntimeError:
-                    return
+            self._work_scheduled = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._take_work)
+            except RuntimeError:  # the loop closed meanwhile: the job is over
+                pass
 
     def _take_work(self) -> None:
         with self._work_lock:
@@ -532,8 +457,11 @@ class Engine:
         work = self._work
         try:
             while work:
-                task, result = work.popleft()
-                m.finish(task, result)
+                task, outcome = work.popleft()
+                if isinstance(outcome, RatchetError):
+                    self._fail(outcome)
+                    continue
+                m.finish(task, outcome)
             self._pump()
         except RatchetError as exc:
             self._fail(exc)
@@ -544,11 +472,8 @@ class Engine:
         interval = self.config.checkpoint_interval
         stop = self._cp_stop
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), interval if interval > 0 else 0.0005)
+            if await self._sleep_unless(stop, interval if interval > 0 else 0.0005):
                 return
-            except TimeoutError:
-                pass
             if self._fatal is not None:
                 return
             try:
@@ -567,7 +492,7 @@ class Engine:
                 delta, self._carry = self._carry, None
             position = {"next_seq": self._next_seq, "position": self.source.position()}
             released, self._released = self._released, []
-            triggered = time.time()
+            triggered = self.clock.now()
             self.stats.in_progress = 1
             fut = self._writer.submit(lambda: self._write(delta, position, released, triggered))
             try:
@@ -579,7 +504,7 @@ class Engine:
                 self.stats.failed += 1
                 self.stats.latest_failed = {
                     "trigger_timestamp": triggered,
-                    "failure_timestamp": time.time(),
+                    "failure_timestamp": self.clock.now(),
                     "failure_message": f"{type(exc).__name__}: {exc}",
                 }
                 self._failures_in_row += 1
@@ -611,23 +536,13 @@ class Engine:
         b = self.binding
         rows = CheckpointRows(source=position, released=released)
         for key, (memory, next_dispatch) in delta.keys.items():
-            rows.keys.append((enc(key), str(key), next_dispatch, enc(to_wire(memory))))
+            rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory)))
         for seq, (key, event) in delta.new_inputs.items():
-            rows.new_inputs.append((seq, enc(key), enc(b.event_to_wire(event))))
+            rows.new_inputs.append((seq, enc(key), encode_event(b, event)))
         rows.done_inputs = list(delta.done_inputs)
         rows.completed = list(delta.completed)
         for seq, run in delta.runs.items():
-            journal = [
-                (
-                    e.task_id,
-                    e.dispatch_index,
-                    list(e.stm_ops),
-                    list(e.sensory_ops),
-                    [b.event_to_wire(ev) for ev in e.events],
-                )
-                for e in run.journal
-            ]
-            rows.runs.append((seq, enc(run.key), run.base_dispatch, enc(journal)))
+            rows.runs.append((seq, enc(run.key), run.base_dispatch, encode_journal(b, run.journal)))
         for out in delta.outputs.values():
             rows.outbox.append((out.id, out.seq, enc(b.output_record(out))))
         return self.store.write_checkpoint(rows, triggered)
@@ -671,8 +586,7 @@ class Engine:
     def _shutdown(self) -> None:
         for t in list(self._async_tasks):
             t.cancel()
-        for _ in self._workers:
-            self._sync_q.put(None)
+        self._dispatcher.stop()
         self._writer.stop()
         self._writer.join(timeout=30)
         self._sink_thread.shutdown(wait=True)

@@ -1,6 +1,8 @@
-"""The Flink operator's core: drives the run machine for the keys of one subtask. No PyFlink here.
+"""The Flink engine's core: drives the run machine for the keys of one subtask. No PyFlink here.
 
-The PyFlink function (`_function.py`) calls `element` and `timer` with the current key set
+It lives beside the embedded engine and shares its dispatch (`_dispatch.py`) and stored
+forms (`_journal.py`); `ratchet.flink` is only the PyFlink layer around it, so this core is
+tested without PyFlink against `MemoryKeyStore`. The PyFlink function (`flink/_function.py`) calls `element` and `timer` with the current key set
 and a `KeyStore` view of that key's keyed state; everything this module writes goes through
 it as codec-encoded bytes. Actions run on an asyncio loop thread (async actions) and a thread
 pool (sync actions) inside the Python worker, so a slow model or tool call never blocks the
@@ -14,18 +16,28 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import InternalError, RatchetError
 from ratchet.agents._context import install_task_factory
-from ratchet.runtime._engine import Binding, TaskCalls
+from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome
 from ratchet.runtime._io import to_json_line
-from ratchet.runtime._machine import JournalEntry, Machine, RestoredRun, Task, TaskResult
-from ratchet.runtime._memops import from_wire, to_wire
+from ratchet.runtime._journal import (
+    decode_call,
+    decode_event,
+    decode_memory,
+    decode_run,
+    encode_call,
+    encode_event,
+    encode_memory,
+    encode_run,
+)
+from ratchet.runtime._machine import Machine, Task
 from ratchet.store import codec
-from ratchet.store._sqlite import CallRecord
+from ratchet.store._base import CallRecord
 
 log = logging.getLogger("ratchet.flink")
 
@@ -80,7 +92,7 @@ class _Key:
     calls_written: bool = False
     executing: int = 0
     poll_ms: int = 0
-    recorded: dict[tuple[int, str], dict[int, CallRecord]] = field(default_factory=dict)
+    recorded: CallJournal = field(default_factory=CallJournal)
 
 
 class _KeyWriter:
@@ -104,57 +116,36 @@ class _KeyWriter:
         return fut
 
 
-def encode_run(binding: Binding, run: RestoredRun) -> bytes:
-    journal = [
-        (
-            e.task_id,
-            e.dispatch_index,
-            list(e.stm_ops),
-            list(e.sensory_ops),
-            [binding.event_to_wire(ev) for ev in e.events],
-        )
-        for e in run.journal
-    ]
-    return codec.encode(
-        (run.seq, run.base_dispatch, binding.event_to_wire(run.input_event), journal)
-    )
-
-
-def decode_run(binding: Binding, key: Any, raw: bytes) -> RestoredRun:
-    seq, base, event, journal = codec.decode(raw)
-    entries = [
-        JournalEntry(tid, di, tuple(so), tuple(se), tuple(binding.event_from_wire(e) for e in evs))
-        for tid, di, so, se, evs in journal
-    ]
-    return RestoredRun(key, seq, binding.event_from_wire(event), base, entries)
-
-
-def encode_memory(memory: dict[str, Any]) -> bytes:
-    """A key's committed memory as stored bytes (also the memory side output's payload)."""
-    return codec.encode(to_wire(memory))
-
-
-def decode_memory(raw: bytes) -> dict[str, Any]:
-    return from_wire(codec.decode(raw))
-
-
 class AgentCore:
     """One subtask's machine, event loop and thread pool; state per key through `KeyStore`."""
 
-    def __init__(self, binding: Binding, config: CoreConfig | None = None) -> None:
+    def __init__(
+        self, binding: Binding, config: CoreConfig | None = None, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.binding = binding
         self.config = config or CoreConfig()
+        self.clock = clock
         self.machine = Machine(binding.listeners, binding.is_output, _UNBOUNDED)
         self._keys: dict[Any, _Key] = {}
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._done: dict[Any, list[tuple[Task, TaskResult | BaseException]]] = {}
+        self._done: dict[Any, list[tuple[Task, Outcome]]] = {}
         self._calls: dict[Any, list[CallRecord]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._sem: asyncio.Semaphore | None = None
-        self.tasks_executed = 0
+        self._dispatcher = Dispatcher(
+            binding,
+            spawn=self._spawn,
+            on_async_done=self._deliver,
+            on_sync_done=self._deliver_batch,
+            sync_workers=self.config.sync_workers,
+            thread_name="ratchet-flink-sync",
+        )
+
+    @property
+    def tasks_executed(self) -> int:
+        return self._dispatcher.executed
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -173,18 +164,23 @@ class AgentCore:
         self._loop_thread = threading.Thread(target=run, name="ratchet-flink-loop", daemon=True)
         self._loop_thread.start()
         ready.wait()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.config.sync_workers, thread_name_prefix="ratchet-flink-sync"
-        )
+        self._dispatcher.start()
 
     def close(self) -> None:
+        """Cancel the tasks still running (their runs are in Flink's state as in flight) and
+        close the loop; a thread blocked in a user's call is left to finish on its own."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout=5)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                log.warning("tasks still running at close; the loop is stopped anyway")
             loop.call_soon_threadsafe(loop.stop)
             if self._loop_thread is not None:
                 self._loop_thread.join(timeout=5)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+                if not self._loop_thread.is_alive():
+                    loop.close()
+        self._dispatcher.stop()
         self._loop = None
 
     # -- callbacks (the function calls these with the current key set) ---------------------
@@ -208,15 +204,15 @@ class AgentCore:
         self._pump(key, info, step)  # a run restored by `_load` dispatches its first tasks
         applied = self._apply_done(key, info, step)
         if end:
-            waited = time.monotonic()
+            waited = self.clock.monotonic()
             while self._key_busy(key):
                 with self._cond:
                     if not self._done.get(key):
                         self._cond.wait(timeout=1.0)
                 self._apply_done(key, info, step)
-                if time.monotonic() - waited > self.config.end_wait_log_s:
+                if self.clock.monotonic() - waited > self.config.end_wait_log_s:
                     log.warning("end of input: key %r still has work running", key)
-                    waited = time.monotonic()
+                    waited = self.clock.monotonic()
         cfg = self.config
         if applied:
             info.poll_ms = cfg.poll_min_ms
@@ -253,15 +249,15 @@ class AgentCore:
         run = decode_run(b, key, run_raw) if run_raw is not None else None
         queued = []
         for seq, ev in store.inputs():
-            queued.append((seq, b.event_from_wire(codec.decode(ev))))
+            queued.append((seq, decode_event(b, ev)))
             info.stored_inputs.add(seq)
         if run is not None:
             info.written_run = (run.seq, len(run.journal))
             for blob in store.calls():
-                rec = CallRecord(*codec.decode(blob))
+                rec = decode_call(blob)
                 info.calls_written = True
                 if rec.seq == run.seq:
-                    info.recorded.setdefault((rec.seq, rec.task_id), {})[rec.idx] = rec
+                    info.recorded.add(rec)
         self.machine.load_key(key, memory, next_dispatch, run, queued)
         return info
 
@@ -282,7 +278,7 @@ class AgentCore:
         for seq in info.stored_inputs - want.keys():
             store.remove_input(seq)
         for seq in want.keys() - info.stored_inputs:
-            store.put_input(seq, enc(b.event_to_wire(want[seq])))
+            store.put_input(seq, encode_event(b, want[seq]))
         info.stored_inputs = set(want)
         with self._lock:
             calls = self._calls.pop(key, None)
@@ -305,20 +301,7 @@ class AgentCore:
                 info.written_run = sig
             for rec in calls or ():
                 if rec.seq == run.seq:
-                    store.put_call(
-                        f"{rec.task_id}#{rec.idx}",
-                        enc(
-                            (
-                                rec.seq,
-                                rec.task_id,
-                                rec.idx,
-                                rec.fn,
-                                rec.digest,
-                                rec.status,
-                                rec.payload,
-                            )
-                        ),
-                    )
+                    store.put_call(f"{rec.task_id}#{rec.idx}", encode_call(rec))
                     info.calls_written = True
         step.active = run is not None or bool(ks.queue)
         if info.executing > 0:
@@ -339,11 +322,11 @@ class AgentCore:
         if not done:
             return False
         m = self.machine
-        for task, result in done:
+        for task, outcome in done:
             info.executing -= 1
-            if isinstance(result, BaseException):
-                raise result
-            m.finish(task, result)
+            if isinstance(outcome, RatchetError):
+                raise outcome
+            m.finish(task, outcome)
         self._pump(key, info, step)
         return True
 
@@ -361,51 +344,116 @@ class AgentCore:
             for task in dispatched:
                 if task.key != key:
                     raise InternalError(f"a callback for key {key!r} dispatched key {task.key!r}")
-                calls = TaskCalls(
-                    task.run.seq,
-                    task.task_id,
-                    key,
-                    info.recorded.pop((task.run.seq, task.task_id), None) or {},
-                    _KeyWriter(self, key),  # type: ignore[arg-type]
-                )
-                self.tasks_executed += 1
-                mode = b.action_mode(task.action)
-                if mode == "inline":
-                    m.finish(task, b.run_sync(task, calls))
-                    continue
-                info.executing += 1
-                if mode == "async":
-                    assert self._loop is not None
-                    asyncio.run_coroutine_threadsafe(self._run_async(task, calls), self._loop)
+                calls = info.recorded.calls_for(task, _KeyWriter(self, key))
+                outcome = self._dispatcher.dispatch(task, calls)
+                if outcome is None:
+                    info.executing += 1
+                elif isinstance(outcome, RatchetError):
+                    raise outcome
                 else:
-                    assert self._pool is not None
-                    self._pool.submit(self._run_sync, task, calls)
+                    m.finish(task, outcome)
 
-    async def _run_async(self, task: Task, calls: TaskCalls) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._limited(coro), self._loop)
+
+    async def _limited(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self._sem is not None
-        try:
-            async with self._sem:
-                result: TaskResult | BaseException = await self.binding.run_async(task, calls)
-        except RatchetError as exc:
-            result = exc
-        except BaseException as exc:  # noqa: BLE001 - a broken binding fails the Flink task
-            result = InternalError(f"task {task.task_id} could not be run: {exc!r}")
-        self._deliver(task, result)
+        async with self._sem:
+            await coro
 
-    def _run_sync(self, task: Task, calls: TaskCalls) -> None:
-        try:
-            result: TaskResult | BaseException = self.binding.run_sync(task, calls)
-        except RatchetError as exc:
-            result = exc
-        except BaseException as exc:  # noqa: BLE001 - a broken binding fails the Flink task
-            result = InternalError(f"task {task.task_id} could not be run: {exc!r}")
-        self._deliver(task, result)
-
-    def _deliver(self, task: Task, result: TaskResult | BaseException) -> None:
+    def _deliver(self, task: Task, outcome: Outcome) -> None:
         with self._cond:
-            self._done.setdefault(task.key, []).append((task, result))
+            self._done.setdefault(task.key, []).append((task, outcome))
+            self._cond.notify_all()
+
+    def _deliver_batch(self, batch: list[tuple[Task, Outcome]]) -> None:
+        with self._cond:
+            for task, outcome in batch:
+                self._done.setdefault(task.key, []).append((task, outcome))
             self._cond.notify_all()
 
     def _add_call(self, key: Any, record: CallRecord) -> None:
         with self._lock:
             self._calls.setdefault(key, []).append(record)
+
+
+async def _cancel_all() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=2)
+
+
+@dataclass
+class _KeyedSlot:
+    key: bytes | None = None
+    inputs: dict[int, bytes] = field(default_factory=dict)
+    run: bytes | None = None
+    calls: dict[str, bytes] = field(default_factory=dict)
+
+
+class MemoryKeyedState:
+    """Keyed state in memory, shaped like the PyFlink function's: the Flink core's test store.
+
+    `view(key)` is the `KeyStore` Flink would hand the core with `key` current; `snapshot()`
+    is what a completed Flink checkpoint holds, and a new core given that snapshot is what a
+    restore after a TaskManager loss looks like.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[Any, _KeyedSlot] = {}
+
+    def view(self, key: Any) -> KeyStore:
+        return _KeyView(self._slots.setdefault(key, _KeyedSlot()))
+
+    def keys(self) -> list[Any]:
+        return [k for k, slot in self._slots.items() if slot != _KeyedSlot()]
+
+    def snapshot(self) -> MemoryKeyedState:
+        other = MemoryKeyedState()
+        for key, slot in self._slots.items():
+            other._slots[key] = _KeyedSlot(slot.key, dict(slot.inputs), slot.run, dict(slot.calls))
+        return other
+
+
+class _KeyView:
+    __slots__ = ("_slot",)
+
+    def __init__(self, slot: _KeyedSlot) -> None:
+        self._slot = slot
+
+    def get_key(self) -> bytes | None:
+        return self._slot.key
+
+    def put_key(self, value: bytes) -> None:
+        self._slot.key = value
+
+    def inputs(self) -> list[tuple[int, bytes]]:
+        return list(self._slot.inputs.items())
+
+    def put_input(self, seq: int, value: bytes) -> None:
+        self._slot.inputs[seq] = value
+
+    def remove_input(self, seq: int) -> None:
+        self._slot.inputs.pop(seq, None)
+
+    def get_run(self) -> bytes | None:
+        return self._slot.run
+
+    def put_run(self, value: bytes) -> None:
+        self._slot.run = value
+
+    def clear_run(self) -> None:
+        self._slot.run = None
+
+    def calls(self) -> list[bytes]:
+        return list(self._slot.calls.values())
+
+    def put_call(self, name: str, value: bytes) -> None:
+        self._slot.calls[name] = value
+
+    def clear_calls(self) -> None:
+        self._slot.calls.clear()

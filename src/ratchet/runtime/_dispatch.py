@@ -1,0 +1,225 @@
+"""What both engines share to execute tasks: the binding, durable-call journals, dispatch by mode.
+
+The run machine decides which tasks run; this module runs them the same way on either engine:
+an inline action on the caller's thread, an async action as a coroutine on an event loop the
+engine names, a sync action on a pool of worker threads. A task's outcome is its result or
+the `RatchetError` that ended it; anything else a binding raises is wrapped as an
+`InternalError`, so the engines handle exactly one kind of failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from ratchet._errors import InternalError, RatchetError
+from ratchet.runtime._machine import Output, Task, TaskResult
+from ratchet.store._base import CallRecord
+
+INLINE = "inline"
+ASYNC = "async"
+THREAD = "thread"
+
+Outcome = TaskResult | RatchetError
+
+
+class Binding(Protocol):
+    """What an engine needs from an agent (implemented by `ratchet.agents.AgentBinding`)."""
+
+    name: str
+    fingerprint: str
+    action_names: list[str]
+
+    def listeners(self, event: Any) -> list[str]: ...
+    def is_output(self, event: Any) -> bool: ...
+    def action_mode(self, action: str) -> str: ...
+    def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult: ...
+    async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult: ...
+    def event_to_wire(self, event: Any) -> Any: ...
+    def event_from_wire(self, wire: Any) -> Any: ...
+    def event_from_input(self, value: Any) -> Any: ...
+    def output_record(self, output: Output) -> dict[str, Any]: ...
+
+
+class CallWriter(Protocol):
+    """Where an engine makes durable-call records durable; the future resolves once they are."""
+
+    def put_call(self, record: CallRecord) -> concurrent.futures.Future[None]: ...
+
+
+class TaskCalls:
+    """The durable-call journal of one task: recorded results by position, and write-through."""
+
+    __slots__ = ("seq", "task_id", "key", "_recorded", "_writer", "_next")
+
+    def __init__(
+        self,
+        seq: int,
+        task_id: str,
+        key: Any,
+        recorded: dict[int, CallRecord],
+        writer: CallWriter,
+    ) -> None:
+        self.seq = seq
+        self.task_id = task_id
+        self.key = key
+        self._recorded = recorded
+        self._writer = writer
+        self._next = 0
+
+    def next_index(self) -> int:
+        idx = self._next
+        self._next += 1
+        return idx
+
+    def recorded(self, idx: int) -> CallRecord | None:
+        return self._recorded.get(idx)
+
+    def write(
+        self, idx: int, fn: str, digest: str, status: str, payload: bytes | None
+    ) -> concurrent.futures.Future[None]:
+        """Persist a record now (not at the next checkpoint); the future resolves once durable."""
+        return self._writer.put_call(
+            CallRecord(self.seq, self.task_id, idx, fn, digest, status, payload)
+        )
+
+
+class CallJournal:
+    """Durable-call records of restored runs, handed to the task they belong to exactly once."""
+
+    __slots__ = ("_by_task",)
+
+    def __init__(self) -> None:
+        self._by_task: dict[tuple[int, str], dict[int, CallRecord]] = {}
+
+    def add(self, record: CallRecord) -> None:
+        self._by_task.setdefault((record.seq, record.task_id), {})[record.idx] = record
+
+    def calls_for(self, task: Task, writer: CallWriter) -> TaskCalls:
+        recorded = self._by_task.pop((task.run.seq, task.task_id), None) or {}
+        return TaskCalls(task.run.seq, task.task_id, task.run.key, recorded, writer)
+
+    def clear(self) -> None:
+        self._by_task.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_task)
+
+
+def _broken(task: Task, exc: BaseException) -> InternalError:
+    return InternalError(f"task {task.task_id} could not be run: {exc!r}")
+
+
+def run_task(binding: Binding, task: Task, calls: TaskCalls) -> Outcome:
+    """Run a sync (or inline) task; its outcome, never an exception."""
+    try:
+        return binding.run_sync(task, calls)
+    except RatchetError as exc:
+        return exc
+    except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
+        return _broken(task, exc)
+
+
+async def run_task_async(binding: Binding, task: Task, calls: TaskCalls) -> Outcome:
+    """Run an async task; its outcome. Cancellation (engine shutdown) still propagates."""
+    try:
+        return await binding.run_async(task, calls)
+    except asyncio.CancelledError:
+        raise
+    except RatchetError as exc:
+        return exc
+    except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
+        return _broken(task, exc)
+
+
+class Dispatcher:
+    """Runs each dispatched task by its action's mode and reports outcomes to the engine.
+
+    `spawn` schedules a coroutine on the engine's event loop (from the engine's own thread).
+    `on_async_done(task, outcome)` is called on that loop; `on_sync_done(batch)` on a worker
+    thread with the outcomes it finished (the engine hands them to its own thread). Workers
+    take up to `sync_batch` queued tasks at once: 1 keeps a blocking action from holding up
+    any task but its own.
+    """
+
+    def __init__(
+        self,
+        binding: Binding,
+        *,
+        spawn: Callable[[Coroutine[Any, Any, None]], object],
+        on_async_done: Callable[[Task, Outcome], None],
+        on_sync_done: Callable[[list[tuple[Task, Outcome]]], None],
+        sync_workers: int,
+        sync_batch: int = 1,
+        thread_name: str = "ratchet-sync",
+    ) -> None:
+        self.binding = binding
+        self._spawn = spawn
+        self._on_async_done = on_async_done
+        self._on_sync_done = on_sync_done
+        self._nworkers = sync_workers
+        self._batch = sync_batch
+        self._thread_name = thread_name
+        self._q: queue.SimpleQueue[tuple[Task, TaskCalls] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self.executed = 0
+
+    def start(self) -> None:
+        for i in range(self._nworkers):
+            t = threading.Thread(target=self._work, name=f"{self._thread_name}-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        """Drop queued tasks and ask the workers to exit once the task each is in returns.
+
+        Never waits for them: a dropped or unfinished task's run is in the last checkpoint as
+        in flight, and replays after the next start.
+        """
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self._threads:
+            self._q.put(None)
+        self._threads.clear()
+
+    def dispatch(self, task: Task, calls: TaskCalls) -> Outcome | None:
+        """Run or schedule `task`; an inline task's outcome is returned at once, else None."""
+        self.executed += 1
+        mode = self.binding.action_mode(task.action)
+        if mode == INLINE:
+            return run_task(self.binding, task, calls)
+        if mode == ASYNC:
+            self._spawn(self._run_async(task, calls))
+        else:
+            self._q.put((task, calls))
+        return None
+
+    async def _run_async(self, task: Task, calls: TaskCalls) -> None:
+        self._on_async_done(task, await run_task_async(self.binding, task, calls))
+
+    def _work(self) -> None:
+        q = self._q
+        b = self.binding
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            batch = [item]
+            extra = min(self._batch - 1, q.qsize() // max(self._nworkers, 1))
+            for _ in range(extra):
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    q.put(None)
+                    break
+                batch.append(nxt)
+            self._on_sync_done([(task, run_task(b, task, calls)) for task, calls in batch])

@@ -8,11 +8,18 @@ import sys
 import time
 from typing import Any
 
-from ratchet._errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInputError
+from ratchet._clock import SYSTEM_CLOCK
+from ratchet._errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInputError, ConfigError
 from ratchet.runtime._io import to_json_line
+
+# The `run` parser and the destinations of its supervision options, kept so a supervised run can
+# derive its worker's command line from the parsed arguments (a new flag cannot be forgotten).
+_RUN_PARSER: argparse.ArgumentParser | None = None
+_SUPERVISION_DESTS: frozenset[str] = frozenset()
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    global _RUN_PARSER, _SUPERVISION_DESTS
     run = sub.add_parser("run", help="run an agent over a JSONL input, durably")
     run.add_argument("agent", help="package.module:Class or path/file.py:Class")
     run.add_argument("--input", required=True, help="JSON Lines file, one input object per line")
@@ -52,6 +59,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sup.add_argument("--rest-port", type=int, default=None, help="serve the REST status API here")
     sup.add_argument("--rest-host", default="127.0.0.1", help="default 127.0.0.1")
     run.set_defaults(func=cmd_run)
+    _RUN_PARSER = run
+    _SUPERVISION_DESTS = frozenset(a.dest for a in sup._group_actions)
 
     status = sub.add_parser(
         "status", help="checkpoints, in-flight runs and queued inputs of a state"
@@ -73,7 +82,9 @@ def _config(args: argparse.Namespace) -> Any:
     from ratchet.runtime._engine import EngineConfig
 
     if args.checkpoint_interval < 0:
-        raise SystemExit("ratchet run: --checkpoint-interval must be >= 0")
+        raise ConfigError(
+            f"--checkpoint-interval must be >= 0 milliseconds, not {args.checkpoint_interval:g}"
+        )
     return EngineConfig(
         checkpoint_interval=args.checkpoint_interval / 1000.0,
         max_concurrent_runs=args.max_concurrent_runs,
@@ -101,27 +112,34 @@ def _summary(result: Any) -> dict[str, Any]:
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
-    """The same `ratchet run`, without supervision: what the supervisor starts as its worker."""
-    argv = [sys.executable, "-m", "ratchet.cli", "run", args.agent]
-    argv += [
-        "--input",
-        args.input,
-        "--output",
-        args.output,
-        "--state",
-        args.state,
-        "--key",
-        args.key,
-    ]
-    argv += ["--checkpoint-interval", repr(args.checkpoint_interval)]
-    argv += ["--max-concurrent-runs", str(args.max_concurrent_runs)]
-    argv += ["--max-buffered-inputs", str(args.max_buffered_inputs)]
-    argv += ["--tolerable-checkpoint-failures", str(args.tolerable_checkpoint_failures)]
-    argv += ["--sync-workers", str(args.sync_workers), "--synchronous", args.synchronous]
-    argv += ["--on-bad-input", args.on_bad_input]
-    if args.follow:
-        argv.append("--follow")
-    return argv
+    """The same `ratchet run`, without supervision: what the supervisor starts as its worker.
+
+    Derived from the `run` parser's own actions, so every option a user passed reaches the
+    worker, including ones added after this was written.
+    """
+    assert _RUN_PARSER is not None, "register() builds the run parser first"
+    argv = [sys.executable, "-m", "ratchet.cli"]
+    if getattr(args, "verbose", False):
+        argv.append("-v")
+    argv.append("run")
+    positionals: list[str] = []
+    for action in _RUN_PARSER._actions:
+        if action.dest in _SUPERVISION_DESTS or action.dest == argparse.SUPPRESS:
+            continue
+        if isinstance(action, argparse._HelpAction):
+            continue
+        value = getattr(args, action.dest)
+        if not action.option_strings:
+            positionals.append(str(value))
+        elif isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            if value != action.default:
+                argv.append(action.option_strings[-1])
+        elif value is not None:
+            argv += [
+                action.option_strings[-1],
+                repr(value) if isinstance(value, float) else str(value),
+            ]
+    return argv + ["--", *positionals]
 
 
 def _supervise(args: argparse.Namespace) -> int:
@@ -206,7 +224,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         console = Console(stderr=True)
         live = Live(console=console, refresh_per_second=4, transient=False)
-        started = time.monotonic()
+        started = SYSTEM_CLOCK.monotonic()
 
         reporter = on_progress
 
@@ -215,7 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 reporter(engine)
             s = engine.status()
             cp = s["checkpoints"]["counts"]
-            rate = s["runs_completed"] / max(time.monotonic() - started, 1e-6)
+            rate = s["runs_completed"] / max(SYSTEM_CLOCK.monotonic() - started, 1e-6)
             live.update(
                 f"[bold]ratchet[/] {args.agent}: inputs {s['inputs']}  done {s['runs_completed']} "
                 f"({rate:,.0f}/s)  in flight {s['in_flight_runs']}  checkpoints {cp['completed']} "

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import EXIT_OK, EXIT_USAGE
 
 
@@ -136,7 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         follow_ms=args.follow,
         memory_dir=args.memory_output,
     )
-    started = time.monotonic()
+    started = SYSTEM_CLOCK.monotonic()
     client = env.execute_async(name)
     job_id = str(client.get_job_id())
     print(json.dumps({"job_id": job_id, "name": name}), flush=True)
@@ -148,7 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             {
                 "job_id": job_id,
                 "status": "FINISHED",
-                "seconds": round(time.monotonic() - started, 3),
+                "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
             }
         ),
         flush=True,

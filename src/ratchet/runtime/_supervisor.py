@@ -12,16 +12,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import EXIT_FAILED, EXIT_NO_RESTART, EXIT_OK, ConfigError
 from ratchet.store._sqlite import StateLock
 
@@ -46,7 +47,7 @@ class SupervisorState:
     worker: _Worker | None = None
     last_exit: str | None = None
     report: dict[str, Any] | None = None
-    started: float = field(default_factory=time.time)
+    started: float = 0.0
 
 
 class Supervisor:
@@ -58,6 +59,8 @@ class Supervisor:
         restart_delay: float = 1.0,
         rest_host: str = "127.0.0.1",
         rest_port: int | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        rng: random.Random | None = None,
     ) -> None:
         if restart_attempts < 0 or restart_delay < 0:
             raise ConfigError("--restart-attempts and --restart-delay must be >= 0")
@@ -67,7 +70,9 @@ class Supervisor:
         self.delay = restart_delay
         self.rest_host = rest_host
         self.rest_port = rest_port
-        self.s = SupervisorState()
+        self.clock = clock
+        self.rng = rng if rng is not None else random.Random()
+        self.s = SupervisorState(started=clock.now())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: Any = None
@@ -79,7 +84,7 @@ class Supervisor:
 
         with self._lock:
             w = self.s.worker
-            now = time.time()
+            now = self.clock.now()
             status = (self.s.report or {}).get("status") or {}
             return JobInfo(
                 state=self.s.state,  # type: ignore[arg-type]
@@ -143,9 +148,9 @@ class Supervisor:
         self._server = server
         thread = threading.Thread(target=server.run, name="ratchet-rest", daemon=True)
         thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        deadline = self.clock.monotonic() + 10
+        while not server.started and thread.is_alive() and self.clock.monotonic() < deadline:
+            self.clock.sleep_sync(0.01)
         if not server.started:
             raise ConfigError(f"the REST API could not listen on {self.rest_host}:{self.rest_port}")
         print(
@@ -156,7 +161,7 @@ class Supervisor:
 
     def _spawn(self) -> _Worker:
         read_fd, write_fd = os.pipe()
-        resource_id = uuid.uuid4().hex
+        resource_id = uuid.UUID(int=self.rng.getrandbits(128), version=4).hex
         env = dict(
             os.environ,
             **{
@@ -172,7 +177,7 @@ class Supervisor:
         )
         reader.start()
         log.info("worker pid %d started (resource %s)", proc.pid, resource_id)
-        return _Worker(proc, resource_id, time.time())
+        return _Worker(proc, resource_id, self.clock.now())
 
     def _read_reports(self, fd: int, resource_id: str) -> None:
         with os.fdopen(fd, "r", encoding="utf-8") as fh:
@@ -226,7 +231,7 @@ class Supervisor:
             if self._stop.is_set():
                 with self._lock:
                     self.s.state = "failed"
-                return rc if rc > 0 else 1
+                return rc if rc > 0 else EXIT_FAILED
             if rc in EXIT_NO_RESTART:
                 with self._lock:
                     self.s.state = "failed"

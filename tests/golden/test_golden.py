@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from golden.golden_agent import ChangedCallAgent, GoldenAgent, NoEnrichAgent
-from support.engines import FlinkSim, per_key
 
+from golden.golden_agent import ChangedCallAgent, GoldenAgent, NoEnrichAgent
 from ratchet import Agent, NonDeterminismError
 from ratchet.agents._context import AgentBinding, install_task_factory
 from ratchet.runtime._engine import Engine, EngineConfig
@@ -32,6 +31,7 @@ from ratchet.runtime._machine import RestoredRun
 from ratchet.store import codec
 from ratchet.store._base import CallRecord, CheckpointRows
 from ratchet.store._memory import MemoryStore
+from support.engines import FlinkSim, per_key
 
 HERE = Path(__file__).parent
 GOLDEN = sorted(HERE.glob("*.golden"))

@@ -1,7 +1,8 @@
 """The agent front end: Agent, @action, events, RunnerContext, memory, and running them."""
 
+from ratchet._errors import ReplayedCallError
 from ratchet.agents._agent import Agent, action
-from ratchet.agents._context import ReplayedCallError, RunnerContext
+from ratchet.agents._context import RunnerContext
 from ratchet.agents._events import ErrorEvent, Event, InputEvent, OutputEvent
 from ratchet.agents._memory import MemoryObject
 from ratchet.agents._run import Job, load_agent, run

@@ -8,7 +8,7 @@ import contextvars
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from ratchet._errors import NonDeterminismError, ReplayedCallError
 from ratchet.agents._agent import Agent, AgentSpec
@@ -205,6 +205,24 @@ class RunnerContext:
             raise
         self._calls.write(idx, name, digest, "ok", self._result_payload(name, result)).result()
         return result
+
+    @overload
+    async def durable_execute_async(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        reconciler: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> T: ...
+
+    @overload
+    async def durable_execute_async(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        reconciler: Callable[..., Any] | None = None,
+        **kwargs: Any,
+    ) -> T: ...
 
     async def durable_execute_async(
         self,
@@ -411,4 +429,4 @@ def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
             owner.add(t)  # type: ignore[arg-type]
         return t
 
-    loop.set_task_factory(factory)  # type: ignore[arg-type]
+    loop.set_task_factory(factory)

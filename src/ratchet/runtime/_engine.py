@@ -496,7 +496,7 @@ class Engine:
             self.stats.in_progress = 1
             fut = self._writer.submit(lambda: self._write(delta, position, released, triggered))
             try:
-                info = await asyncio.wrap_future(fut)
+                info: dict[str, Any] = await asyncio.wrap_future(fut)
             except Exception as exc:  # noqa: BLE001 - any write failure is a failed checkpoint
                 self.stats.in_progress = 0
                 self._carry = delta

@@ -214,7 +214,7 @@ def _line_id(raw: bytes) -> str:
         value, _ = _decoder.raw_decode(raw.decode("utf-8"), len(_ID_PREFIX))
         if isinstance(value, str):
             return value
-    return json.loads(raw)["id"]  # a line written some other way: read it whole
+    return str(json.loads(raw)["id"])  # a line written some other way: read it whole
 
 
 class Sink:

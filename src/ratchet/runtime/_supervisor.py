@@ -144,7 +144,8 @@ class Supervisor:
         app = create_app(self.job_info, self.checkpoint_stats, self.job_config, self.job_metrics)
         config = uvicorn.Config(app, host=self.rest_host, port=self.rest_port, log_level="warning")
         server = uvicorn.Server(config)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # uvicorn installs signal handlers only from the main thread; this one is not, so the
+        # supervisor's own SIGTERM/SIGINT handlers stay in charge.
         self._server = server
         thread = threading.Thread(target=server.run, name="ratchet-rest", daemon=True)
         thread.start()

@@ -224,9 +224,10 @@ def _pack(lowered: Any) -> bytes:
     except AttributeError:
         fast, slow = _packers()
     try:
-        return fast.pack(lowered)
+        packed: bytes = fast.pack(lowered)
     except UnicodeEncodeError:
-        return slow.pack(lowered)
+        packed = slow.pack(lowered)
+    return packed
 
 
 def _array_header(n: int) -> bytes:
@@ -577,12 +578,13 @@ def _lower_tz(tz: tzinfo | None, kind: str) -> Any:
     t = type(tz)
     if t is timezone:
         offset = tz.utcoffset(None)
+        assert offset is not None  # a fixed-offset timezone always has one
         micros = (offset.days * 86400 + offset.seconds) * 1000000 + offset.microseconds
         name = tz.tzname(None)
         if name == timezone(offset).tzname(None):
             return micros
         return [micros, name]
-    if t is ZoneInfo and tz.key is not None:
+    if isinstance(tz, ZoneInfo) and t is ZoneInfo and tz.key is not None:
         return tz.key
     fix = (
         "value.astimezone(timezone(value.utcoffset()))"

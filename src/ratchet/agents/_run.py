@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding, install_task_factory
@@ -92,6 +93,7 @@ class Job:
         config: EngineConfig | None = None,
         agent_config: dict[str, Any] | None = None,
         on_progress: Callable[[Engine], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config or EngineConfig()
         self.config.validate()
@@ -107,6 +109,7 @@ class Job:
                 self.binding.fingerprint,
                 self.binding.action_names,
                 synchronous=self.config.synchronous,
+                clock=clock,
             )
             self.engine = Engine(
                 self.binding,
@@ -115,6 +118,7 @@ class Job:
                 _sink(output),
                 self.config,
                 on_progress,
+                clock=clock,
             )
         except BaseException:
             self._lock.release()
@@ -170,11 +174,13 @@ def run(
     follow: bool = False,
     config: EngineConfig | None = None,
     agent_config: dict[str, Any] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> EngineResult:
     """Run `agent` over `inputs` into `output`, durably in `state_dir`; resumes if it has state.
 
     `inputs`: a JSONL path, an iterable of dicts (replayable in the same order), or a Source.
     `output`: a JSONL path (exactly once), a callable (at least once, with stable ids), or a Sink.
+    `clock`: where the engine reads time (tests pass `ratchet.testing.FakeClock`).
     """
     job = Job(
         agent,
@@ -185,5 +191,6 @@ def run(
         follow=follow,
         config=config,
         agent_config=agent_config,
+        clock=clock,
     )
     return run_owned(job)

@@ -1,0 +1,144 @@
+"""Time as an input: the fake clock moves only when told, and the engine reads no other clock —
+checkpoint timestamps, the checkpoint interval and restore times are exact virtual times."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ratchet
+from ratchet import Agent, ConfigError, InputEvent, OutputEvent, action
+from ratchet.agents._context import AgentBinding, install_task_factory
+from ratchet.runtime._engine import Engine, EngineConfig
+from ratchet.runtime._io import CallbackSink, IterableSource
+from ratchet.store._memory import MemoryStore
+from ratchet.store._sqlite import SqliteStore
+from ratchet.testing import FakeClock
+
+
+def test_sleepers_wake_in_deadline_order_at_exact_virtual_times() -> None:
+    clock = FakeClock(start=1000.0)
+    woke: list[tuple[str, float]] = []
+
+    async def sleeper(name: str, seconds: float) -> None:
+        await clock.sleep(seconds)
+        woke.append((name, clock.monotonic()))
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(sleeper(n, s)) for n, s in (("b", 5), ("a", 2), ("c", 5))]
+        while clock.sleepers < 3:
+            await asyncio.sleep(0)
+        assert clock.next_deadline() == 2
+        clock.advance(1.5)
+        await asyncio.sleep(0)
+        assert woke == []
+        clock.advance(0.5)
+        await asyncio.wait_for(tasks[1], 1)
+        assert woke == [("a", 2.0)]
+        clock.jump_to(10)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert woke == [("a", 2.0), ("b", 10.0), ("c", 10.0)]
+    assert clock.now() == 1010.0
+
+
+def test_a_blocking_sleep_waits_for_the_clock_and_time_never_goes_back() -> None:
+    clock = FakeClock()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (clock.sleep_sync(3), done.set()))
+    t.start()
+    while clock.sleepers == 0:
+        threading.Event().wait(0.001)
+    assert not done.is_set()
+    clock.advance(3)
+    t.join(5)
+    assert done.is_set()
+    with pytest.raises(ConfigError, match=r"advance\(-1\): time only moves forward"):
+        clock.advance(-1)
+    auto = FakeClock(start=0, autojump=True)
+    auto.sleep_sync(7)
+    assert auto.now() == 7
+
+
+class Gated(Agent):
+    """Holds its first input's run open until the test releases it."""
+
+    gate = threading.Event()
+
+    @action(InputEvent)
+    def handle(self, event: InputEvent, ctx: Any) -> None:
+        if event.input.get("wait"):
+            self.gate.wait(10)
+        ctx.short_term_memory.set("n", ctx.short_term_memory.get("n", 0) + 1)
+        ctx.send_event(OutputEvent(output=event.input["v"]))
+
+
+def test_the_checkpoint_interval_and_timestamps_follow_the_engine_clock() -> None:
+    clock = FakeClock(start=5000.0)
+    store = MemoryStore(clock=clock)
+    got: list[dict[str, Any]] = []
+    Gated.gate.clear()
+    engine = Engine(
+        AgentBinding(Gated()),
+        store,
+        IterableSource([{"key": "k", "v": 1, "wait": True}]),
+        CallbackSink(got.append),
+        EngineConfig(checkpoint_interval=60.0),
+        clock=clock,
+    )
+
+    async def settle() -> None:
+        """Let the loop and the writer thread run a while (for asserting nothing happened)."""
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+
+    async def until(done: Any) -> None:
+        for _ in range(5000):
+            if done():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("the engine did not get there")
+
+    async def main() -> None:
+        install_task_factory(asyncio.get_running_loop())
+        job = asyncio.create_task(engine.run())
+        await settle()
+        # A minute of real waiting would checkpoint; virtual time has not moved, so nothing has.
+        assert store.counts["completed"] == 0
+        clock.advance(59.0)
+        await settle()
+        assert store.counts["completed"] == 0
+        clock.advance(1.0)
+        await until(lambda: store.counts["completed"] == 1)
+        assert store.stats()["latest_completed"]["trigger_timestamp"] == 5060.0
+        clock.advance(60.0)
+        await until(lambda: store.counts["completed"] == 2)
+        await settle()
+        assert store.counts["completed"] == 2
+        Gated.gate.set()
+        await asyncio.wait_for(job, 10)
+
+    asyncio.run(main())
+    # The final checkpoint at the end of input, at the same virtual instant.
+    assert store.stats()["latest_completed"]["trigger_timestamp"] == 5120.0
+    assert [r["output"] for r in got] == [1]
+
+
+def test_restore_and_state_creation_times_come_from_the_clock(tmp_path: Path) -> None:
+    clock = FakeClock(start=7000.0)
+    Gated.gate.set()
+    rows = [{"key": "k", "v": 1}]
+    ratchet.run(Gated(), inputs=rows, output=tmp_path / "o.jsonl", state_dir=tmp_path, clock=clock)
+    clock.advance(42.5)
+    ratchet.run(Gated(), inputs=rows, output=tmp_path / "o.jsonl", state_dir=tmp_path, clock=clock)
+    store = SqliteStore.open_readonly(tmp_path)
+    try:
+        assert store.meta("created_at") == 7000.0
+        assert store.stats()["latest_restored"]["restored_at"] == 7042.5
+    finally:
+        store.close()

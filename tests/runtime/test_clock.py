@@ -98,7 +98,7 @@ def test_the_checkpoint_interval_and_timestamps_follow_the_engine_clock() -> Non
             await asyncio.sleep(0.001)
 
     async def until(done: Any) -> None:
-        for _ in range(5000):
+        for _ in range(30000):
             if done():
                 return
             await asyncio.sleep(0.001)
@@ -107,17 +107,18 @@ def test_the_checkpoint_interval_and_timestamps_follow_the_engine_clock() -> Non
     async def main() -> None:
         install_task_factory(asyncio.get_running_loop())
         job = asyncio.create_task(engine.run())
+        # Wait for idleness, not for time: the checkpoint loop is asleep on the clock.
+        await until(lambda: clock.sleepers == 1)
         await settle()
-        # A minute of real waiting would checkpoint; virtual time has not moved, so nothing has.
-        assert store.counts["completed"] == 0
+        assert store.counts["completed"] == 0  # a minute of real time would have checkpointed
         clock.advance(59.0)
         await settle()
         assert store.counts["completed"] == 0
         clock.advance(1.0)
-        await until(lambda: store.counts["completed"] == 1)
+        await until(lambda: store.counts["completed"] == 1 and clock.sleepers == 1)
         assert store.stats()["latest_completed"]["trigger_timestamp"] == 5060.0
         clock.advance(60.0)
-        await until(lambda: store.counts["completed"] == 2)
+        await until(lambda: store.counts["completed"] == 2 and clock.sleepers == 1)
         await settle()
         assert store.counts["completed"] == 2
         Gated.gate.set()

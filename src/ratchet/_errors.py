@@ -2,7 +2,9 @@
 
     RatchetError                      catch this to handle anything ratchet raised on purpose
     ├── ConfigError                   a setting, agent, flag or file is wrong; exit 2
-    │   ├── PromptArgumentError       a prompt formatted without one of its arguments
+    │   ├── InvalidArgumentError      (also ValueError) an API argument whose value is unusable
+    │   ├── InvalidTypeError          (also TypeError) an API argument of the wrong type
+    │   ├── PromptArgumentError       (also ChatError) a prompt formatted without an argument
     │   └── ProjectError              (also ValueError) a checks project file or plan is invalid
     ├── StateError                    a state directory cannot be used as it is; exit 2
     │   ├── ReceiptError              (also ValueError) a checks receipt cannot be trusted
@@ -58,6 +60,16 @@ class RatchetError(Exception):
 
 class ConfigError(RatchetError):
     """A user-supplied setting, agent or file is wrong; the message names it and the fix."""
+
+
+class InvalidArgumentError(ConfigError, ValueError):
+    """A ratchet API got an argument whose value it cannot use (a memory path with an empty
+    segment, a name already taken); the message names the argument and what to pass."""
+
+
+class InvalidTypeError(ConfigError, TypeError):
+    """A ratchet API got an argument of the wrong type (`send_event` of a non-event, a sync
+    action returning an awaitable); the message names the argument and what to pass."""
 
 
 class StateError(RatchetError):

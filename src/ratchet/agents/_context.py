@@ -10,7 +10,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
-from ratchet._errors import NonDeterminismError, ReplayedCallError
+from ratchet._errors import (
+    CodecError,
+    InvalidTypeError,
+    NonDeterminismError,
+    ReplayedCallError,
+)
 from ratchet.agents._agent import Agent, AgentSpec
 from ratchet.agents._events import (
     ErrorEvent,
@@ -131,7 +136,7 @@ class RunnerContext:
     def send_event(self, event: Event) -> None:
         """Emit an event; it is delivered (or output) when this task commits."""
         if not isinstance(event, Event):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"send_event() takes a ratchet Event, got {type(event).__name__}; wrap the value, "
                 f"e.g. OutputEvent(output=...)"
             )
@@ -167,7 +172,7 @@ class RunnerContext:
         try:
             return codec.encode(value)
         except TypeError as exc:
-            raise TypeError(
+            raise CodecError(
                 f"durable call {name} returned a value ratchet cannot record ({exc}); return plain "
                 f"data (dict, list, str, bytes, a registered model) from the function"
             ) from None
@@ -199,7 +204,9 @@ class RunnerContext:
         try:
             result = target(*args, **kwargs)
             if inspect.isawaitable(result):
-                raise TypeError(f"{name} is async; use `await ctx.durable_execute_async(...)`")
+                raise InvalidTypeError(
+                    f"{name} is async; use `await ctx.durable_execute_async(...)`"
+                )
         except Exception as exc:
             self._calls.write(idx, name, digest, "error", _encode_error(exc)).result()
             raise
@@ -365,7 +372,7 @@ class AgentBinding:
                 close = getattr(out, "close", None)
                 if close is not None:
                     close()
-                raise TypeError(
+                raise InvalidTypeError(
                     f"sync action {task.action} returned an awaitable; declare it `async def`"
                 )
         except NonDeterminismError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ratchet._errors import CodecError, InvalidArgumentError, InvalidTypeError
 from ratchet.runtime._memops import DELETE, NEW_OBJECT, OBJECT, SET, apply_op, parents
 from ratchet.store import codec
 
@@ -19,9 +20,11 @@ _MISSING = object()
 
 def _check_path(path: str) -> str:
     if not isinstance(path, str) or not path:
-        raise TypeError(f"memory path must be a non-empty str, got {path!r}")
+        raise InvalidTypeError(f"memory path must be a non-empty str, got {path!r}")
     if any(not part for part in path.split(".")):
-        raise ValueError(f"memory path {path!r} has an empty segment; use names like 'order.total'")
+        raise InvalidArgumentError(
+            f"memory path {path!r} has an empty segment; use names like 'order.total'"
+        )
     return path
 
 
@@ -80,7 +83,7 @@ class MemoryObject:
     def set(self, path: str, value: Any) -> None:
         full = self._full(path)
         if isinstance(value, MemoryObject):
-            raise TypeError(
+            raise CodecError(
                 f"memory value at {full!r} is a MemoryObject; use new_object({path!r}) to create "
                 f"an object, or copy its fields one by one"
             )
@@ -89,7 +92,7 @@ class MemoryObject:
         for parent in parents(full):
             existing = data.get(parent, _MISSING)
             if existing is not _MISSING and existing is not OBJECT:
-                raise TypeError(
+                raise InvalidTypeError(
                     f"cannot set memory path {full!r}: {parent!r} holds a value "
                     f"({type(existing).__name__}), not an object; delete({parent!r}) first"
                 )
@@ -99,7 +102,7 @@ class MemoryObject:
         full = self._full(path)
         existing = self._buf.data.get(full, _MISSING)
         if existing is not _MISSING and not overwrite:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"memory path {full!r} already exists; pass overwrite=True to replace it"
             )
         self._buf.record((NEW_OBJECT, full))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ratchet._errors import InternalError, NonDeterminismError
+from ratchet._errors import InternalError, InvalidArgumentError, NonDeterminismError
 from ratchet.runtime._memops import apply_ops
 
 PENDING = 0
@@ -157,7 +157,9 @@ class Machine:
         max_concurrent_runs: int = 64,
     ) -> None:
         if max_concurrent_runs < 1:
-            raise ValueError("max_concurrent_runs must be at least 1")
+            raise InvalidArgumentError(
+                f"max_concurrent_runs must be at least 1, not {max_concurrent_runs!r}"
+            )
         self._listeners = listeners
         self._is_output = is_output
         self.max_concurrent_runs = max_concurrent_runs

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ratchet._errors import CorruptDataError
+
 
 class _ObjectNode:
     """Marks a path that holds an object (children), not a value."""
@@ -44,7 +46,9 @@ def apply_op(data: dict[str, Any], op: tuple[Any, ...]) -> None:
         data.pop(path, None)
         _drop_children(data, path)
     else:
-        raise ValueError(f"unknown memory op {kind!r}")
+        raise CorruptDataError(
+            f"unknown memory op {kind!r} in stored state; it was written by another program"
+        )
 
 
 def _drop_children(data: dict[str, Any], path: str) -> None:

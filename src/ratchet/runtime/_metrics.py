@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ratchet._errors import InvalidArgumentError
+
 
 class Metrics:
     """Thread-safe counters; sync actions on worker threads update them too."""
@@ -46,5 +48,5 @@ class KeyMetrics:
     def inc(self, name: str, value: float = 1) -> None:
         """Add `value` to counter `name`, in total and for this key."""
         if not isinstance(name, str) or not name:
-            raise ValueError(f"metric name must be a non-empty str, got {name!r}")
+            raise InvalidArgumentError(f"metric name must be a non-empty str, got {name!r}")
         self._registry.add(self._key, name, value)

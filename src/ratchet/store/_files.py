@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ratchet._errors import CorruptDataError
+
 SEAL_FIELD = "seal"
 SEAL_ALGORITHM = "sha256"
 
@@ -68,7 +70,7 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
+        raise CorruptDataError(f"{p}: not valid JSON ({exc})") from exc
 
 
 def sha256_bytes(data: bytes) -> str:

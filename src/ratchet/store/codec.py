@@ -57,7 +57,13 @@ from zoneinfo import ZoneInfo
 import msgpack
 from msgpack import ExtType
 
-from ratchet._errors import CodecError, CorruptDataError, UnknownTypeError
+from ratchet._errors import (
+    CodecError,
+    CorruptDataError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    UnknownTypeError,
+)
 
 __all__ = [
     "CodecError",
@@ -137,11 +143,13 @@ def register(cls: T, name: str | None = None) -> T:
     """
     if not isinstance(cls, type):
         # e.g. @register("name"), which passes the name as the class
-        raise TypeError(f"register() takes a class, not {cls!r}; use register(cls, name=...)")
+        raise InvalidTypeError(
+            f"register() takes a class, not {cls!r}; use register(cls, name=...)"
+        )
     if name is None:
         name = f"{cls.__module__}.{cls.__qualname__}"
     if type(name) is not str or not name:
-        raise TypeError(f"register() name must be a non-empty str, not {name!r}")
+        raise InvalidTypeError(f"register() name must be a non-empty str, not {name!r}")
     base = _pydantic_base()
     if issubclass(cls, Enum):
         entry = _Entry(name, _ENUM)
@@ -156,20 +164,20 @@ def register(cls: T, name: str | None = None) -> T:
             frozenset(f.name for f in fields if not f.init),
         )
     else:
-        raise TypeError(
+        raise InvalidTypeError(
             f"register() takes an Enum, a dataclass or a pydantic BaseModel class, not {cls!r}; "
             "convert other objects to one of those or to a dict"
         )
     with _REGISTRY_LOCK:
         taken = _BY_NAME.get(name)
         if taken is not None and taken is not cls:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"cannot register {cls!r} as {name!r}: that name is already registered "
                 f"for {taken!r}; pass a different name"
             )
         known = _BY_CLS.get(cls)
         if known is not None and known.name != name:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"cannot register {cls!r} as {name!r}: it is already registered as {known.name!r}"
             )
         _BY_CLS[cls] = entry
@@ -910,7 +918,7 @@ def decode(data: bytes) -> Any:
     names a class not registered in this process.
     """
     if type(data) is not bytes and not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"decode() takes bytes, not {type(data)!r}")
+        raise InvalidTypeError(f"decode() takes bytes, not {type(data)!r}")
     try:
         return _unpack(data)
     except (CorruptDataError, UnknownTypeError):

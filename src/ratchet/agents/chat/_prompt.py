@@ -6,6 +6,7 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ratchet._errors import InvalidTypeError
 from ratchet.agents.chat._errors import PromptArgumentError
 from ratchet.agents.chat._messages import ChatMessage
 
@@ -41,7 +42,7 @@ class Prompt:
             self.messages = tuple(template)
             self._text = None
             if not all(isinstance(m, ChatMessage) for m in self.messages):
-                raise TypeError("Prompt takes a str or a list of ChatMessage")
+                raise InvalidTypeError("Prompt takes a str or a list of ChatMessage")
         self.name = name
         self.arguments: frozenset[str] = frozenset(
             n for m in self.messages for n in _fields(m.content)

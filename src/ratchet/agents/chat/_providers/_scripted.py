@@ -8,6 +8,7 @@ from typing import Any, TypeAlias
 
 from pydantic import BaseModel
 
+from ratchet._errors import InvalidArgumentError, InvalidTypeError
 from ratchet.agents.chat._errors import ModelCallError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import ChatModel, RetryPolicy
@@ -43,7 +44,9 @@ def as_reply(reply: Reply) -> ChatMessage:
         return ChatMessage.assistant(reply.model_dump_json())
     if isinstance(reply, dict):
         return ChatMessage.assistant(json.dumps(reply, sort_keys=True))
-    raise TypeError(f"a scripted reply must be a str, ChatMessage, ToolCall(s) or model: {reply!r}")
+    raise InvalidTypeError(
+        f"a scripted reply must be a str, ChatMessage, ToolCall(s) or model: {reply!r}"
+    )
 
 
 class ScriptedChatModel(ChatModel):
@@ -70,7 +73,7 @@ class ScriptedChatModel(ChatModel):
     ) -> None:
         super().__init__(model=model, retry=retry)
         if not replies and respond is None:
-            raise ValueError("ScriptedChatModel needs replies=[...] or respond=...")
+            raise InvalidArgumentError("ScriptedChatModel needs replies=[...] or respond=...")
         self.replies = list(replies)
         self.respond = respond
         self.fail_first = list(fail_first)

@@ -15,6 +15,7 @@ import pytest
 import ratchet
 from ratchet import _errors
 
+
 def drawn_tree() -> list[tuple[int, str, str]]:
     """(depth, class name, description) for each line of the drawing, in order."""
     doc = _errors.__doc__ or ""

@@ -15,7 +15,7 @@ import pytest
 import ratchet
 from ratchet import Agent, InputEvent, OutputEvent, StateError, action, run
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
-from ratchet.store._sqlite import DB_NAME, SqliteStore
+from ratchet.store._sqlite import DB_NAME, SCHEMA_VERSION, SqliteStore
 
 RATCHET = [sys.executable, "-m", "ratchet.cli"]
 
@@ -183,7 +183,9 @@ def test_state_of_an_unknown_schema_is_refused(tmp_path: Path) -> None:
     )
     store._set_meta("schema_version", 99)
     store.close()
-    with pytest.raises(StateError, match="state schema 99; this ratchet reads schema 1"):
+    with pytest.raises(
+        StateError, match=rf"state schema 99; this ratchet reads schema {SCHEMA_VERSION}"
+    ):
         run(Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
 
 

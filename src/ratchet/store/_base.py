@@ -59,7 +59,7 @@ class CallRecord:
 class Loaded:
     """Everything a restore needs, still encoded, in the order the engine restores it."""
 
-    keys: list[tuple[bytes, int, bytes]]  # (key, next dispatch, memory)
+    keys: list[tuple[bytes, int, bytes]]  # (key, next dispatch, memory), by key bytes
     inputs: list[tuple[int, bytes, bytes]]  # (seq, key, event), by seq
     runs: list[tuple[int, bytes, int, bytes]]  # (seq, key, base dispatch, journal), by seq
     outbox: list[tuple[str, int, bytes]]  # (id, seq, record), by seq then id

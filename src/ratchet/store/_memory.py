@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet.store import codec
 from ratchet.store._base import CallRecord, CheckpointRows, Loaded
 
 _KEEP_CHECKPOINT_STATS = 100
@@ -36,7 +37,7 @@ class MemoryStore:
 
     def load(self) -> Loaded:
         return Loaded(
-            keys=[(k, nd, mem) for k, (_t, nd, mem) in self.keys.items()],
+            keys=[(k, nd, mem) for k, (_t, nd, mem) in sorted(self.keys.items())],
             inputs=[(seq, k, ev) for seq, (k, ev) in sorted(self.inputs.items())],
             runs=[(seq, k, base, j) for seq, (k, base, j) in sorted(self.runs.items())],
             outbox=sorted(
@@ -50,30 +51,38 @@ class MemoryStore:
 
     def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
         started = self.clock.monotonic()
+        # Applied to copies and swapped in at the end: a bad row leaves nothing half-applied.
+        keys, inputs, runs = dict(self.keys), dict(self.inputs), dict(self.runs)
+        outbox, calls, source = dict(self.outbox), dict(self.calls), self.source
         for key, text, next_dispatch, memory in rows.keys:
-            self.keys[key] = (text, next_dispatch, memory)
+            keys[key] = (text, next_dispatch, memory)
         for seq, key, event in rows.new_inputs:
-            self.inputs[seq] = (key, event)
+            inputs[seq] = (key, event)
         for seq in rows.done_inputs:
-            self.inputs.pop(seq, None)
-            self.runs.pop(seq, None)
+            inputs.pop(seq, None)
+            runs.pop(seq, None)
         if rows.completed:
             done = set(rows.completed)
-            for k in [k for k in self.calls if k[0] in done]:
-                del self.calls[k]
+            for k in [k for k in calls if k[0] in done]:
+                del calls[k]
         for seq, key, base, journal in rows.runs:
-            self.runs[seq] = (key, base, journal)
+            runs[seq] = (key, base, journal)
         for out_id, seq, record in rows.outbox:
-            self.outbox[out_id] = (seq, record)
+            outbox[out_id] = (seq, record)
         for out_id in rows.released:
-            self.outbox.pop(out_id, None)
+            outbox.pop(out_id, None)
         if rows.source:
-            self.source = copy.deepcopy(rows.source)
+            # Through the codec, as a durable store would: what cannot be stored is refused
+            # here too, and what comes back has the types a restart would see.
+            source = codec.decode(codec.encode(rows.source))
+        size = rows.size()
+        self.keys, self.inputs, self.runs = keys, inputs, runs
+        self.outbox, self.calls, self.source = outbox, calls, source
         info = {
             "id": self.next_checkpoint_id,
             "trigger_timestamp": triggered_at,
             "duration_ms": (self.clock.monotonic() - started) * 1000.0,
-            "size_bytes": rows.size(),
+            "size_bytes": size,
         }
         self.checkpoints = [*self.checkpoints[-(_KEEP_CHECKPOINT_STATS - 1) :], info]
         self.next_checkpoint_id += 1
@@ -81,8 +90,8 @@ class MemoryStore:
         return dict(info)
 
     def put_calls(self, records: Iterable[CallRecord]) -> None:
-        for r in list(records):
-            self.calls[(r.seq, r.task_id, r.idx)] = copy.copy(r)
+        new = {(r.seq, r.task_id, r.idx): copy.copy(r) for r in records}  # all or none
+        self.calls.update(new)
 
     def forget_outputs(self, ids: list[str]) -> None:
         for out_id in ids:

@@ -2,14 +2,21 @@
 
 It stores bytes and plain values only; what they mean belongs to the engine. Rows are keyed
 naturally (key, input sequence, task id, call index) so a retried write is harmless.
+
+Schema versions: `_MIGRATIONS` is append-only; `_MIGRATIONS[i]` takes schema i to i + 1, so
+a new database applies all of them in order and an older one the ones it lacks, in one
+transaction, when a writer opens it. The version is recorded in meta `schema_version` (what
+ratchet reads) and in `PRAGMA user_version` (what `sqlite3 ratchet.db 'PRAGMA user_version'`
+shows). A database from a newer ratchet is refused, never guessed at.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,31 +25,35 @@ from ratchet._errors import StateError
 from ratchet.store import codec
 from ratchet.store._base import CallRecord, CheckpointRows, Loaded
 
-SCHEMA_VERSION = 1
 DB_NAME = "ratchet.db"
 LOCK_NAME = "ratchet.lock"
 
-# Append-only: migrations[i] takes schema i to i + 1.
-_SCHEMA = [
-    """
-    CREATE TABLE meta(name TEXT PRIMARY KEY, value BLOB NOT NULL);
-    CREATE TABLE keys(
-        key BLOB PRIMARY KEY, key_text TEXT NOT NULL,
-        next_dispatch INTEGER NOT NULL, memory BLOB NOT NULL);
-    CREATE TABLE inputs(seq INTEGER PRIMARY KEY, key BLOB NOT NULL, event BLOB NOT NULL);
-    CREATE TABLE runs(
-        seq INTEGER PRIMARY KEY, key BLOB NOT NULL,
-        base_dispatch INTEGER NOT NULL, journal BLOB NOT NULL);
-    CREATE TABLE outbox(id TEXT PRIMARY KEY, seq INTEGER NOT NULL, record BLOB NOT NULL);
-    CREATE TABLE checkpoints(
-        id INTEGER PRIMARY KEY, triggered_at REAL NOT NULL,
-        duration_ms REAL NOT NULL, size_bytes INTEGER NOT NULL);
-    CREATE TABLE calls(
-        seq INTEGER NOT NULL, task_id TEXT NOT NULL, idx INTEGER NOT NULL,
-        fn TEXT NOT NULL, digest TEXT NOT NULL, status TEXT NOT NULL, payload BLOB,
-        PRIMARY KEY(seq, task_id, idx));
-    """
+# Append-only: _MIGRATIONS[i] takes schema i to i + 1 (0 is an empty database). Never edit a
+# shipped entry: databases in the field were made by it. One statement per string.
+_MIGRATIONS: list[tuple[str, ...]] = [
+    (  # 1: the tables
+        "CREATE TABLE meta(name TEXT PRIMARY KEY, value BLOB NOT NULL)",
+        """CREATE TABLE keys(
+            key BLOB PRIMARY KEY, key_text TEXT NOT NULL,
+            next_dispatch INTEGER NOT NULL, memory BLOB NOT NULL)""",
+        "CREATE TABLE inputs(seq INTEGER PRIMARY KEY, key BLOB NOT NULL, event BLOB NOT NULL)",
+        """CREATE TABLE runs(
+            seq INTEGER PRIMARY KEY, key BLOB NOT NULL,
+            base_dispatch INTEGER NOT NULL, journal BLOB NOT NULL)""",
+        "CREATE TABLE outbox(id TEXT PRIMARY KEY, seq INTEGER NOT NULL, record BLOB NOT NULL)",
+        """CREATE TABLE checkpoints(
+            id INTEGER PRIMARY KEY, triggered_at REAL NOT NULL,
+            duration_ms REAL NOT NULL, size_bytes INTEGER NOT NULL)""",
+        """CREATE TABLE calls(
+            seq INTEGER NOT NULL, task_id TEXT NOT NULL, idx INTEGER NOT NULL,
+            fn TEXT NOT NULL, digest TEXT NOT NULL, status TEXT NOT NULL, payload BLOB,
+            PRIMARY KEY(seq, task_id, idx))""",
+    ),
+    (  # 2: `ratchet inspect --key` looks keys up by their text (it scanned the table)
+        "CREATE INDEX keys_by_text ON keys(key_text)",
+    ),
 ]
+SCHEMA_VERSION = len(_MIGRATIONS)
 _KEEP_CHECKPOINT_ROWS = 100
 _VACUUM_FREE_PAGES = 256
 
@@ -115,10 +126,17 @@ class SqliteStore:
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise StateError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
-        if fresh:
-            store._create(agent_name, agent_fingerprint, actions)
-        else:
-            store._check_owner(agent_name, agent_fingerprint, actions)
+        try:
+            if fresh:
+                store._create(agent_name, agent_fingerprint, actions)
+            else:
+                # Refuse another agent's (or a newer ratchet's) state before changing anything.
+                store._schema_version()
+                store._check_owner(agent_name, agent_fingerprint, actions)
+                store._migrate()
+        except BaseException:
+            conn.close()
+            raise
         return store
 
     @classmethod
@@ -130,9 +148,13 @@ class SqliteStore:
         try:
             conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
             store = cls(conn, path)
-            store.meta("schema_version")
+            # An older schema reads the same (a writer migrates it when it next opens it).
+            store._schema_version()
         except sqlite3.DatabaseError as exc:
             raise StateError(f"{path} is not a readable ratchet state database: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
         return store
 
     @staticmethod
@@ -160,42 +182,90 @@ class SqliteStore:
             )
         return conn
 
-    def _create(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed if the block returns, rolled back if it raises."""
         c = self.conn
         c.execute("BEGIN IMMEDIATE")
-        for script in _SCHEMA:
-            for stmt in script.split(";"):
-                if stmt.strip():
-                    c.execute(stmt)
-        meta = {
-            "schema_version": SCHEMA_VERSION,
-            "agent_name": agent_name,
-            "agent_fingerprint": fingerprint,
-            "actions": actions,
-            "created_at": self.clock.now(),
-            "source": {},
-            "counts": {"completed": 0, "failed": 0, "restored": 0},
-            "latest_restored": None,
-            "next_checkpoint_id": 1,
-        }
-        c.executemany(
-            "INSERT INTO meta(name, value) VALUES (?, ?)",
-            [(k, codec.encode(v)) for k, v in meta.items()],
-        )
-        c.execute("COMMIT")
+        try:
+            yield c
+            c.execute("COMMIT")
+        except BaseException:
+            # A failed COMMIT (or an I/O error) may have rolled back already.
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
 
-    def _check_owner(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
+    @staticmethod
+    def _apply(c: sqlite3.Connection, start: int, stop: int) -> None:
+        """Run migrations start+1 .. stop and record `stop` (inside the caller's transaction)."""
+        for migration in _MIGRATIONS[start:stop]:
+            for stmt in migration:
+                c.execute(stmt)
+        # Not a bound parameter: PRAGMA takes none. `stop` is an int from this module.
+        c.execute(f"PRAGMA user_version = {int(stop)}")
+
+    def _create(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
+        with self._transaction() as c:
+            self._apply(c, 0, SCHEMA_VERSION)
+            meta = {
+                "schema_version": SCHEMA_VERSION,
+                "agent_name": agent_name,
+                "agent_fingerprint": fingerprint,
+                "actions": actions,
+                "created_at": self.clock.now(),
+                "source": {},
+                "counts": {"completed": 0, "failed": 0, "restored": 0},
+                "latest_restored": None,
+                "next_checkpoint_id": 1,
+            }
+            c.executemany(
+                "INSERT INTO meta(name, value) VALUES (?, ?)",
+                [(k, codec.encode(v)) for k, v in meta.items()],
+            )
+
+    def _schema_version(self) -> int:
+        """The recorded schema version; a newer one than this code knows is refused."""
         try:
             version = self.meta("schema_version")
         except sqlite3.DatabaseError as exc:
             raise StateError(
                 f"{self.path} is not a ratchet state database ({exc}); it was left untouched"
             ) from exc
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version < 1:
             raise StateError(
-                f"{self.path} was written with state schema {version!r}; this ratchet reads "
-                f"schema {SCHEMA_VERSION}; use the ratchet version that wrote it, or a new --state"
+                f"{self.path} records state schema {version!r}, which no ratchet writes; it was "
+                f"left untouched; restore it from a backup or point --state at a new directory"
             )
+        if version > SCHEMA_VERSION:
+            raise StateError(
+                f"{self.path} was written with state schema {version}; this ratchet reads schema "
+                f"{SCHEMA_VERSION} (and migrates older ones), so a newer ratchet wrote it; it was "
+                f"left untouched; upgrade ratchet to a version that reads schema {version}, or "
+                f"point --state at a new directory"
+            )
+        return version
+
+    def _migrate(self) -> None:
+        """Bring an older state up to `SCHEMA_VERSION` in one transaction (all or nothing)."""
+        version = self._schema_version()
+        if version == SCHEMA_VERSION:
+            return
+        try:
+            with self._transaction() as c:
+                version = self._schema_version()  # again, under the write lock
+                if version < SCHEMA_VERSION:
+                    self._apply(c, version, SCHEMA_VERSION)
+                    self._set_meta("schema_version", SCHEMA_VERSION)
+        except sqlite3.DatabaseError as exc:
+            raise StateError(
+                f"{self.path} could not be migrated from state schema {version} to "
+                f"{SCHEMA_VERSION} ({exc}); nothing was changed, it is still at schema "
+                f"{version}; fix the cause (disk space, permissions) and run again, or use the "
+                f"ratchet version that wrote it"
+            ) from exc
+
+    def _check_owner(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
         stored = self.meta("agent_fingerprint")
         if stored != fingerprint:
             raise StateError(
@@ -219,7 +289,9 @@ class SqliteStore:
         c = self.conn
         try:
             return Loaded(
-                keys=c.execute("SELECT key, next_dispatch, memory FROM keys").fetchall(),
+                keys=c.execute(
+                    "SELECT key, next_dispatch, memory FROM keys ORDER BY key"
+                ).fetchall(),
                 inputs=c.execute("SELECT seq, key, event FROM inputs ORDER BY seq").fetchall(),
                 runs=c.execute(
                     "SELECT seq, key, base_dispatch, journal FROM runs ORDER BY seq"
@@ -293,16 +365,14 @@ class SqliteStore:
 
     def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
         """Apply one checkpoint in one transaction; on any error nothing of it is applied."""
-        c = self.conn
         started = self.clock.monotonic()
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as c:
             checkpoint_id = self.meta("next_checkpoint_id")
             if rows.keys:
                 c.executemany(
                     "INSERT INTO keys(key, key_text, next_dispatch, memory) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT(key) DO UPDATE SET next_dispatch = excluded.next_dispatch, "
-                    "memory = excluded.memory",
+                    "ON CONFLICT(key) DO UPDATE SET key_text = excluded.key_text, "
+                    "next_dispatch = excluded.next_dispatch, memory = excluded.memory",
                     rows.keys,
                 )
             if rows.new_inputs:
@@ -342,10 +412,6 @@ class SqliteStore:
             counts["completed"] += 1
             self._set_meta("counts", counts)
             self._set_meta("next_checkpoint_id", checkpoint_id + 1)
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
         self._maybe_vacuum()
         return {
             "id": checkpoint_id,
@@ -355,62 +421,56 @@ class SqliteStore:
         }
 
     def _maybe_vacuum(self) -> None:
-        """Return free pages to the file system once there are enough of them to matter."""
-        free = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
-        if free >= _VACUUM_FREE_PAGES:
-            # executescript steps the pragma to the end (execute() would free one page).
-            self.conn.executescript("PRAGMA incremental_vacuum;")
+        """Return free pages to the file system once there are enough of them to matter.
+
+        Best effort: it runs after a commit, and raising then would report a write that
+        happened as one that did not."""
+        try:
+            free = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
+            if free >= _VACUUM_FREE_PAGES:
+                # executescript steps the pragma to the end (execute() would free one page).
+                self.conn.executescript("PRAGMA incremental_vacuum;")
+        except sqlite3.Error:
+            pass
 
     def forget_outputs(self, ids: list[str]) -> None:
         """Delete outbox rows whose outputs the sink holds (they are never needed again)."""
-        c = self.conn
-        c.execute("BEGIN IMMEDIATE")
-        c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in ids])
-        c.execute("COMMIT")
+        with self._transaction() as c:
+            c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in ids])
         self._maybe_vacuum()
 
     def count_failed_checkpoint(self) -> None:
         """Best effort: the disk that failed the checkpoint may fail this too."""
         try:
-            c = self.conn
-            c.execute("BEGIN IMMEDIATE")
-            counts = self.meta("counts")
-            counts["failed"] += 1
-            self._set_meta("counts", counts)
-            c.execute("COMMIT")
+            with self._transaction():
+                counts = self.meta("counts")
+                counts["failed"] += 1
+                self._set_meta("counts", counts)
         except sqlite3.Error:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
+            pass
 
     def record_restore(self) -> dict[str, Any] | None:
         """Count a restore of the latest completed checkpoint; returns it (None on a fresh start)."""
-        latest = self.stats()["latest_completed"]
-        if latest is None:
-            return None
-        c = self.conn
-        c.execute("BEGIN IMMEDIATE")
-        counts = self.meta("counts")
-        counts["restored"] += 1
-        restored = dict(latest, restored_at=self.clock.now())
-        self._set_meta("counts", counts)
-        self._set_meta("latest_restored", restored)
-        c.execute("COMMIT")
+        with self._transaction():
+            latest = self.stats()["latest_completed"]
+            if latest is None:
+                return None
+            counts = self.meta("counts")
+            counts["restored"] += 1
+            restored = dict(latest, restored_at=self.clock.now())
+            self._set_meta("counts", counts)
+            self._set_meta("latest_restored", restored)
         return restored
 
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         """Write durable-call records through at once, in one transaction (a group commit)."""
-        c = self.conn
-        c.execute("BEGIN IMMEDIATE")
-        try:
+        rows = [(r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload) for r in records]
+        with self._transaction() as c:
             c.executemany(
                 "INSERT OR REPLACE INTO calls(seq, task_id, idx, fn, digest, status, payload) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload) for r in records],
+                rows,
             )
-            c.execute("COMMIT")
-        except BaseException:
-            c.execute("ROLLBACK")
-            raise
 
     def close(self) -> None:
         self.conn.close()

@@ -1,0 +1,94 @@
+"""The store backends every conformance test runs against: add a new backend to BACKENDS.
+
+A backend is two functions: `open(directory, clock)` makes a fresh, empty store (a durable
+one keeps its files under `directory`), and `reopen(store, directory, clock)` returns what a
+restarted process would see (the old object is finished with). The `stores` fixture
+(conftest.py) hands a test one backend at a time; `all_stores` hands it every backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ratchet._clock import Clock
+from ratchet.store._base import CheckpointStore
+from ratchet.store._memory import MemoryStore
+from ratchet.store._sqlite import SqliteStore
+from ratchet.testing import FakeClock
+
+FAKE_START = 1_800_000_000.0
+
+_AGENT = ("conformance.Agent", "0123456789abcdef", ["act(ratchet.InputEvent)"])
+
+
+def _open_sqlite(directory: Path, clock: Clock) -> CheckpointStore:
+    return SqliteStore.open(directory, *_AGENT, clock=clock)
+
+
+def _reopen_sqlite(store: CheckpointStore, directory: Path, clock: Clock) -> CheckpointStore:
+    store.close()
+    return _open_sqlite(directory, clock)
+
+
+def _reopen_memory(store: CheckpointStore, directory: Path, clock: Clock) -> CheckpointStore:
+    assert isinstance(store, MemoryStore)
+    return store.reopen()
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    open: Callable[[Path, Clock], CheckpointStore]
+    reopen: Callable[[CheckpointStore, Path, Clock], CheckpointStore]
+
+
+BACKENDS = [
+    Backend("memory", lambda _directory, clock: MemoryStore(clock), _reopen_memory),
+    Backend("sqlite", _open_sqlite, _reopen_sqlite),
+]
+
+
+class Stores:
+    """Opens fresh stores of one backend on one fake clock, and closes them all at the end."""
+
+    def __init__(self, backend: Backend, root: Path, clock: FakeClock) -> None:
+        self.backend = backend
+        self.root = root
+        self.clock = clock
+        self._dirs: dict[int, Path] = {}
+        self._open: list[CheckpointStore] = []
+        self._n = itertools.count()
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def open(self) -> CheckpointStore:
+        directory = self.root / f"{self.name}-{next(self._n)}"
+        directory.mkdir(parents=True)
+        store = self.backend.open(directory, self.clock)
+        self._dirs[id(store)] = directory
+        self._open.append(store)
+        return store
+
+    def reopen(self, store: CheckpointStore) -> CheckpointStore:
+        """What a restarted process sees; `store` must not be used afterwards."""
+        directory = self._dirs.pop(id(store))
+        self._open.remove(store)
+        again = self.backend.reopen(store, directory, self.clock)
+        self._dirs[id(again)] = directory
+        self._open.append(again)
+        return again
+
+    def close(self, store: CheckpointStore) -> None:
+        self._dirs.pop(id(store))
+        self._open.remove(store)
+        store.close()
+
+    def close_all(self) -> None:
+        while self._open:
+            self._open.pop().close()
+        self._dirs.clear()

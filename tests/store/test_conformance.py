@@ -1,0 +1,433 @@
+"""The semantics every `CheckpointStore` backend must have, run against each of them.
+
+The backends are listed once, in `store_backends.py` (BACKENDS). The example tests below pin one
+rule each; `test_backends_agree_with_the_model_in_lockstep` drives every backend and a plain
+dict model through the same random sequences of writes, restarts and restores, and checks
+after every step that each backend loads exactly what the model says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+from store_backends import FAKE_START, Stores
+
+from ratchet.store._base import CallRecord, CheckpointRows, CheckpointStore, Loaded
+from ratchet.testing import FakeClock
+
+
+def rows(**fields: Any) -> CheckpointRows:
+    return CheckpointRows(**fields)
+
+
+def call(
+    seq: int, task: str, idx: int, status: str = "ok", payload: bytes | None = b"p"
+) -> CallRecord:
+    return CallRecord(seq, task, idx, f"mod.fn{idx}", f"digest-{seq}-{idx}", status, payload)
+
+
+# -- one rule per test ---------------------------------------------------------------------------
+
+
+def test_a_fresh_store_loads_empty(stores: Stores) -> None:
+    store = stores.open()
+    empty = {
+        "counts": {"completed": 0, "failed": 0, "restored": 0},
+        "latest_completed": None,
+        "latest_restored": None,
+    }
+    assert store.load() == Loaded([], [], [], [], [], {}, empty)
+    assert store.stats() == empty
+    store = stores.reopen(store)
+    assert store.load() == Loaded([], [], [], [], [], {}, empty)
+
+
+def test_a_checkpoint_comes_back_after_a_restart_in_order(stores: Stores) -> None:
+    store = stores.open()
+    store.write_checkpoint(
+        rows(
+            keys=[(b"kb", "kb", 3, b"mem-b"), (b"ka", "ka", 7, b"mem-a")],
+            new_inputs=[(5, b"kb", b"ev5"), (2, b"ka", b"ev2"), (9, b"ka", b"ev9")],
+            runs=[(5, b"kb", 1, b"journal5"), (2, b"ka", 4, b"journal2")],
+            outbox=[("z", 2, b"rz"), ("b", 5, b"rb"), ("a", 5, b"ra"), ("y", 1, b"ry")],
+            source={"next_seq": 10, "position": {"offset": 120, "path": "in.jsonl"}},
+        ),
+        FAKE_START,
+    )
+    store = stores.reopen(store)
+    loaded = store.load()
+    assert loaded.keys == [(b"ka", 7, b"mem-a"), (b"kb", 3, b"mem-b")]  # by key
+    assert loaded.inputs == [(2, b"ka", b"ev2"), (5, b"kb", b"ev5"), (9, b"ka", b"ev9")]  # by seq
+    assert loaded.runs == [(2, b"ka", 4, b"journal2"), (5, b"kb", 1, b"journal5")]  # by seq
+    # by seq, then id
+    assert loaded.outbox == [("y", 1, b"ry"), ("z", 2, b"rz"), ("a", 5, b"ra"), ("b", 5, b"rb")]
+    assert loaded.source == {"next_seq": 10, "position": {"offset": 120, "path": "in.jsonl"}}
+    assert loaded.calls == []
+
+
+def test_rows_are_upserted_by_their_natural_key(stores: Stores) -> None:
+    store = stores.open()
+    store.write_checkpoint(
+        rows(
+            keys=[(b"k", "k", 1, b"old")],
+            new_inputs=[(0, b"k", b"old")],
+            runs=[(0, b"k", 0, b"old")],
+            outbox=[("o", 0, b"old")],
+        ),
+        1.0,
+    )
+    store.write_checkpoint(
+        rows(
+            keys=[(b"k", "k", 2, b"new")],
+            new_inputs=[(0, b"k", b"new")],
+            runs=[(0, b"k", 5, b"new")],
+            outbox=[("o", 0, b"new")],
+        ),
+        2.0,
+    )
+    # Twice in one checkpoint: the later row wins.
+    store.write_checkpoint(rows(keys=[(b"j", "j", 1, b"first"), (b"j", "j", 9, b"second")]), 3.0)
+    loaded = stores.reopen(store).load()
+    assert loaded.keys == [(b"j", 9, b"second"), (b"k", 2, b"new")]
+    assert loaded.inputs == [(0, b"k", b"new")]
+    assert loaded.runs == [(0, b"k", 5, b"new")]
+    assert loaded.outbox == [("o", 0, b"new")]
+
+
+def test_done_inputs_remove_their_input_and_run_rows(stores: Stores) -> None:
+    store = stores.open()
+    store.write_checkpoint(
+        rows(
+            new_inputs=[(0, b"k", b"e0"), (1, b"k", b"e1"), (2, b"j", b"e2")],
+            runs=[(0, b"k", 0, b"j0"), (2, b"j", 0, b"j2")],
+        ),
+        1.0,
+    )
+    store.write_checkpoint(rows(done_inputs=[0, 2, 99]), 2.0)  # 99: never there, no error
+    loaded = stores.reopen(store).load()
+    assert loaded.inputs == [(1, b"k", b"e1")]
+    assert loaded.runs == []
+    # Admitted and done between two checkpoints: never seen again.
+    store = stores.open()
+    store.write_checkpoint(rows(new_inputs=[(3, b"k", b"e3")], done_inputs=[3]), 1.0)
+    assert store.load().inputs == []
+
+
+def test_completed_removes_the_call_records_of_that_seq_only(stores: Stores) -> None:
+    store = stores.open()
+    store.put_calls(
+        [call(1, "r>a", 0), call(1, "r>a.0>b", 0), call(2, "r>a", 0), call(3, "r>a", 1)]
+    )
+    store.write_checkpoint(rows(completed=[1, 3]), 1.0)
+    assert stores.reopen(store).load().calls == [call(2, "r>a", 0)]
+
+
+def test_released_and_forgotten_outputs_leave_the_outbox(stores: Stores) -> None:
+    store = stores.open()
+    store.write_checkpoint(rows(outbox=[("a", 0, b"ra"), ("b", 1, b"rb"), ("c", 2, b"rc")]), 1.0)
+    store.write_checkpoint(rows(released=["a", "gone"]), 2.0)
+    store.forget_outputs(["c", "never"])
+    store.forget_outputs([])
+    assert stores.reopen(store).load().outbox == [("b", 1, b"rb")]
+
+
+def test_an_empty_source_keeps_the_previous_one(stores: Stores) -> None:
+    store = stores.open()
+    position = {"next_seq": 4, "position": {"index": 4, "pair": (1, "a"), "raw": b"\x00"}}
+    store.write_checkpoint(rows(source=position), 1.0)
+    store.write_checkpoint(rows(keys=[(b"k", "k", 0, b"m")]), 2.0)
+    source = stores.reopen(store).load().source
+    assert source == position
+    assert type(source["position"]["pair"]) is tuple and type(source["position"]["raw"]) is bytes
+
+
+def test_checkpoint_ids_count_up_by_one_and_stats_report_the_latest(
+    stores: Stores, clock: FakeClock
+) -> None:
+    store = stores.open()
+    infos = []
+    for i in range(3):
+        r = rows(keys=[(b"k", "k", i, b"m" * i)], outbox=[(f"o{i}", i, b"rec")])
+        infos.append(store.write_checkpoint(r, FAKE_START + i + 0.25))
+        clock.advance(1.0)
+    assert [i["id"] for i in infos] == [1, 2, 3]
+    assert infos[-1] == {
+        "id": 3,
+        "trigger_timestamp": FAKE_START + 2.25,
+        "duration_ms": 0.0,  # the fake clock did not move during the write
+        "size_bytes": rows(keys=[(b"k", "k", 2, b"mm")], outbox=[("o2", 2, b"rec")]).size(),
+    }
+    expected = {
+        "counts": {"completed": 3, "failed": 0, "restored": 0},
+        "latest_completed": infos[-1],
+        "latest_restored": None,
+    }
+    assert store.stats() == expected
+    store = stores.reopen(store)
+    assert store.stats() == expected and store.load().stats == expected
+    assert store.write_checkpoint(rows(), 5.0)["id"] == 4  # the counter survives the restart
+
+
+def test_trigger_timestamps_are_stored_as_given(stores: Stores) -> None:
+    store = stores.open()
+    for stamp in (1712345678.123456789, 0.0, 2.5e-7, 4102444800.999999):
+        store.write_checkpoint(rows(), stamp)
+        store = stores.reopen(store)
+        latest = store.stats()["latest_completed"]
+        assert latest["trigger_timestamp"] == stamp and type(latest["trigger_timestamp"]) is float
+
+
+def test_call_records_are_upserted_and_durable_without_a_checkpoint(stores: Stores) -> None:
+    store = stores.open()
+    store.put_calls([call(4, "r>b", 1, "intent", None), call(4, "r>b", 0, "intent", None)])
+    store.put_calls(iter([call(4, "r>b", 0, "ok", b"\x00result")]))  # any iterable
+    store.put_calls([call(4, "r>b", 0, "ok", b"\x00result")])  # a retried write: harmless
+    store.put_calls([call(2, "r>\u00e9", 0, "error", b"err"), call(2, "r>z", 0)])
+    store.put_calls([])
+    loaded = stores.reopen(store).load()  # no checkpoint was written
+    assert loaded.calls == [
+        call(2, "r>z", 0),
+        call(2, "r>\u00e9", 0, "error", b"err"),  # by seq, task id (code point order), idx
+        call(4, "r>b", 0, "ok", b"\x00result"),
+        call(4, "r>b", 1, "intent", None),
+    ]
+    assert loaded.stats["latest_completed"] is None
+
+
+def test_record_restore_returns_the_latest_checkpoint_and_counts_it(
+    stores: Stores, clock: FakeClock
+) -> None:
+    store = stores.open()
+    assert store.record_restore() is None  # a fresh start restores nothing
+    assert store.stats()["counts"]["restored"] == 0
+    info = store.write_checkpoint(rows(keys=[(b"k", "k", 1, b"m")]), FAKE_START + 1)
+    clock.advance(42.5)
+    store = stores.reopen(store)
+    restored = store.record_restore()
+    assert restored == dict(info, restored_at=FAKE_START + 42.5)
+    clock.advance(1.0)
+    store = stores.reopen(store)
+    again = store.record_restore()
+    assert again == dict(info, restored_at=FAKE_START + 43.5)
+    store = stores.reopen(store)
+    stats = store.stats()
+    assert stats["counts"] == {"completed": 1, "failed": 0, "restored": 2}
+    assert stats["latest_restored"] == again
+
+
+def test_a_failed_checkpoint_is_counted(stores: Stores) -> None:
+    store = stores.open()
+    store.count_failed_checkpoint()
+    store.count_failed_checkpoint()
+    store = stores.reopen(store)
+    assert store.stats()["counts"] == {"completed": 0, "failed": 2, "restored": 0}
+    assert store.stats()["latest_completed"] is None
+
+
+def test_a_checkpoint_that_fails_applies_nothing(stores: Stores) -> None:
+    store = stores.open()
+    first = rows(keys=[(b"k", "k", 1, b"m")], new_inputs=[(0, b"k", b"e")], source={"next_seq": 1})
+    store.write_checkpoint(first, 1.0)
+    before = store.load()
+    bad = rows(
+        keys=[(b"k", "k", 2, b"changed"), (b"j", "j", 0, b"new")],
+        done_inputs=[0],
+        source={"next_seq": 2},
+        outbox=[("broken", 0)],  # a malformed row (no record), last
+    )
+    with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the backend raises
+        store.write_checkpoint(bad, 2.0)
+    assert store.load() == before
+    assert stores.reopen(store).load() == before
+
+
+# -- every backend and a model, in lockstep ------------------------------------------------------
+
+KEYS = [b"\x00", b"a", b"b", b"k\xff"]
+TASKS = ["r>a", "r>a.0>b", "r>\u00e9", "r>Z"]
+OUT_IDS = ["a", "B", "k:0:r>a:0", "k:1:r>a:0"]
+seqs = st.integers(0, 6)
+blobs = st.binary(max_size=6)
+ints = st.integers(-(2**40), 2**40)
+stamps = st.floats(allow_nan=False, allow_infinity=False, width=64)
+sources: st.SearchStrategy[dict[str, Any]] = st.one_of(
+    st.just({}),
+    st.fixed_dictionaries(
+        {
+            "next_seq": ints,
+            "position": st.dictionaries(
+                st.sampled_from(["offset", "line", "path"]), ints | st.text(max_size=4), max_size=3
+            ),
+        }
+    ),
+)
+key_rows = st.sampled_from(KEYS).flatmap(
+    lambda k: st.tuples(st.just(k), st.just(repr(k)), ints, blobs)
+)
+checkpoint_rows = st.builds(
+    CheckpointRows,
+    keys=st.lists(key_rows, max_size=3),
+    new_inputs=st.lists(st.tuples(seqs, st.sampled_from(KEYS), blobs), max_size=3),
+    done_inputs=st.lists(seqs, max_size=2),
+    completed=st.lists(seqs, max_size=2),
+    runs=st.lists(st.tuples(seqs, st.sampled_from(KEYS), ints, blobs), max_size=2),
+    outbox=st.lists(st.tuples(st.sampled_from(OUT_IDS), seqs, blobs), max_size=3),
+    released=st.lists(st.sampled_from(OUT_IDS), max_size=2),
+    source=sources,
+)
+call_records = st.builds(
+    CallRecord,
+    seq=seqs,
+    task_id=st.sampled_from(TASKS),
+    idx=st.integers(0, 2),
+    fn=st.sampled_from(["m.f", "m.g"]),
+    digest=st.text("0123456789abcdef", max_size=4),
+    status=st.sampled_from(["intent", "ok", "error"]),
+    payload=st.none() | blobs,
+)
+
+
+class Model:
+    """The spec, as plain dicts: what any store must load after the same operations."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, tuple[int, bytes]] = {}
+        self.inputs: dict[int, tuple[bytes, bytes]] = {}
+        self.runs: dict[int, tuple[bytes, int, bytes]] = {}
+        self.outbox: dict[str, tuple[int, bytes]] = {}
+        self.calls: dict[tuple[int, str, int], CallRecord] = {}
+        self.source: dict[str, Any] = {}
+        self.counts = {"completed": 0, "failed": 0, "restored": 0}
+        self.latest: dict[str, Any] | None = None
+        self.restored: dict[str, Any] | None = None
+
+    def write_checkpoint(self, r: CheckpointRows, triggered_at: float) -> dict[str, Any]:
+        for key, _text, nd, mem in r.keys:
+            self.keys[key] = (nd, mem)
+        for seq, key, ev in r.new_inputs:
+            self.inputs[seq] = (key, ev)
+        for seq in r.done_inputs:
+            self.inputs.pop(seq, None)
+            self.runs.pop(seq, None)
+        self.calls = {k: v for k, v in self.calls.items() if k[0] not in r.completed}
+        for seq, key, base, journal in r.runs:
+            self.runs[seq] = (key, base, journal)
+        for out_id, seq, rec in r.outbox:
+            self.outbox[out_id] = (seq, rec)
+        for out_id in r.released:
+            self.outbox.pop(out_id, None)
+        if r.source:
+            self.source = r.source
+        checkpoint_id = self.latest["id"] + 1 if self.latest else 1
+        self.latest = {
+            "id": checkpoint_id,
+            "trigger_timestamp": triggered_at,
+            "duration_ms": 0.0,
+            "size_bytes": r.size(),
+        }
+        self.counts["completed"] += 1
+        return dict(self.latest)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "latest_completed": self.latest,
+            "latest_restored": self.restored,
+        }
+
+    def loaded(self) -> Loaded:
+        return Loaded(
+            keys=[(k, nd, mem) for k, (nd, mem) in sorted(self.keys.items())],
+            inputs=[(s, k, ev) for s, (k, ev) in sorted(self.inputs.items())],
+            runs=[(s, k, b, j) for s, (k, b, j) in sorted(self.runs.items())],
+            outbox=sorted(
+                ((i, s, rec) for i, (s, rec) in self.outbox.items()), key=lambda o: (o[1], o[0])
+            ),
+            calls=[self.calls[k] for k in sorted(self.calls)],
+            source=self.source,
+            stats=self.stats(),
+        )
+
+
+class Lockstep(RuleBasedStateMachine):
+    def __init__(self, backends: list[Stores], clock: FakeClock) -> None:
+        super().__init__()
+        self.backends = backends
+        self.clock = clock
+        self.model = Model()
+        self.stores = [b.open() for b in backends]
+
+    def each(self) -> list[tuple[str, CheckpointStore]]:
+        return [(b.name, s) for b, s in zip(self.backends, self.stores)]
+
+    @rule(r=checkpoint_rows, triggered_at=stamps)
+    def write_checkpoint(self, r: CheckpointRows, triggered_at: float) -> None:
+        expected = self.model.write_checkpoint(r, triggered_at)
+        for name, store in self.each():
+            assert store.write_checkpoint(dataclasses.replace(r), triggered_at) == expected, name
+
+    @rule(records=st.lists(call_records, max_size=4))
+    def put_calls(self, records: list[CallRecord]) -> None:
+        for r in records:
+            self.model.calls[(r.seq, r.task_id, r.idx)] = r
+        for _name, store in self.each():
+            store.put_calls([dataclasses.replace(r) for r in records])
+
+    @rule(ids=st.lists(st.sampled_from(OUT_IDS), max_size=3))
+    def forget_outputs(self, ids: list[str]) -> None:
+        for out_id in ids:
+            self.model.outbox.pop(out_id, None)
+        for _name, store in self.each():
+            store.forget_outputs(list(ids))
+
+    @rule()
+    def count_failed_checkpoint(self) -> None:
+        self.model.counts["failed"] += 1
+        for _name, store in self.each():
+            store.count_failed_checkpoint()
+
+    @rule()
+    def record_restore(self) -> None:
+        expected = None
+        if self.model.latest is not None:
+            self.model.counts["restored"] += 1
+            expected = self.model.restored = dict(self.model.latest, restored_at=self.clock.now())
+        for name, store in self.each():
+            assert store.record_restore() == expected, name
+
+    @rule()
+    def restart(self) -> None:
+        self.stores = [b.reopen(s) for b, s in zip(self.backends, self.stores)]
+
+    @rule(seconds=st.floats(0, 1e6))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @invariant()
+    def every_backend_loads_what_the_model_holds(self) -> None:
+        expected = self.model.loaded()
+        for name, store in self.each():
+            assert store.load() == expected, name
+
+    def teardown(self) -> None:
+        for b, s in zip(self.backends, self.stores):
+            b.close(s)
+
+
+def test_backends_agree_with_the_model_in_lockstep(
+    all_stores: list[Stores], clock: FakeClock
+) -> None:
+    run_state_machine_as_test(
+        lambda: Lockstep(all_stores, clock),  # type: ignore[arg-type]  # a factory is allowed
+        settings=settings(max_examples=80, stateful_step_count=30, deadline=None),
+    )

@@ -1,0 +1,181 @@
+"""SQLite schema versions: recorded, migrated forward in one transaction, newer ones refused.
+
+`data/schema_v1/ratchet.db` was written by the schema-1 store, SIGKILLed with a run in
+flight (see data/README.md); opening it with this code must migrate it and resume the job.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet import StateError, run
+from ratchet.agents._run import load_agent
+from ratchet.runtime._memops import from_wire
+from ratchet.store import _sqlite, codec
+from ratchet.store._sqlite import DB_NAME, SCHEMA_VERSION, SqliteStore
+
+DATA = Path(__file__).with_name("data")
+AGENT = f"{DATA / 'schema_v1_agent.py'}:SchemaV1Agent"
+OWNER = ("t.Agent", "0123456789abcdef", ["act(ratchet.InputEvent)"])
+
+
+def v1_state(tmp_path: Path) -> Path:
+    """A copy of the schema-1 state (and its input file) to open and change."""
+    state = tmp_path / "state"
+    state.mkdir()
+    shutil.copyfile(DATA / "schema_v1" / DB_NAME, state / DB_NAME)
+    shutil.copyfile(DATA / "schema_v1" / "in.jsonl", tmp_path / "in.jsonl")
+    return state
+
+
+def raw(state: Path) -> dict[str, Any]:
+    """What the file says, read with plain sqlite3 (no ratchet code in between)."""
+    conn = sqlite3.connect(state / DB_NAME)
+    try:
+        (meta,) = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+        return {
+            "schema_version": codec.decode(meta),
+            "user_version": conn.execute("PRAGMA user_version").fetchone()[0],
+            "indexes": {
+                r[0]
+                for r in conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+                )
+            },
+            "schema": sorted(
+                " ".join(r[0].split())
+                for r in conn.execute("SELECT sql FROM sqlite_master WHERE sql IS NOT NULL")
+            ),
+        }
+    finally:
+        conn.close()
+
+
+def test_the_checked_in_state_is_schema_1() -> None:
+    # The fixture must stay old; if this fails, it was overwritten by newer code.
+    conn = sqlite3.connect(f"file:{DATA / 'schema_v1' / DB_NAME}?mode=ro&immutable=1", uri=True)
+    try:
+        (meta,) = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+        assert codec.decode(meta) == 1
+        assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 1
+    finally:
+        conn.close()
+
+
+def test_a_new_state_has_every_migration_and_records_the_version(tmp_path: Path) -> None:
+    SqliteStore.open(tmp_path / "new", *OWNER).close()
+    state = v1_state(tmp_path)
+    SqliteStore.open(state, "x", "23089098ff38160f", []).close()
+    new, migrated = raw(tmp_path / "new"), raw(state)
+    assert new["schema_version"] == new["user_version"] == SCHEMA_VERSION
+    assert "keys_by_text" in new["indexes"]
+    # Created in one go or migrated step by step: the same schema.
+    assert new == migrated
+
+
+def test_a_schema_1_state_is_migrated_and_its_job_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = v1_state(tmp_path)
+    assert raw(state)["schema_version"] == 1 and raw(state)["user_version"] == 0
+    agent = load_agent(AGENT)
+    priced = sys.modules[type(agent).__module__].PRICED
+    priced.clear()
+    monkeypatch.chdir(tmp_path)  # the checkpointed source position names "in.jsonl"
+
+    result = run(agent, inputs="in.jsonl", output="out.jsonl", state_dir="state")
+
+    after = raw(state)
+    assert after["schema_version"] == after["user_version"] == SCHEMA_VERSION  # 2 today
+    assert "keys_by_text" in after["indexes"]
+    # The in-flight run came back and completed; its recorded call was not made again.
+    assert result.restored_runs == 1 and result.inputs == 0 and result.runs_completed == 1
+    assert result.metrics == {"durable_calls.replayed": 1} and priced == []
+    outputs = [json.loads(line) for line in Path("out.jsonl").read_text().splitlines()]
+    assert [(o["key"], o["seq"], o["output"]) for o in outputs] == [
+        ("bob", 4, {"value": 2, "price": 21})
+    ]
+    store = SqliteStore.open_readonly(state)
+    try:
+        memories = {codec.decode(k): dict(from_wire(codec.decode(m))) for k, m in store.memories()}
+        plan = store.conn.execute(
+            "EXPLAIN QUERY PLAN SELECT key, memory FROM keys WHERE key_text = ?", ("bob",)
+        ).fetchall()
+    finally:
+        store.close()
+    assert memories == {
+        "alice": {"count": 2, "total": 7, "last_price": 41},
+        "bob": {"count": 2, "total": 7, "last_price": 21},  # tally's write applied once
+        "carol": {"count": 1, "total": 1, "last_price": 11},
+    }
+    assert "keys_by_text" in str(plan)  # `inspect --key` no longer scans the table
+
+
+def test_reading_an_old_state_does_not_migrate_it(tmp_path: Path) -> None:
+    state = v1_state(tmp_path)
+    store = SqliteStore.open_readonly(state)
+    try:
+        assert store.summary()["in_flight_runs"] == 1
+        assert sorted(str(codec.decode(k)) for k, _ in store.memories()) == [
+            "alice",
+            "bob",
+            "carol",
+        ]
+    finally:
+        store.close()
+    assert raw(state)["schema_version"] == 1
+
+
+def test_a_failed_migration_leaves_the_state_at_its_old_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = v1_state(tmp_path)
+    broken = ("CREATE TABLE later(x INTEGER)", "CREATE INDEX nowhere ON missing(x)")
+    monkeypatch.setattr(_sqlite, "_MIGRATIONS", [*_sqlite._MIGRATIONS, broken])
+    monkeypatch.setattr(_sqlite, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    with pytest.raises(
+        StateError,
+        match=rf"could not be migrated from state schema 1 to {SCHEMA_VERSION + 1} \(no such "
+        r"table: main.missing\); nothing was changed, it is still at schema 1",
+    ):
+        SqliteStore.open(state, "x", "23089098ff38160f", [])
+    after = raw(state)
+    # All or nothing: not even migration 2 (which would have succeeded) was kept.
+    assert (after["schema_version"], after["user_version"]) == (1, 0)
+    assert "keys_by_text" not in after["indexes"] and not any("later" in s for s in after["schema"])
+    monkeypatch.undo()
+    SqliteStore.open(state, "x", "23089098ff38160f", []).close()  # the real migrations work
+    assert raw(state)["schema_version"] == SCHEMA_VERSION
+
+
+def test_a_state_from_a_newer_ratchet_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    store = SqliteStore.open(tmp_path / "s", *OWNER)
+    store._set_meta("schema_version", SCHEMA_VERSION + 1)
+    store.close()
+    newer, ours = SCHEMA_VERSION + 1, SCHEMA_VERSION
+    message = (
+        rf"{tmp_path / 's' / DB_NAME} was written with state schema {newer}; this ratchet reads "
+        rf"schema {ours} \(and migrates older ones\).*upgrade ratchet to a version that reads "
+        rf"schema {newer}, or point --state at a new directory"
+    )
+    with pytest.raises(StateError, match=message):
+        SqliteStore.open(tmp_path / "s", *OWNER)
+    with pytest.raises(StateError, match=message):
+        SqliteStore.open_readonly(tmp_path / "s")  # `status` and `inspect` refuse it too
+    assert raw(tmp_path / "s")["schema_version"] == newer
+
+
+@pytest.mark.parametrize("version", [0, "2", None])
+def test_a_schema_version_no_ratchet_writes_is_refused(tmp_path: Path, version: Any) -> None:
+    store = SqliteStore.open(tmp_path / "s", *OWNER)
+    store._set_meta("schema_version", version)
+    store.close()
+    with pytest.raises(StateError, match=rf"records state schema {version!r}, which no ratchet"):
+        SqliteStore.open(tmp_path / "s", *OWNER)

@@ -295,17 +295,7 @@ def outputs_and_memory(out: Path, state: Path) -> tuple[list[Any], dict[Any, Any
     return records, memory
 
 
-NO_RETRY_OF_CALL_RECORDS = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the engine does not retry a failed write of durable-call records: the error "
-    "reaches every action waiting on that group commit, which fails with it (an error output)",
-)
-
-
-@pytest.mark.parametrize(
-    "faulty", ["write_checkpoint", pytest.param("put_calls", marks=NO_RETRY_OF_CALL_RECORDS)]
-)
+@pytest.mark.parametrize("faulty", ["write_checkpoint", "put_calls"])
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_random_store_faults_below_the_tolerance_change_no_output_and_no_memory(
     tmp_path: Path, seed: int, faulty: str
@@ -327,6 +317,27 @@ def test_random_store_faults_below_the_tolerance_change_no_output_and_no_memory(
     assert len(got[0]) == len({r["id"] for r in got[0]}) == len(items), job.why()
     assert got == expected, job.why()
     assert result.runs_completed == len(items), job.why()
+
+
+def test_call_records_that_cannot_be_written_stop_the_job_not_the_action(tmp_path: Path) -> None:
+    """A storage fault under a durable call is the engine's: retried up to the tolerance, then
+    the job stops with CheckpointError — no action turns it into an error output — and the
+    next start resumes from the last checkpoint to the same outputs and memory."""
+    items = [{"key": f"k{i % 3}", "i": i} for i in range(12)]
+    run(Doubling(), inputs=items, output=tmp_path / "ref.jsonl", state_dir=tmp_path / "ref")
+    expected = outputs_and_memory(tmp_path / "ref.jsonl", tmp_path / "ref")
+    config = EngineConfig(checkpoint_interval=0.001, tolerable_checkpoint_failures=2)
+    job = FaultyJob(Doubling(), state_dir=tmp_path / "s", seed=5, config=config)
+    job.store.fail("put_calls", calls=[4, 5, 6])  # three failures in a row: one past tolerance
+    with pytest.raises(CheckpointError, match=r"durable-call records could not be written 3 time"):
+        job.run(items, tmp_path / "o.jsonl")
+    assert [i.call for i in job.store.injected if i.fault == "fail"] == [4, 5, 6], job.why()
+    partial = (
+        [r for r in read_jsonl(tmp_path / "o.jsonl")] if (tmp_path / "o.jsonl").exists() else []
+    )
+    assert all("error" not in r for r in partial), partial
+    run(Doubling(), inputs=items, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert outputs_and_memory(tmp_path / "o.jsonl", tmp_path / "s") == expected
 
 
 class Calls(Agent):

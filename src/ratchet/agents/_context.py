@@ -11,7 +11,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
 from ratchet._errors import (
+    CheckpointError,
     CodecError,
+    InternalError,
     InvalidTypeError,
     NonDeterminismError,
     ReplayedCallError,
@@ -38,6 +40,11 @@ T = TypeVar("T")
 _current: contextvars.ContextVar[RunnerContext | None] = contextvars.ContextVar(
     "ratchet_ctx", default=None
 )
+
+
+# Errors a durable call raises for the engine, not for the action: they stop the job (the last
+# checkpoint is intact) instead of becoming the action's ErrorEvent.
+ENGINE_FAULTS = (NonDeterminismError, CheckpointError, InternalError)
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -375,7 +382,7 @@ class AgentBinding:
                 raise InvalidTypeError(
                     f"sync action {task.action} returned an awaitable; declare it `async def`"
                 )
-        except NonDeterminismError:
+        except ENGINE_FAULTS:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
             return self._error_result(task, exc)
@@ -391,7 +398,7 @@ class AgentBinding:
         _children.set(children)
         try:
             await spec.fn(task.event, ctx)
-        except NonDeterminismError:
+        except ENGINE_FAULTS:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
             return self._error_result(task, exc)

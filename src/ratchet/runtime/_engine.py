@@ -81,9 +81,14 @@ class EngineConfig:
 class _Writer(threading.Thread):
     """The single thread that writes SQLite; durable-call records are group-committed."""
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(
+        self, store: CheckpointStore, clock: Clock = SYSTEM_CLOCK, tolerable_failures: int = 3
+    ) -> None:
         super().__init__(name="ratchet-writer", daemon=True)
         self.store = store
+        self.clock = clock
+        self.tolerable_failures = tolerable_failures
+        self.call_write_failures = 0
         self._q: queue.SimpleQueue[tuple[str, Any, concurrent.futures.Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -111,14 +116,9 @@ class _Writer(threading.Thread):
                     break
             calls = [(rec, fut) for kind, rec, fut in items if kind == "call"]
             if calls:
-                try:
-                    self.store.put_calls([rec for rec, _ in calls])
-                except BaseException as exc:  # noqa: BLE001 - reported to every waiter
-                    for _, fut in calls:
-                        _resolve(fut, error=exc)
-                else:
-                    for _, fut in calls:
-                        _resolve(fut)
+                error = self._put_calls([rec for rec, _ in calls])
+                for _, fut in calls:
+                    _resolve(fut, error=error)
             for kind, fn, fut in items:
                 # Jobs run even if their waiter went away: a checkpoint, once captured, is written.
                 if kind == "job":
@@ -129,6 +129,32 @@ class _Writer(threading.Thread):
                 elif kind == "stop":
                     _resolve(fut)
                     return
+
+    def _put_calls(self, records: list[CallRecord]) -> CheckpointError | None:
+        """Write a group of call records, retrying as a checkpoint would; None once durable.
+
+        A storage fault is the engine's, not the action's: retried (records are keyed
+        naturally, so a retry is harmless) up to the checkpoint tolerance, then a
+        CheckpointError that stops the job instead of turning into the action's error.
+        """
+        attempt = 0
+        while True:
+            try:
+                self.store.put_calls(records)
+            except Exception as exc:  # noqa: BLE001 - any storage fault is retried
+                attempt += 1
+                self.call_write_failures += 1
+                if attempt > self.tolerable_failures:
+                    return CheckpointError(
+                        f"durable-call records could not be written {attempt} time(s) in a row "
+                        f"(tolerable: {self.tolerable_failures}); last error: "
+                        f"{type(exc).__name__}: {exc}. The last completed checkpoint is intact; "
+                        f"restart to resume from it"
+                    )
+                log.warning("durable-call records not written (attempt %d): %s", attempt, exc)
+                self.clock.sleep_sync(min(0.01 * 2**attempt, 1.0))
+            else:
+                return None
 
 
 def _resolve(
@@ -215,7 +241,7 @@ class Engine:
         self.stats = CheckpointStats()
         self.result = EngineResult()
         self._next_seq = 0
-        self._writer = _Writer(store)
+        self._writer = _Writer(store, clock, self.config.tolerable_checkpoint_failures)
         self._sink_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ratchet-sink"
         )

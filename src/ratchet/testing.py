@@ -1,8 +1,10 @@
-"""Test helpers for users of ratchet and for its own suite: a clock that moves only when told.
+"""Test doubles for users of ratchet and for its own suite.
 
-`FakeClock` implements `ratchet.Clock`. Sleepers (async or blocking) wake when `advance` or
-`jump_to` moves virtual time past their deadline, so timers and timeouts are tested at exact
-virtual times with no real waiting.
+- `FakeClock` implements `ratchet.Clock` and moves only when told: sleepers (async or
+  blocking) wake when `advance` or `jump_to` moves virtual time past their deadline, so timers
+  and timeouts are tested at exact virtual times with no real waiting.
+- `MemoryStore` is the reference `CheckpointStore` (dicts; `reopen()` models a restart).
+- `FaultyStore` wraps any store and fails or delays chosen calls from a seed.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import itertools
 import threading
 
 from ratchet._errors import ConfigError
+from ratchet.store._faulty import FaultyStore, Injected
+from ratchet.store._memory import MemoryStore
 
-__all__ = ["FakeClock"]
+__all__ = ["FakeClock", "FaultyStore", "Injected", "MemoryStore"]
 
 
 class FakeClock:

@@ -1,17 +1,46 @@
-"""Why a stage re-ran or was reused: diffs of cache-key components, in words."""
+"""Why a stage re-ran or was reused: diffs of cache-key components, in words.
+
+Kept apart from the reuse decision (`_decide`): naming the changed files needs the stored
+manifests, which is I/O, while deciding does not.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from ratchet.checks.checkpoints import Checkpoints, diff_manifests
+from ratchet.checks._errors import ProjectError
+from ratchet.checks._receipts import read_receipt
+from ratchet.checks.checkpoints import diff_manifests
 
 MAX_FILES = 20
 
 
+class ManifestSource(Protocol):
+    """Where the manifests recorded by digest are found (`Checkpoints` is one)."""
+
+    def stored_manifest(self, digest: str) -> dict[str, str] | None: ...
+
+
+def explain(
+    workspace_root: str | os.PathLike[str],
+    state_dir: str | os.PathLike[str] | None,
+    run_id: str,
+    stage_id: str,
+) -> dict[str, Any]:
+    """Why a stage of a run re-ran or was reused, naming the cache-key component that changed."""
+    receipt = read_receipt(Path(workspace_root).resolve(), state_dir, run_id)
+    recs = {s.get("id"): s for s in receipt.get("stages", [])}
+    if stage_id not in recs:
+        known = ", ".join(str(k) for k in recs)
+        raise ProjectError(f"stage: run {run_id} has no stage {stage_id!r} (stages: {known})")
+    return explain_record(receipt, recs[stage_id])
+
+
 def diff_identity(
-    old: Mapping[str, str] | Any, new: Mapping[str, str] | Any, checkpoints: Checkpoints
+    old: Mapping[str, str] | Any, new: Mapping[str, str] | Any, checkpoints: ManifestSource
 ) -> list[dict[str, Any]]:
     """The input changes between two identities, down to file paths where manifests allow."""
     if not isinstance(old, Mapping) or not isinstance(new, Mapping):
@@ -43,7 +72,7 @@ def diff_components(
     *,
     old_env: Any,
     new_env: Any,
-    checkpoints: Checkpoints,
+    checkpoints: ManifestSource,
 ) -> list[dict[str, Any]]:
     """Every cache-key component that differs, most fundamental first."""
     changes: list[dict[str, Any]] = []

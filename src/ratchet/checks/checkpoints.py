@@ -15,13 +15,13 @@ import os
 import stat
 import subprocess
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.checks._errors import ProjectError
-from ratchet.store import atomic_write_bytes, canonical_json, sha256_bytes
+from ratchet.store import atomic_write_bytes, canonical_json, sha256_bytes, sha256_file
 
 __all__ = ["Checkpoints", "diff_manifests"]
 
@@ -98,15 +98,19 @@ def diff_manifests(old: Mapping[str, str], new: Mapping[str, str]) -> list[dict[
 
 
 class Checkpoints:
-    """Probes stages' declared inputs; the runner calls `identity` around each execution."""
+    """Probes stages' declared inputs and logs; the runner calls `identity` around each
+    execution. `clock` only ages the short-lived memo of repository digests."""
 
     def __init__(
         self,
         workspace_root: str | os.PathLike[str],
         repositories: Mapping[str, str | os.PathLike[str]],
         state_dir: str | os.PathLike[str] | None = None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.workspace_root = Path(workspace_root)
+        self.clock = clock
         self.repositories = {name: Path(p) for name, p in repositories.items()}
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self._exclude = (self.state_dir,) if self.state_dir is not None else ()
@@ -159,6 +163,10 @@ class Checkpoints:
         """Every repository's digest: the whole workspace."""
         return {name: self.repository_digest(name) for name in sorted(self.repositories)}
 
+    def log_digest(self, path: str | os.PathLike[str]) -> str:
+        """A log's SHA-256, read afresh (OSError, e.g. FileNotFoundError, when it cannot be)."""
+        return sha256_file(path)
+
     def repository_digest(self, name: str) -> str:
         with self._guard:
             epoch, quiet = self._epoch, self._active == 0
@@ -167,14 +175,14 @@ class Checkpoints:
                 hit is not None
                 and quiet
                 and hit[0] == epoch
-                and time.monotonic() - hit[1] < MEMO_MAX_AGE_SECONDS
+                and self.clock.monotonic() - hit[1] < MEMO_MAX_AGE_SECONDS
             ):
                 return hit[2]
         digest, manifest = self._compute(name)
         self._store_manifest(digest, manifest)
         with self._guard:
             if quiet and self._active == 0 and self._epoch == epoch:
-                self._memo[name] = (epoch, time.monotonic(), digest)
+                self._memo[name] = (epoch, self.clock.monotonic(), digest)
         return digest
 
     def manifest(self, name: str) -> dict[str, str]:

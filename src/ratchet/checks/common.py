@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ratchet._errors import InvalidArgumentError
 from ratchet.store import atomic_json as _store_atomic_json
 from ratchet.store import read_json as _store_read_json
 
@@ -52,7 +53,7 @@ def state_root(workspace_root: str | os.PathLike[str]) -> Path:
 
 def _lock_file_name(name: str) -> str:
     if not name or not isinstance(name, str):
-        raise ValueError(f"resource name must be a non-empty string, got {name!r}")
+        raise InvalidArgumentError(f"resource name must be a non-empty string, got {name!r}")
     safe = _SAFE_NAME.sub("_", name)
     if safe != name:
         safe = f"{safe}-{hashlib.sha256(name.encode('utf-8')).hexdigest()[:8]}"

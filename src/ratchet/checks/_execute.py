@@ -1,0 +1,100 @@
+"""Running a stage's command: its own process group, its log, its timeout.
+
+Each command runs in a new session so that a timeout, or an interrupted run, kills the
+whole group: nothing a stage started outlives the stage's resource locks. The runner
+reaches this module only through an `Executor` (`_seams`), so tests substitute a fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ratchet.checks._errors import StageTimeoutError
+
+__all__ = ["SubprocessExecutor", "execute_stage_command", "kill_live_processes"]
+
+_LIVE: set[subprocess.Popen[bytes]] = set()
+_LIVE_GUARD = threading.Lock()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def execute_stage_command(
+    stage: Mapping[str, Any],
+    *,
+    cwd: Path,
+    log_path: Path,
+    timeout: float | None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run one stage's argv in its own process group; stdout+stderr go to `log_path` as is.
+
+    Returns the exit code. On timeout the whole process group is killed and
+    StageTimeoutError is raised; leftovers of a finished stage are killed too, so nothing
+    outlives the stage's resource locks.
+    """
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            list(stage["argv"]),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(env) if env is not None else None,
+        )
+        with _LIVE_GUARD:
+            _LIVE.add(proc)
+        try:
+            try:
+                # The kernel times the wait: a stage's timeout is real time by nature.
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait()
+                raise StageTimeoutError(
+                    f"stage {stage['id']!r} timed out after {timeout:g} s; "
+                    "its process group was killed"
+                ) from None
+        finally:
+            _kill_group(proc)
+            with _LIVE_GUARD:
+                _LIVE.discard(proc)
+
+
+def kill_live_processes() -> None:
+    """Kill the process group of every stage command running in this process."""
+    with _LIVE_GUARD:
+        procs = list(_LIVE)
+    for proc in procs:
+        _kill_group(proc)
+
+
+class SubprocessExecutor:
+    """The real executor: `execute_stage_command`, and `kill_all` for an interrupted run."""
+
+    __slots__ = ()
+
+    def run(
+        self,
+        stage: Mapping[str, Any],
+        *,
+        cwd: Path,
+        log_path: Path,
+        timeout: float | None,
+        env: Mapping[str, str] | None,
+    ) -> int:
+        return execute_stage_command(stage, cwd=cwd, log_path=log_path, timeout=timeout, env=env)
+
+    def kill_all(self) -> None:
+        kill_live_processes()

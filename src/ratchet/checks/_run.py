@@ -1,0 +1,567 @@
+"""One run of a plan: the shell that performs what `_decide` decides, through `Seams`.
+
+Life of a stage: its data dependencies finish; its resource locks are taken; its declared
+inputs are probed and its cache key is computed; on `--resume` a matching checkpoint whose
+log still re-hashes to the sealed digest is reused, otherwise the command runs; the inputs
+are probed again; only a pass with unchanged inputs becomes a verified checkpoint, and only
+once a receipt holding it is on disk; then the locks are released and consumers may start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ratchet._clock import utc_iso
+from ratchet._errors import ConfigError
+from ratchet.checks import _explain
+from ratchet.checks._decide import (
+    FINGERPRINT_VERSION,
+    Decision,
+    Facts,
+    LogEvidence,
+    cache_components,
+    checkpoint_id,
+    decide,
+    digest,
+    outcome,
+    run_status,
+)
+from ratchet.checks._errors import ReceiptError, ResumeRefusedError, StageTimeoutError
+from ratchet.checks._plan import load_project, normalize_stages, plan_fingerprint
+from ratchet.checks._receipts import (
+    ReceiptBook,
+    blank_record,
+    check_run_id,
+    new_run_id,
+    read_receipt,
+    receipt_path,
+    state_dir_for,
+)
+from ratchet.checks._recover import active, process_start
+from ratchet.checks._report import LiveProgress
+from ratchet.checks._schedule import schedule
+from ratchet.checks._seams import Prober, Seams
+from ratchet.checks.checkpoints import MISSING_REPOSITORY
+from ratchet.checks.common import resource_lock, state_root
+from ratchet.store import sha256_bytes
+
+__all__ = ["project_path", "run_checks"]
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def run_checks(
+    args: argparse.Namespace, stages: Sequence[Mapping[str, Any]], seams: Seams | None = None
+) -> dict[str, Any]:
+    """Run a plan of stages and return the sealed receipt (also written to `receipt_path`).
+
+    `args` carries `workspace_root`, `project`, `state_dir`, `dry_run`, `jobs`, `profile`,
+    `resume` (a run id to reuse verified checkpoints from, or None), `repo` and `changed`;
+    `seams` the clock, random source, prober, executor, writer and waiter (default: real).
+    """
+    seams = seams if seams is not None else Seams()
+    workspace_root = Path(getattr(args, "workspace_root", None) or ".").resolve()
+    state_dir = state_dir_for(workspace_root, getattr(args, "state_dir", None))
+    project = project_path(workspace_root, getattr(args, "project", None))
+    planned = normalize_stages(stages)
+    repositories = _resolve_repositories(workspace_root, project, planned)
+    prober = seams.prober(workspace_root, repositories, state_dir, clock=seams.clock)
+    for stage in planned:
+        prober.scope(stage)  # unknown repositories fail before anything runs
+    resume = getattr(args, "resume", None)
+
+    if getattr(args, "dry_run", False):
+        return _dry_run(planned, resume, workspace_root, state_dir)
+
+    previous = _load_previous(workspace_root, state_dir, resume) if resume else None
+    env = seams.environment()
+    env = env if isinstance(env, str) else dict(env)
+    run_id = check_run_id(getattr(args, "run_id", None) or new_run_id(seams.clock, seams.rng))
+    path = receipt_path(state_dir, run_id)
+    if path.exists():
+        raise ReceiptError(f"run {run_id!r} already has a receipt at {path}")
+    try:
+        source = prober.source_identity()
+    except OSError as exc:
+        raise ConfigError(
+            f"workspace {workspace_root}: its inputs cannot be read ({exc}); make them "
+            "readable, or list them in .gitignore so they are not inputs"
+        ) from exc
+    header: dict[str, Any] = {
+        "run_id": run_id,
+        "status": "running",
+        "phase": "checking",
+        "receipt_path": str(path),
+        "workspace_root": str(workspace_root),
+        "project": str(project) if project else None,
+        "profile": getattr(args, "profile", None),
+        "resumed_from": resume,
+        "snapshot_verified": False,
+        "source_fingerprint": digest(source),
+        "plan_fingerprint": plan_fingerprint(planned),
+        "environment_fingerprint": env if isinstance(env, str) else digest(env),
+        "environment": env,
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "started_at": utc_iso(seams.clock),
+        "finished_at": None,
+        "pid": os.getpid(),
+        "pid_start": process_start(os.getpid()),
+        "host": socket.gethostname(),
+        "error": None,
+    }
+    book = ReceiptBook(
+        header=header,
+        records=[blank_record(s) for s in planned],
+        path=path,
+        writer=seams.writer,
+    )
+    run = _Run(
+        book=book,
+        stages=planned,
+        previous=previous,
+        prober=prober,
+        seams=seams,
+        workspace_root=workspace_root,
+    )
+    book.persist()
+    jobs = max(1, int(getattr(args, "jobs", 1) or 1))
+    with active(run_id):
+        return _finish(run, jobs, _progress_enabled(args))
+
+
+def project_path(workspace_root: Path, project: str | os.PathLike[str] | None) -> Path | None:
+    """The project file's path (relative paths are under the workspace root), or None."""
+    if not project:
+        return None
+    p = Path(project)
+    return p if p.is_absolute() else workspace_root / p
+
+
+class _Run:
+    """One run in flight: the plan, its receipt book, the previous receipt and the seams."""
+
+    def __init__(
+        self,
+        *,
+        book: ReceiptBook,
+        stages: list[dict[str, Any]],
+        previous: dict[str, Any] | None,
+        prober: Prober,
+        seams: Seams,
+        workspace_root: Path,
+    ) -> None:
+        self.book = book
+        self.stages = {s["id"]: s for s in stages}
+        self.previous = previous
+        self.previous_id: str | None = previous["run_id"] if previous else None
+        self.previous_records = (
+            {r["id"]: r for r in previous.get("stages", []) if isinstance(r, dict) and "id" in r}
+            if previous
+            else {}
+        )
+        self.prober = prober
+        self.seams = seams
+        self.clock = seams.clock
+        self.workspace_root = workspace_root
+        self.locks_dir = state_root(workspace_root) / "resource-locks"
+        self.logs_dir = book.path.parent / "logs"
+
+    def now(self) -> str:
+        return utc_iso(self.clock)
+
+    def elapsed(self, started: float) -> float:
+        return round(self.clock.monotonic() - started, 3)
+
+
+def _finish(run: _Run, jobs: int, progress_enabled: bool) -> dict[str, Any]:
+    book = run.book
+    try:
+        with LiveProgress(len(book.order), enabled=progress_enabled) as progress:
+            schedule(
+                book,
+                run.stages,
+                lambda sid: _stage_worker(run, sid),
+                jobs=jobs,
+                waiter=run.seams.waiter,
+                progress=progress,
+                on_interrupt=run.seams.executor.kill_all,
+            )
+    except BaseException:
+        book.set_header(status="interrupted", phase="interrupted", finished_at=run.now())
+        with contextlib.suppress(Exception):
+            book.persist()
+        raise
+    book.set_header(phase="verifying")
+    snapshot_ok = _final_snapshot(run)
+    records = book.all_records()
+    status = run_status(records, snapshot_ok)
+    book.set_header(
+        status=status,
+        phase="done",
+        snapshot_verified=snapshot_ok and not any(r["status"] == "stale" for r in records),
+        finished_at=run.now(),
+    )
+    try:
+        book.persist()
+    except Exception as exc:
+        raise ReceiptError(
+            f"run {book.run_id!r} finished ({status}) but its final receipt could not be "
+            f"written: {exc}; the receipt on disk still says 'running' — recover it before "
+            "resuming"
+        ) from exc
+    return book.sealed()
+
+
+# --- one stage ----------------------------------------------------------------------------
+
+
+def _stage_worker(run: _Run, sid: str) -> None:
+    """Everything one stage does, inside its resource locks; never raises for a stage's
+    failure (it becomes the stage's status and error)."""
+    stage = run.stages[sid]
+    started = run.clock.monotonic()
+    try:
+        with contextlib.ExitStack() as locks:
+            for name in sorted(stage["resources"]):
+                locks.enter_context(resource_lock(run.locks_dir, name))
+            _stage_locked(run, stage, started)
+    except Exception as exc:
+        if run.book.status(sid) in ("pending", "running"):
+            run.book.update(
+                sid,
+                status="failed",
+                checkpoint_verified=False,
+                error=f"{type(exc).__name__}: {exc}",
+                finished_at=run.now(),
+                duration_seconds=run.elapsed(started),
+            )
+            with contextlib.suppress(Exception):
+                run.book.persist()
+
+
+def _decide_stage(
+    run: _Run, stage: Mapping[str, Any], components: dict[str, Any], cache_key: str
+) -> tuple[Decision, dict[str, Any]]:
+    """The decision for a stage, gathering the log evidence it asks for, and its explanation."""
+    old = run.previous_records.get(stage["id"])
+    facts = Facts(stage["id"], stage["reuse"], cache_key, run.previous_id, old)
+    decision = decide(facts)
+    if decision.action == "hash-log":
+        assert decision.log_path is not None
+        evidence = _observe_log(run.prober, decision.log_path)
+        decision = decide(dataclasses.replace(facts, log=evidence))
+    explanation = decision.explanation(run.previous_id)
+    if decision.key_changed:
+        assert old is not None and run.previous is not None
+        changes = _explain.diff_components(
+            old.get("cache_components") or {},
+            components,
+            old_env=run.previous.get("environment"),
+            new_env=run.book.header.get("environment"),
+            checkpoints=run.prober,
+        )
+        explanation["reasons"] = [_explain.describe(c) for c in changes] or ["cache key changed"]
+        explanation["changes"] = changes
+    return decision, explanation
+
+
+def _observe_log(prober: Prober, path: str) -> LogEvidence:
+    try:
+        return LogEvidence(sha256=prober.log_digest(path))
+    except FileNotFoundError:
+        return LogEvidence(missing=True)
+    except OSError as exc:
+        return LogEvidence(error=str(exc))
+
+
+def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
+    sid, book, prober = stage["id"], run.book, run.prober
+    try:
+        ident = prober.identity(stage)
+    except Exception as exc:
+        book.update(
+            sid,
+            status="failed",
+            error=f"could not probe the stage's inputs: {type(exc).__name__}: {exc}",
+            finished_at=run.now(),
+        )
+        book.persist()
+        return
+    components = cache_components(
+        stage,
+        ident,
+        {d: book.record(d)["checkpoint_id"] for d in stage["deps"]},
+        book.header["environment_fingerprint"],
+    )
+    cache_key = digest(components)
+    decision, explanation = _decide_stage(run, stage, components, cache_key)
+
+    if decision.action == "reuse":
+        old = run.previous_records[sid]
+        rec = book.record(sid)
+        rec.update(
+            status="passed",
+            exit_code=old.get("exit_code"),
+            log_path=old["log_path"],
+            log_sha256=old["log_sha256"],
+            checkpoint_verified=True,
+            checkpoint_id=old["checkpoint_id"],
+            cache_key=cache_key,
+            cache_components=components,
+            origin_run_id=old.get("origin_run_id") or run.previous_id,
+            reused_from=run.previous_id,
+            explain=explanation,
+            error=None,
+            started_at=run.now(),
+            finished_at=run.now(),
+            duration_seconds=run.elapsed(started),
+        )
+        _persist_checkpoint(run, sid, rec)
+        return
+    if decision.action == "refuse":
+        book.update(
+            sid,
+            status="failed",
+            cache_key=cache_key,
+            cache_components=components,
+            explain=explanation,
+            error=explanation["reasons"][0],
+            finished_at=run.now(),
+        )
+        book.persist()
+        return
+
+    run.logs_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run.logs_dir / _log_name(sid)
+    log_path.write_bytes(b"")  # the evidence exists even if the command never starts
+    book.update(
+        sid,
+        status="running",
+        log_path=str(log_path),
+        cache_key=cache_key,
+        cache_components=components,
+        explain=explanation,
+        started_at=run.now(),
+    )
+    book.persist()
+
+    exit_code, error = _execute(run, stage, log_path)
+    done = {"finished_at": run.now(), "duration_seconds": run.elapsed(started)}
+    command_ok = error is None and exit_code == 0
+    try:
+        after = prober.identity(stage)
+    except Exception as exc:
+        probe_error = f"post-run input probe failed: {type(exc).__name__}: {exc}"
+        book.update(
+            sid,
+            status=outcome(command_ok=command_ok, inputs_unchanged=None),
+            exit_code=exit_code,
+            checkpoint_verified=False,
+            error=f"{error}; {probe_error}" if error else probe_error,
+            **done,
+        )
+        book.persist()
+        return
+    status = outcome(command_ok=command_ok, inputs_unchanged=after == ident)
+    if status == "failed":
+        book.update(
+            sid,
+            status="failed",
+            exit_code=exit_code,
+            error=error or f"command exited with status {exit_code}",
+            **done,
+        )
+        book.persist()
+        return
+    if status == "stale":
+        changed = _explain.diff_identity(ident, after, prober)
+        book.update(
+            sid,
+            status="stale",
+            exit_code=exit_code,
+            checkpoint_verified=False,
+            error="inputs changed while the stage ran: " + _explain.summarize(changed),
+            **done,
+        )
+        book.persist()
+        return
+    log_sha = prober.log_digest(log_path)
+    rec = book.record(sid)
+    rec.update(
+        status="passed",
+        exit_code=exit_code,
+        log_sha256=log_sha,
+        checkpoint_verified=True,
+        checkpoint_id=checkpoint_id(cache_key, log_sha, book.run_id),
+        origin_run_id=book.run_id,
+        error=None,
+        **done,
+    )
+    _persist_checkpoint(run, sid, rec)
+
+
+def _execute(run: _Run, stage: Mapping[str, Any], log_path: Path) -> tuple[int | None, str | None]:
+    """(exit code, error) of the stage's command; a timeout or a failure to start is an error."""
+    env = {
+        **os.environ,
+        "RATCHET_RUN_ID": run.book.run_id,
+        "RATCHET_STAGE_ID": stage["id"],
+        "RATCHET_WORKSPACE_ROOT": str(run.workspace_root),
+    }
+    run.prober.command_started()
+    try:
+        exit_code = run.seams.executor.run(
+            stage,
+            cwd=run.workspace_root / stage["cwd"],
+            log_path=log_path,
+            timeout=stage["timeout_seconds"],
+            env=env,
+        )
+    except StageTimeoutError as exc:
+        return None, str(exc)
+    except Exception as exc:
+        return None, f"could not run {stage['argv'][0]!r}: {type(exc).__name__}: {exc}"
+    finally:
+        run.prober.command_finished()
+    return exit_code, None
+
+
+def _persist_checkpoint(run: _Run, sid: str, rec: dict[str, Any]) -> None:
+    """Make `rec` (a verified checkpoint) durable before anyone may build on it."""
+    try:
+        run.book.persist(override=(sid, rec))
+    except Exception as exc:
+        run.book.update(
+            sid,
+            status="failed",
+            checkpoint_verified=False,
+            checkpoint_id=None,
+            error=f"the verified checkpoint could not be persisted: {type(exc).__name__}: {exc}",
+        )
+        with contextlib.suppress(Exception):
+            run.book.persist()
+
+
+def _log_name(sid: str) -> str:
+    safe = _SAFE.sub("_", sid)
+    if safe != sid:
+        safe = f"{safe}-{sha256_bytes(sid.encode('utf-8'))[:8]}"
+    return f"{safe}.log"
+
+
+# --- the end-of-run snapshot --------------------------------------------------------------
+
+
+def _final_snapshot(run: _Run) -> bool:
+    """Probe every passed stage's inputs again; True only if none changed."""
+    run.prober.forget()
+    ok = True
+    for rec in run.book.all_records():
+        if rec["status"] != "passed":
+            continue
+        stage = run.stages[rec["id"]]
+        checked = (rec.get("cache_components") or {}).get("inputs")
+        try:
+            now = _snapshot_probe(run.prober, stage, checked)
+        except Exception as exc:
+            ok = False
+            run.book.update(
+                rec["id"],
+                snapshot_verified=False,
+                snapshot_error=f"end-of-run input probe failed: {type(exc).__name__}: {exc}",
+            )
+            continue
+        if now != checked:
+            ok = False
+            changed = _explain.diff_identity(checked, now, run.prober)
+            run.book.update(
+                rec["id"],
+                snapshot_verified=False,
+                snapshot_error="inputs changed after its checkpoint: "
+                + _explain.summarize(changed),
+            )
+        else:
+            run.book.update(rec["id"], snapshot_verified=True)
+    return ok
+
+
+def _snapshot_probe(prober: Prober, stage: Mapping[str, Any], recorded: Any) -> Any:
+    """Probe for the end-of-run snapshot, comparing like with like: an identity of the
+    built-in shape is re-probed directly; one produced by a replaced `identity` (a plugin,
+    a test double) is re-probed through it."""
+    scope = prober.scope(stage)
+    builtin = (
+        isinstance(recorded, dict)
+        and sorted(recorded) == scope
+        and all(
+            isinstance(v, str) and (len(v) == 64 or v == MISSING_REPOSITORY)
+            for v in recorded.values()
+        )
+    )
+    if builtin:
+        return prober.snapshot_identity(stage)
+    return prober.identity(stage)
+
+
+# --- before the run -----------------------------------------------------------------------
+
+
+def _load_previous(workspace_root: Path, state_dir: Path, run_id: str) -> dict[str, Any]:
+    previous = read_receipt(workspace_root, state_dir, run_id)
+    if previous.get("status") == "running":
+        raise ResumeRefusedError(
+            f"run {run_id!r} is still marked running: if its process is gone (crashed), run "
+            f"`ratchet checks recover {run_id} --apply --confirm-processes-stopped` first"
+        )
+    return previous
+
+
+def _resolve_repositories(
+    workspace_root: Path, project: Path | None, stages: Sequence[Mapping[str, Any]]
+) -> dict[str, Path]:
+    """Repository name -> directory, from the project file when there is one.
+
+    Without a project file a named repository is the folder of that name under the
+    workspace root, and the whole workspace is the root itself (as one repository, ".").
+    """
+    if project is not None and project.exists():
+        loaded = load_project(project)
+        return {r["name"]: workspace_root / r["path"] for r in loaded["repositories"]}
+    repos: dict[str, Path] = {}
+    for stage in stages:
+        for name in (stage.get("inputs") or {}).get("repos") or []:
+            repos[name] = workspace_root / name
+    if not repos or any(s.get("inputs") is None for s in stages):
+        repos.setdefault(".", workspace_root)
+    return repos
+
+
+def _progress_enabled(args: argparse.Namespace) -> bool:
+    if getattr(args, "json", False) or getattr(args, "no_progress", False):
+        return False
+    return sys.stderr.isatty()
+
+
+def _dry_run(
+    stages: list[dict[str, Any]], resume: str | None, workspace_root: Path, state_dir: Path
+) -> dict[str, Any]:
+    previous = _load_previous(workspace_root, state_dir, resume) if resume else None
+    return {
+        "run_id": None,
+        "status": "planned",
+        "dry_run": True,
+        "resumed_from": resume,
+        "plan_fingerprint": plan_fingerprint(stages),
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "previous_status": previous.get("status") if previous else None,
+        "stages": [{**s, "status": "planned"} for s in stages],
+    }

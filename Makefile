@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-flink lint format bench bench-peers clean
+.PHONY: demo test test-flink lint format bench bench-peers fuzz soak clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
@@ -30,13 +30,13 @@ test-flink:
 	$(FLINK_VENV)/bin/python -m pytest -q -m flink tests/flink
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples scripts
+	$(BIN)/ruff format --check src tests benchmarks examples scripts
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks examples
-	$(BIN)/ruff check --fix src tests benchmarks examples
+	$(BIN)/ruff format src tests benchmarks examples scripts
+	$(BIN)/ruff check --fix src tests benchmarks examples scripts
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
@@ -47,6 +47,12 @@ bench: $(STAMP)
 bench-peers:
 	bash benchmarks/peers/setup.sh || true  # a peer that fails to install shows as "not installed"
 	$(PY) benchmarks/peers/run.py --repeat 3
+
+# A million crafted and mutated blobs through the codec's decoder (atheris when it installs,
+# else a random-mutation driver); INPUTS=N to change the count. About a minute.
+fuzz: $(STAMP)
+	$(BIN)/python -m pip install -q atheris || echo "atheris did not install: using the random-mutation driver"
+	$(BIN)/python scripts/fuzz_codec.py --inputs $(or $(INPUTS),1000000)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

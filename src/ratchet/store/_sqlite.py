@@ -24,6 +24,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import StateError
 from ratchet.store import codec
 from ratchet.store._base import CallRecord, CheckpointRows, Loaded
+from ratchet.store._files import fsync_dir
 
 DB_NAME = "ratchet.db"
 LOCK_NAME = "ratchet.lock"
@@ -61,6 +62,11 @@ _VACUUM_FREE_PAGES = 256
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     return conn
+
+
+def _sidecars(path: Path) -> list[Path]:
+    """A database file and the journal files SQLite keeps beside it."""
+    return [path, *(path.with_name(path.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
 
 
 class StateLock:
@@ -116,24 +122,29 @@ class SqliteStore:
         if sdir.exists() and not sdir.is_dir():
             raise StateError(f"--state {sdir} exists and is not a directory")
         sdir.mkdir(parents=True, exist_ok=True)
-        path = sdir / DB_NAME
-        fresh = not path.exists() or path.stat().st_size == 0
-        if fresh and path.exists():
-            # A zero-length file is what a crash during creation leaves; nothing is in it.
-            path.unlink()
-        conn = cls._connect_checked(path, fresh)
-        store = cls(conn, path, clock)
         if synchronous.upper() not in ("NORMAL", "FULL"):
             raise StateError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
+        path = sdir / DB_NAME
+        meta = cls._initial_meta(agent_name, agent_fingerprint, actions, clock)
+        if not path.exists() or path.stat().st_size == 0:
+            # Nothing there yet, or the empty file an interrupted first start of an older
+            # ratchet left: nothing is in it.
+            cls._build(path, meta)
+        conn = cls._connect_checked(path)
+        if cls._uninitialised(conn):
+            # A first start killed while it created the database (an older ratchet created it
+            # in place): a WAL-mode file with no tables, or an empty meta table. It holds no
+            # state, and refusing it would fail every restart of a supervised job.
+            conn.close()
+            cls._build(path, meta)
+            conn = cls._connect_checked(path)
+        store = cls(conn, path, clock)
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
         try:
-            if fresh:
-                store._create(agent_name, agent_fingerprint, actions)
-            else:
-                # Refuse another agent's (or a newer ratchet's) state before changing anything.
-                store._schema_version()
-                store._check_owner(agent_name, agent_fingerprint, actions)
-                store._migrate()
+            # Refuse another agent's (or a newer ratchet's) state before changing anything.
+            store._schema_version()
+            store._check_owner(agent_name, agent_fingerprint, actions)
+            store._migrate()
         except BaseException:
             conn.close()
             raise
@@ -158,13 +169,9 @@ class SqliteStore:
         return store
 
     @staticmethod
-    def _connect_checked(path: Path, fresh: bool = False) -> sqlite3.Connection:
+    def _connect_checked(path: Path) -> sqlite3.Connection:
         try:
             conn = _connect(path)
-            if fresh:
-                # Outbox and input rows come and go at every checkpoint: let the file give their
-                # pages back (only settable before the first table, and before WAL mode).
-                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 raise StateError(f"{path}: could not switch to WAL mode (got {mode})")
@@ -205,24 +212,92 @@ class SqliteStore:
         # Not a bound parameter: PRAGMA takes none. `stop` is an int from this module.
         c.execute(f"PRAGMA user_version = {int(stop)}")
 
-    def _create(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
-        with self._transaction() as c:
-            self._apply(c, 0, SCHEMA_VERSION)
-            meta = {
-                "schema_version": SCHEMA_VERSION,
-                "agent_name": agent_name,
-                "agent_fingerprint": fingerprint,
-                "actions": actions,
-                "created_at": self.clock.now(),
-                "source": {},
-                "counts": {"completed": 0, "failed": 0, "restored": 0},
-                "latest_restored": None,
-                "next_checkpoint_id": 1,
-            }
-            c.executemany(
-                "INSERT INTO meta(name, value) VALUES (?, ?)",
-                [(k, codec.encode(v)) for k, v in meta.items()],
-            )
+    @staticmethod
+    def _initial_meta(
+        agent_name: str, fingerprint: str, actions: list[str], clock: Clock
+    ) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "agent_name": agent_name,
+            "agent_fingerprint": fingerprint,
+            "actions": actions,
+            "created_at": clock.now(),
+            "source": {},
+            "counts": {"completed": 0, "failed": 0, "restored": 0},
+            "latest_restored": None,
+            "next_checkpoint_id": 1,
+        }
+
+    @classmethod
+    def _build(cls, path: Path, meta: dict[str, Any]) -> None:
+        """Create the database at `path` atomically: whole and initialised, or not at all.
+
+        It is built in `<name>.init` beside it and renamed into place, so a kill at any moment
+        leaves either no database (or the uninitialised one this replaces) or a complete one;
+        an interrupted build's leftovers are removed by the next. The caller owns the state
+        directory and has made sure `path` holds no state.
+        """
+        tmp = path.with_name(path.name + ".init")
+        wal = path.with_name(path.name + "-wal")
+        if not path.exists() or path.stat().st_size == 0:
+            with contextlib.suppress(FileNotFoundError):
+                if wal.stat().st_size > 0:
+                    # Not something ratchet leaves: the WAL of a database that was removed.
+                    raise StateError(
+                        f"{wal} exists but its database {path} is missing or empty; it may "
+                        f"hold state, so it was left untouched; move it away (with any "
+                        f"{path.name}-shm) or point --state at a new directory"
+                    )
+        for leftover in _sidecars(tmp):
+            leftover.unlink(missing_ok=True)
+        try:
+            conn = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                # Outbox and input rows come and go at every checkpoint: let the file give their
+                # pages back (only settable before the first table, and before WAL mode, which
+                # the first real open turns on). The rollback journal and synchronous=FULL make
+                # the commit durable before the rename.
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                conn.execute("BEGIN IMMEDIATE")
+                cls._apply(conn, 0, SCHEMA_VERSION)
+                conn.executemany(
+                    "INSERT INTO meta(name, value) VALUES (?, ?)",
+                    [(k, codec.encode(v)) for k, v in meta.items()],
+                )
+                conn.execute("COMMIT")
+            finally:
+                conn.close()
+            # Journal files of the database being replaced describe what it held (nothing):
+            # left beside the new file, SQLite would apply them to it.
+            for stale in _sidecars(path)[1:]:
+                stale.unlink(missing_ok=True)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        except (sqlite3.Error, OSError) as exc:
+            raise StateError(
+                f"could not create the state database {path} ({exc}); fix the cause (disk "
+                f"space, permissions) and run again"
+            ) from exc
+
+    @staticmethod
+    def _uninitialised(conn: sqlite3.Connection) -> bool:
+        """True if the database holds nothing at all: no table, or only a meta table with no
+        schema_version record. Anything else (e.g. a keys table without meta) is not ours to
+        replace: the usual checks refuse it, naming what is wrong."""
+        try:
+            names = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT name FROM sqlite_master WHERE substr(name, 1, 7) != 'sqlite_'"
+                )
+            ]
+            if names != ["meta"]:
+                return not names
+            row = conn.execute("SELECT 1 FROM meta WHERE name = 'schema_version'").fetchone()
+        except sqlite3.DatabaseError:
+            return False  # e.g. a meta table that is not ratchet's: refused by the usual checks
+        return row is None
 
     def _schema_version(self) -> int:
         """The recorded schema version; a newer one than this code knows is refused."""
@@ -283,7 +358,13 @@ class SqliteStore:
             raise StateError(
                 f"{self.path} has no {name!r} record; it is not a ratchet state database"
             )
-        return codec.decode(row[0])
+        try:
+            return codec.decode(row[0])
+        except (codec.CorruptDataError, codec.UnknownTypeError) as exc:
+            raise StateError(
+                f"{self.path}: the meta record {name!r} cannot be decoded ({exc}); it was left "
+                f"untouched; restore the state from a backup or point --state at a new directory"
+            ) from exc
 
     def load(self) -> Loaded:
         c = self.conn

@@ -12,6 +12,12 @@ replace everything msgpack cannot express exactly (tuples, sets, big ints, datet
 plain ints and strs goes straight to msgpack's C packer unchanged. `decode` is a single
 `msgpack.unpackb` whose `ext_hook` rebuilds the extension types.
 
+Nesting: encode refuses values nested more than MAX_DEPTH containers deep, so what it writes
+has at most MAX_DECODE_DEPTH (= MAX_DEPTH + 1) extension records nested in each other; decode
+refuses deeper nesting. Whatever bytes it is given, decode raises only CorruptDataError or
+UnknownTypeError, and never crashes the process (the stored bytes may come from an untrusted
+or damaged disk).
+
 Wire format (frozen: stored state and digests depend on it; add new codes, never reuse one):
 
     native msgpack   None, bool, int in [-2**63, 2**64), float (binary64), str (UTF-8, lone
@@ -42,6 +48,7 @@ equal values give one digest whatever their insertion order; it decodes with `de
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -50,7 +57,7 @@ from collections.abc import Callable
 from datetime import date, datetime, time, timedelta, timezone, tzinfo
 from decimal import Decimal
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from uuid import UUID
 from zoneinfo import ZoneInfo
 
@@ -69,6 +76,7 @@ __all__ = [
     "CodecError",
     "CorruptDataError",
     "UnknownTypeError",
+    "UnknownValue",
     "check_admissible",
     "decode",
     "digest",
@@ -373,6 +381,12 @@ def _reject_type(value: Any) -> _Reject:
         )
     if t is memoryview:
         return _Reject(what, "convert it with bytes(value) instead")
+    if t is UnknownValue:
+        return _Reject(
+            f"{what} standing in for registered type {value.type_name!r}, which this process "
+            "has not registered",
+            f"register that class with {_REGISTER_HINT}(...) and decode the data again",
+        )
     for admitted in _BASES:
         if isinstance(value, admitted):
             name = admitted.__name__
@@ -779,23 +793,107 @@ def digest(value: Any) -> str:
 
 # --- decode side -----------------------------------------------------------------------------
 
+# How deeply extension records may nest in data given to `decode`. encode writes at most
+# MAX_DEPTH nested containers, and the innermost of them may hold one more record (a big int, a
+# tuple key), so MAX_DEPTH + 1 is the deepest any encoded value goes; deeper data did not come
+# from encode and is refused as corrupt. Each level re-enters the unpacker from its ext_hook,
+# so without this bound a few hundred nested records in a crafted blob overflowed the C stack
+# and killed the process. Lists and maps nested inside one record need no recursion; msgpack
+# refuses more than 1024 of them (StackError, reported as CorruptDataError).
+MAX_DECODE_DEPTH = MAX_DEPTH + 1
 
-def _unpack(data: bytes) -> Any:
+# The first levels use msgpack.unpackb: the fastest, but its parser state (about 45 KB) lives on
+# the C stack. Deeper levels use a heap-allocated Unpacker (about twice as slow, a few hundred
+# bytes of stack), so even MAX_DECODE_DEPTH levels fit in a thread with a 512 KB stack.
+_STACK_LEVELS = 8
+
+
+class UnknownValue:
+    """A value of a registered type that this process has not registered, as a stand-in.
+
+    Only `decode(data, unknown="generic")` makes these (the default raises UnknownTypeError),
+    for tools that must show any state, such as `ratchet inspect`. `type_name` is the name the
+    value was stored under; `state` is what was stored for it, decoded: the field dict of a
+    dataclass or pydantic model, the value of an enum, the root value of a RootModel. It is a
+    display form, not the object: `encode` refuses it. Equal name and state make equal
+    stand-ins; it is hashable (as a set member or dict key) when its state's contents are.
+    """
+
+    __slots__ = ("state", "type_name")
+
+    def __init__(self, type_name: str, state: Any) -> None:
+        self.type_name = type_name
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"UnknownValue({self.type_name!r}, {self.state!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not UnknownValue:
+            return NotImplemented
+        return self.type_name == other.type_name and self.state == other.state
+
+    def __hash__(self) -> int:
+        return hash((UnknownValue, self.type_name, _hashable(self.state)))
+
+
+def _hashable(v: Any) -> Any:
+    """A hashable value equal-for-equal to a decoded state: dicts and lists frozen, recursively."""
+    t = type(v)
+    if t is dict:
+        return frozenset((k, _hashable(x)) for k, x in v.items())
+    if t is list:
+        return tuple(_hashable(x) for x in v)
+    if t is set:
+        return frozenset(v)
+    if t is bytearray:
+        return bytes(v)
+    return v
+
+
+def _unpack(data: bytes, depth: int, generic: bool) -> Any:
+    """Unpack one msgpack document whose extension records are nested `depth + 1` deep."""
     # timestamp=3: a foreign msgpack Timestamp (ext -1, which never reaches ext_hook) becomes
     # an aware UTC datetime rather than a msgpack object; encode never writes one.
-    return msgpack.unpackb(
-        data,
-        ext_hook=_ext_hook,
+    hook = _HOOKS[generic][depth]
+    if depth < _STACK_LEVELS:
+        return msgpack.unpackb(
+            data,
+            ext_hook=hook,
+            strict_map_key=False,
+            unicode_errors="surrogatepass",
+            timestamp=3,
+        )
+    unpacker = msgpack.Unpacker(
+        ext_hook=hook,
         strict_map_key=False,
         unicode_errors="surrogatepass",
         timestamp=3,
+        max_buffer_size=max(len(data), 1),
     )
+    unpacker.feed(data)
+    try:
+        value = unpacker.unpack()
+    except msgpack.OutOfData:
+        # What unpackb says; the record's ext_hook reports it as CorruptDataError.
+        raise ValueError("Unpack failed: incomplete input") from None
+    if unpacker.tell() != len(data):
+        raise ValueError(f"{len(data) - unpacker.tell()} bytes of extra data after the value")
+    return value
 
 
 def _expect(obj: Any, t: type, what: str) -> Any:
     if type(obj) is not t:
         raise CorruptDataError(f"{what} payload is a {type(obj).__name__}, not a {t.__name__}")
     return obj
+
+
+def _items(obj: Any, n: int, what: str) -> list[Any]:
+    """The `n` items of a payload that must be a list of exactly that many."""
+    items: list[Any] = _expect(obj, list, what)
+    if len(items) != n:
+        raise CorruptDataError(f"{what} payload has {len(items)} items, not {n}")
+    return items
 
 
 def _decode_tz(tz: Any) -> tzinfo | None:
@@ -810,61 +908,65 @@ def _decode_tz(tz: Any) -> tzinfo | None:
             raise CorruptDataError(
                 f"the data names time zone {tz!r}, which cannot be loaded here ({exc})"
             ) from exc
-    offset, name = _expect(tz, list, "time zone")
+    offset, name = _items(tz, 2, "time zone")
     return timezone(timedelta(microseconds=offset), name)
 
 
-def _decode_bigint(data: bytes) -> int:
+def _decode_bigint(data: bytes, depth: int, generic: bool) -> int:
     return int.from_bytes(data, "big", signed=True)
 
 
-def _decode_tuple(data: bytes) -> tuple[Any, ...]:
-    return tuple(_expect(_unpack(data), list, "tuple"))
+def _decode_tuple(data: bytes, depth: int, generic: bool) -> tuple[Any, ...]:
+    return tuple(_expect(_unpack(data, depth, generic), list, "tuple"))
 
 
-def _decode_set(data: bytes) -> set[Any]:
-    return set(_expect(_unpack(data), list, "set"))
+def _decode_set(data: bytes, depth: int, generic: bool) -> set[Any]:
+    return set(_expect(_unpack(data, depth, generic), list, "set"))
 
 
-def _decode_frozenset(data: bytes) -> frozenset[Any]:
-    return frozenset(_expect(_unpack(data), list, "frozenset"))
+def _decode_frozenset(data: bytes, depth: int, generic: bool) -> frozenset[Any]:
+    return frozenset(_expect(_unpack(data, depth, generic), list, "frozenset"))
 
 
-def _decode_bytearray(data: bytes) -> bytearray:
+def _decode_bytearray(data: bytes, depth: int, generic: bool) -> bytearray:
     return bytearray(data)
 
 
-def _decode_datetime(data: bytes) -> datetime:
-    y, mo, d, h, mi, s, us, fold, tz = _expect(_unpack(data), list, "datetime")
+def _decode_datetime(data: bytes, depth: int, generic: bool) -> datetime:
+    y, mo, d, h, mi, s, us, fold, tz = _items(_unpack(data, depth, generic), 9, "datetime")
     return datetime(y, mo, d, h, mi, s, us, tzinfo=_decode_tz(tz), fold=fold)
 
 
-def _decode_date(data: bytes) -> date:
-    return date.fromordinal(_expect(_unpack(data), int, "date"))
+def _decode_date(data: bytes, depth: int, generic: bool) -> date:
+    return date.fromordinal(_expect(_unpack(data, depth, generic), int, "date"))
 
 
-def _decode_time(data: bytes) -> time:
-    h, mi, s, us, fold, tz = _expect(_unpack(data), list, "time")
+def _decode_time(data: bytes, depth: int, generic: bool) -> time:
+    h, mi, s, us, fold, tz = _items(_unpack(data, depth, generic), 6, "time")
     return time(h, mi, s, us, tzinfo=_decode_tz(tz), fold=fold)
 
 
-def _decode_timedelta(data: bytes) -> timedelta:
-    days, seconds, micros = _expect(_unpack(data), list, "timedelta")
+def _decode_timedelta(data: bytes, depth: int, generic: bool) -> timedelta:
+    days, seconds, micros = _items(_unpack(data, depth, generic), 3, "timedelta")
     return timedelta(days, seconds, micros)
 
 
-def _decode_decimal(data: bytes) -> Decimal:
+def _decode_decimal(data: bytes, depth: int, generic: bool) -> Decimal:
     return Decimal(data.decode("ascii"))
 
 
-def _decode_uuid(data: bytes) -> UUID:
+def _decode_uuid(data: bytes, depth: int, generic: bool) -> UUID:
     return UUID(bytes=data)
 
 
-def _decode_registered(data: bytes) -> Any:
-    name, state = _expect(_unpack(data), list, "registered object")
+def _decode_registered(data: bytes, depth: int, generic: bool) -> Any:
+    name, state = _items(_unpack(data, depth, generic), 2, "registered object")
+    if type(name) is not str:
+        raise CorruptDataError(f"registered object name is a {type(name).__name__}, not a str")
     cls = _BY_NAME.get(name)
     if cls is None:
+        if generic:
+            return UnknownValue(name, state)
         raise UnknownTypeError(_unknown_message(name))
     entry = _BY_CLS[cls]
     try:
@@ -882,51 +984,104 @@ def _decode_registered(data: bytes) -> Any:
         return obj
     except Exception as exc:
         raise CorruptDataError(
-            f"cannot rebuild registered type {name!r} ({cls!r}) from the stored data: {exc}; "
-            "did the class change since the data was written?"
+            f"cannot rebuild registered type {name!r} ({cls!r}) from the stored data: "
+            f"{_short(str(exc), 300)}; did the class change since the data was written?"
         ) from exc
 
 
-_DECODERS: dict[int, Callable[[bytes], Any]] = {
-    _BIGINT: _decode_bigint,
-    _TUPLE: _decode_tuple,
-    _SET: _decode_set,
-    _FROZENSET: _decode_frozenset,
-    _BYTEARRAY: _decode_bytearray,
-    _DATETIME: _decode_datetime,
-    _DATE: _decode_date,
-    _TIME: _decode_time,
-    _TIMEDELTA: _decode_timedelta,
-    _DECIMAL: _decode_decimal,
-    _UUID: _decode_uuid,
-    _REGISTERED: _decode_registered,
+_DECODERS: dict[int, tuple[str, Callable[[bytes, int, bool], Any]]] = {
+    _BIGINT: ("big int", _decode_bigint),
+    _TUPLE: ("tuple", _decode_tuple),
+    _SET: ("set", _decode_set),
+    _FROZENSET: ("frozenset", _decode_frozenset),
+    _BYTEARRAY: ("bytearray", _decode_bytearray),
+    _DATETIME: ("datetime", _decode_datetime),
+    _DATE: ("date", _decode_date),
+    _TIME: ("time", _decode_time),
+    _TIMEDELTA: ("timedelta", _decode_timedelta),
+    _DECIMAL: ("Decimal", _decode_decimal),
+    _UUID: ("UUID", _decode_uuid),
+    _REGISTERED: ("registered object", _decode_registered),
 }
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    decoder = _DECODERS.get(code)
-    if decoder is None:
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _ext_hook(depth: int, generic: bool, code: int, data: bytes) -> Any:
+    """Rebuild one extension record found `depth` records deep; any failure is CorruptDataError."""
+    known = _DECODERS.get(code)
+    if known is None:
         raise CorruptDataError(f"unknown extension type code {code}")
-    return decoder(data)
+    if depth > MAX_DECODE_DEPTH:
+        raise CorruptDataError(
+            f"extension records are nested more than {MAX_DECODE_DEPTH} deep, deeper than "
+            "encode ever writes them"
+        )
+    what, decoder = known
+    try:
+        return decoder(data, depth, generic)
+    except (CorruptDataError, UnknownTypeError):
+        raise
+    except Exception as exc:
+        # Bad field values (ValueError, TypeError, OverflowError), a garbage Decimal
+        # (decimal.InvalidOperation), a payload that is not msgpack, unhashable set members...
+        detail = _short(str(exc), 300) or "not valid msgpack"
+        raise CorruptDataError(
+            f"cannot decode a {what} record (ext {code}, {len(data)} bytes): "
+            f"{type(exc).__name__}: {detail}"
+        ) from exc
 
 
-def decode(data: bytes) -> Any:
+# _HOOKS[generic][depth] is the ext_hook of a document `depth` records deep: made once, so a
+# decode allocates nothing to track its depth. A document MAX_DECODE_DEPTH deep is the deepest
+# unpacked; its hook refuses every record.
+_HOOKS: tuple[tuple[Callable[[int, bytes], Any], ...], ...] = tuple(
+    tuple(functools.partial(_ext_hook, d + 1, generic) for d in range(MAX_DECODE_DEPTH + 1))
+    for generic in (False, True)
+)
+
+
+def decode(data: bytes, *, unknown: Literal["raise", "generic"] = "raise") -> Any:
     """Rebuild the value `encode` (or `encode_canonical`) wrote.
 
     Never imports or runs anything the data names: registered classes come from the registry.
-    Raises CorruptDataError for bytes `encode` did not write, UnknownTypeError when the data
-    names a class not registered in this process.
+    Whatever the bytes, it raises only CorruptDataError (bytes `encode` did not write:
+    truncated, damaged, foreign, or extension records nested more than MAX_DECODE_DEPTH deep)
+    or UnknownTypeError (the data names a class not registered in this process); it never
+    crashes the process.
+
+    `unknown="generic"` decodes a value of a registered type that this process has not
+    registered into an `UnknownValue(type_name, state)` stand-in instead of raising
+    UnknownTypeError, so a tool can show any well-formed state. Data that does not fit a class
+    that *is* registered is still CorruptDataError.
     """
     if type(data) is not bytes and not isinstance(data, bytes | bytearray | memoryview):
         raise InvalidTypeError(f"decode() takes bytes, not {type(data)!r}")
+    if unknown == "raise":
+        hook = _HOOKS[False][0]
+    elif unknown == "generic":
+        hook = _HOOKS[True][0]
+    else:
+        raise InvalidArgumentError(
+            f'decode() unknown= must be "raise" or "generic", not {unknown!r}'
+        )
     try:
-        return _unpack(data)
+        return msgpack.unpackb(  # what _unpack(data, 0, ...) does, without the extra call
+            data,
+            ext_hook=hook,
+            strict_map_key=False,
+            unicode_errors="surrogatepass",
+            timestamp=3,
+        )
     except (CorruptDataError, UnknownTypeError):
         raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:
-        # msgpack's errors (ExtraData, FormatError, StackError, incomplete input) are
-        # ValueErrors; malformed payloads surface as Type/Value/Overflow errors.
-        detail = str(exc) or "not valid msgpack"
+    except Exception as exc:
+        # msgpack's own errors (ExtraData, FormatError, StackError, incomplete input) are
+        # ValueErrors; unhashable map keys are TypeErrors; RecursionError when called with
+        # little stack left; MemoryError. Any of them means these bytes cannot be decoded.
+        detail = _short(str(exc), 300) or "not valid msgpack"
         raise CorruptDataError(
             f"cannot decode {len(data)} bytes: {type(exc).__name__}: {detail}"
         ) from exc

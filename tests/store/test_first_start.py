@@ -1,0 +1,243 @@
+"""A first start killed while it creates the state database must not fail every restart.
+
+Before the fix, a SIGKILL between SQLite's switch to WAL mode and the commit of the tables
+left a 4 KB database with no tables, refused forever as "not a ratchet state database", so a
+supervised job ended as failed. Now the database is built in `ratchet.db.init` and renamed
+into place, and an uninitialised database left by an older ratchet (no table at all, or only a
+meta table without a schema_version record) is built again. A database that holds anything
+else is never replaced: the usual checks refuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet import Agent, InputEvent, OutputEvent, StateError, action, run
+from ratchet.store._sqlite import DB_NAME, SCHEMA_VERSION, SqliteStore
+
+AGENT = f"{Path(__file__).parents[1] / 'kill' / 'kill_agent.py'}:KillAgent"
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+
+
+class Echo(Agent):
+    @action(InputEvent, inline=True)
+    def echo(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("n", ctx.short_term_memory.get("n", 0) + 1)
+        ctx.send_event(OutputEvent(output=event.input))
+
+
+# --- states an interrupted first start of an older ratchet left ----------------------------------
+
+# Each script runs in a child process against `db` and ends with the child SIGKILLing itself,
+# so SQLite's files are left exactly as a kill leaves them (-wal and -shm included).
+_OLD_FIRST_START = """
+    c = sqlite3.connect(db, isolation_level=None)
+    c.execute("PRAGMA auto_vacuum=INCREMENTAL")
+    c.execute("PRAGMA journal_mode=WAL")
+    c.execute("SELECT * FROM sqlite_master").fetchall()
+"""
+LEFT_BEHIND = {
+    "empty file": None,
+    "WAL-mode database with no tables": _OLD_FIRST_START,
+    "killed inside the creating transaction": _OLD_FIRST_START
+    + """
+    c.execute("PRAGMA cache_size=1")  # spill uncommitted pages into the WAL
+    c.execute("BEGIN IMMEDIATE")
+    c.execute("CREATE TABLE meta(name TEXT PRIMARY KEY, value BLOB NOT NULL)")
+    c.execute("CREATE TABLE keys(key BLOB PRIMARY KEY, memory BLOB)")
+    for i in range(200):
+        c.execute("INSERT INTO meta VALUES (?, ?)", (f"x{i}", bytes(2000)))
+""",
+    "only an empty meta table": _OLD_FIRST_START
+    + """
+    c.execute("CREATE TABLE meta(name TEXT PRIMARY KEY, value BLOB NOT NULL)")
+""",
+    "a meta table without schema_version": _OLD_FIRST_START
+    + """
+    c.execute("CREATE TABLE meta(name TEXT PRIMARY KEY, value BLOB NOT NULL)")
+    c.execute("INSERT INTO meta VALUES ('agent_name', x'a3616263')")
+""",
+}
+
+
+def leave_killed(db: Path, script: str | None) -> None:
+    db.parent.mkdir(parents=True, exist_ok=True)
+    if script is None:
+        db.write_bytes(b"")
+        return
+    code = "import os, signal, sqlite3, sys\ndb = sys.argv[1]\n" + textwrap.dedent(script)
+    code += "os.kill(os.getpid(), signal.SIGKILL)\n"
+    proc = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+def tables(db: Path) -> list[str]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master"))
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("left", list(LEFT_BEHIND), ids=lambda s: s.replace(" ", "-"))
+def test_an_uninitialised_database_is_initialised_and_used(tmp_path: Path, left: str) -> None:
+    state = tmp_path / "s"
+    db = state / DB_NAME
+    leave_killed(db, LEFT_BEHIND[left])
+    if left != "empty file":
+        assert "keys_by_text" not in tables(db)  # what the old first start left: unusable
+
+    inputs = [{"key": "a", "v": 1}, {"key": "b", "v": 2}, {"key": "a", "v": 3}]
+    run(Echo(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=state)
+    out = [json.loads(line)["output"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert out == inputs
+
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # INCREMENTAL
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("SELECT COUNT(*) FROM keys").fetchone()[0] == 2
+        assert conn.execute("SELECT name FROM meta WHERE name LIKE 'x%'").fetchall() == []
+    finally:
+        conn.close()
+    assert not (state / (DB_NAME + ".init")).exists()
+    # ... and it is ordinary state from now on: the next run resumes it.
+    run(Echo(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=state)
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("rows", [1, 0], ids=["with-a-row", "empty"])
+def test_a_database_with_any_other_table_is_refused_and_kept(tmp_path: Path, rows: int) -> None:
+    db = tmp_path / "s" / DB_NAME
+    db.parent.mkdir()
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE keys(key BLOB PRIMARY KEY, memory BLOB)")
+    conn.executemany("INSERT INTO keys VALUES (?, ?)", [(b"k", b"memory")] * rows)
+    conn.close()
+    before = db.read_bytes()
+    with pytest.raises(StateError, match=rf"{db} is not a ratchet state database .*no such table"):
+        SqliteStore.open(tmp_path / "s", "agent", "fp", [])
+    assert db.read_bytes() == before
+    assert tables(db) == ["keys", "sqlite_autoindex_keys_1"]
+
+
+def test_a_meta_table_that_is_not_ratchets_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "s" / DB_NAME
+    db.parent.mkdir()
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("CREATE TABLE meta(k TEXT, v TEXT)")
+    conn.execute("INSERT INTO meta VALUES ('owner', 'someone else')")
+    conn.close()
+    with pytest.raises(StateError, match="not a ratchet state database .*no such column"):
+        SqliteStore.open(tmp_path / "s", "agent", "fp", [])
+    assert tables(db) == ["meta"]
+
+
+def test_a_wal_without_its_database_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / (DB_NAME + "-wal")).write_bytes(b"frames of a database that was removed")
+    with pytest.raises(StateError, match=r"ratchet\.db-wal exists but its database .* is missing"):
+        SqliteStore.open(state, "agent", "fp", [])
+    assert not (state / DB_NAME).exists()
+    assert (state / (DB_NAME + "-wal")).read_bytes() == b"frames of a database that was removed"
+
+
+def test_leftovers_of_an_interrupted_build_are_removed(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / (DB_NAME + ".init")).write_bytes(b"half a database")
+    (state / (DB_NAME + ".init-journal")).write_bytes(b"a hot journal of it")
+    (state / (DB_NAME + "-shm")).write_bytes(b"\0" * 100)  # beside no database: nothing in it
+    store = SqliteStore.open(state, "agent", "fp", ["act"])
+    try:
+        assert store.meta("schema_version") == SCHEMA_VERSION
+        assert store.meta("actions") == ["act"]
+    finally:
+        store.close()
+    assert sorted(p.name for p in state.iterdir() if "init" in p.name) == []
+
+
+# --- real SIGKILLs during the first start ----------------------------------------------------------
+
+N_INPUTS = 6
+
+
+def _start(tmp: Path, state: Path, out: Path) -> subprocess.Popen[bytes]:
+    with open(tmp / "stderr.log", "ab") as err:
+        return subprocess.Popen(
+            [*RATCHET, "run", AGENT, "--input", str(tmp / "in.jsonl")]
+            + ["--output", str(out), "--state", str(state), "--checkpoint-interval", "5"],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def _left(state: Path) -> str:
+    """What a kill left in `state`, for the summary."""
+    db = state / DB_NAME
+    if not db.exists():
+        return "build interrupted" if (state / (DB_NAME + ".init")).exists() else "no database"
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            n = conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"a database a reader cannot open yet ({exc})"
+    return "database" if n else "database without tables"
+
+
+@pytest.mark.kill
+def test_sigkills_during_the_first_start_never_leave_a_refused_state(tmp_path: Path) -> None:
+    seed = int(os.environ.get("RATCHET_FIRST_START_SEED", random.randrange(2**32)))
+    print(f"seed {seed} (set RATCHET_FIRST_START_SEED={seed} to replay)")
+    rng = random.Random(seed)
+    with (tmp_path / "in.jsonl").open("w") as fh:
+        for i in range(N_INPUTS):
+            fh.write(json.dumps({"key": f"k{i % 2}", "id": i, "value": i * 7}) + "\n")
+    left: dict[str, int] = {}
+    deadline = time.monotonic() + 10
+    cycles = 0
+    while time.monotonic() < deadline or cycles < 4:
+        cycles += 1
+        state, out = tmp_path / f"state{cycles}", tmp_path / f"out{cycles}.jsonl"
+        proc = _start(tmp_path, state, out)
+        # The state lock is taken just before the database is opened: kill 0-80 ms after it.
+        lock_by = time.monotonic() + 30
+        while not (state / "ratchet.lock").exists() and proc.poll() is None:
+            assert time.monotonic() < lock_by, f"seed {seed}: no state lock after 30 s"
+            time.sleep(0.0005)
+        time.sleep(rng.uniform(0, 0.08))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        what = _left(state) if proc.returncode == -signal.SIGKILL else "finished before the kill"
+        left[what] = left.get(what, 0) + 1
+
+        again = _start(tmp_path, state, out)
+        rc = again.wait(timeout=60)
+        stderr = (tmp_path / "stderr.log").read_text()
+        assert rc == 0, f"seed {seed}, cycle {cycles} (the kill left: {what}): {stderr[-2000:]}"
+        outputs = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted(o["seq"] for o in outputs) == list(range(N_INPUTS)), (
+            f"seed {seed}, cycle {cycles} (the kill left: {what}): outputs {outputs}"
+        )
+        assert len({o["id"] for o in outputs}) == N_INPUTS
+        for o in outputs:
+            assert o["output"] == {"value": o["seq"] * 7, "price": o["seq"] * 21 + 1}
+    print(f"seed {seed}: {cycles} first starts killed; the kills left {left}")

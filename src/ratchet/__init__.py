@@ -43,8 +43,8 @@ from ratchet.agents import (
     action,
     run,
 )
+from ratchet.agents._exceptions import register_type
 from ratchet.runtime._engine import EngineConfig, EngineResult
-from ratchet.store.codec import register as register_type
 
 __version__ = "0.1.0"
 

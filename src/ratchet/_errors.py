@@ -16,7 +16,7 @@
     ├── CodecError                    (also TypeError) a value cannot be stored
     │   └── UnknownTypeError          stored data names a class this process has not registered
     ├── CorruptDataError              (also ValueError) bytes are not something encode wrote
-    ├── ReplayedCallError             a journaled call failed with a type that cannot be rebuilt
+    ├── ReplayedCallError             base of the stand-in for a replayed unregistered exception
     ├── ChatError                     the chat layer
     │   ├── ModelCallError            a provider refused or failed a request
     │   ├── TurnLimitError            the tool loop reached max_turns
@@ -111,10 +111,11 @@ class CorruptDataError(RatchetError, ValueError):
 
 
 class ReplayedCallError(RatchetError):
-    """A durable call failed before a crash with an exception ratchet cannot rebuild by type.
+    """A durable call failed before a crash with an exception of an unregistered class.
 
-    Built-in exceptions are re-raised with their own type; others arrive as this error,
-    carrying the original type name and message.
+    Built-in and registered exception classes are re-raised as themselves; any other comes
+    back as a stand-in class deriving from this one and from the original's built-in bases
+    (so `except RuntimeError` still catches it), carrying the original type name and message.
     """
 
     def __init__(self, type_name: str, message: str) -> None:

@@ -62,12 +62,18 @@ class FakeClock:
     def next_deadline(self) -> float | None:
         """The monotonic time the earliest sleeper wakes at, or None with nobody asleep."""
         with self._lock:
+            self._drop_cancelled()
             return self._sleepers[0][0] if self._sleepers else None
 
     @property
     def sleepers(self) -> int:
+        """How many are asleep on this clock now (a cancelled sleep does not count)."""
         with self._lock:
-            return len(self._sleepers)
+            return sum(1 for _, _, w in self._sleepers if not w.cancelled)
+
+    def _drop_cancelled(self) -> None:
+        while self._sleepers and self._sleepers[0][2].cancelled:
+            heapq.heappop(self._sleepers)
 
     async def sleep(self, seconds: float) -> None:
         if seconds <= 0:
@@ -84,7 +90,7 @@ class FakeClock:
         try:
             await fut
         finally:
-            waker.cancelled = True
+            waker.cancelled = True  # woken or cancelled: either way no longer asleep
 
     def sleep_sync(self, seconds: float) -> None:
         if seconds <= 0:
@@ -103,7 +109,9 @@ class FakeClock:
     def _pop_due(self) -> list[_Waker]:
         due = []
         while self._sleepers and self._sleepers[0][0] <= self._offset:
-            due.append(heapq.heappop(self._sleepers)[2])
+            waker = heapq.heappop(self._sleepers)[2]
+            if not waker.cancelled:
+                due.append(waker)
         return due
 
     def __repr__(self) -> str:

@@ -143,3 +143,54 @@ def test_restore_and_state_creation_times_come_from_the_clock(tmp_path: Path) ->
         assert store.stats()["latest_restored"]["restored_at"] == 7042.5
     finally:
         store.close()
+
+
+def test_an_idle_follow_job_takes_no_empty_checkpoints(tmp_path: Path) -> None:
+    """Nothing new and no run in flight: the last checkpoint is still exact, none is written."""
+    from ratchet.runtime._io import JsonlSource
+
+    clock = FakeClock(start=0.0)
+    store = MemoryStore(clock=clock)
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"key": "k", "v": 1}\n')
+    got: list[dict[str, Any]] = []
+    Gated.gate.set()
+    engine = Engine(
+        AgentBinding(Gated()),
+        store,
+        JsonlSource(inputs, follow=True),
+        CallbackSink(got.append),
+        EngineConfig(checkpoint_interval=1.0, follow_poll=0.5),
+        clock=clock,
+    )
+
+    async def until(done: Any) -> None:
+        for _ in range(30000):
+            if done():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("the engine did not get there")
+
+    async def tick(n: int) -> None:
+        for _ in range(n):
+            await until(lambda: clock.sleepers == 2)  # the checkpoint loop and the source poll
+            clock.advance(0.5)
+
+    async def main() -> None:
+        install_task_factory(asyncio.get_running_loop())
+        job = asyncio.create_task(engine.run())
+        await tick(8)  # the input's run, its checkpoint, its release, the outbox row's removal
+        await until(lambda: len(got) == 1)
+        settled = store.counts["completed"]
+        await tick(40)  # twenty idle checkpoint intervals
+        assert store.counts["completed"] == settled
+        with inputs.open("a") as fh:
+            fh.write('{"key": "k", "v": 2}\n')
+        await tick(6)
+        await until(lambda: len(got) == 2)
+        assert store.counts["completed"] > settled  # new work is checkpointed again
+        engine.request_stop("test")
+        await asyncio.wait_for(job, 10)
+
+    asyncio.run(main())
+    assert [r["output"] for r in got] == [1, 2]

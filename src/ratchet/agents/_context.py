@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import builtins
 import contextvars
 import inspect
 import logging
@@ -16,16 +15,16 @@ from ratchet._errors import (
     InternalError,
     InvalidTypeError,
     NonDeterminismError,
-    ReplayedCallError,
 )
 from ratchet.agents._agent import Agent, AgentSpec
 from ratchet.agents._events import (
+    Emitted,
     ErrorEvent,
     Event,
     InputEvent,
     OutputEvent,
-    event_from_wire,
-    event_to_wire,
+    emitted_from_wire,
+    freeze,
 )
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
 from ratchet.runtime._dispatch import TaskCalls
@@ -71,31 +70,17 @@ def _args_digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 
 def _encode_error(exc: BaseException) -> bytes:
-    args: Any = exc.args
-    try:
-        codec.check_admissible(args)
-    except TypeError:
-        args = (str(exc),)
-    return codec.encode(
-        {
-            "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-            "args": tuple(args),
-            "message": str(exc),
-        }
-    )
+    from ratchet.agents._exceptions import encode_error
+
+    return encode_error(exc)
 
 
 def _rebuild_error(payload: bytes) -> BaseException:
-    data = codec.decode(payload)
-    module, _, name = data["type"].rpartition(".")
-    if module == "builtins":
-        cls = getattr(builtins, name, None)
-        if isinstance(cls, type) and issubclass(cls, BaseException):
-            try:
-                return cls(*data["args"])
-            except Exception:  # noqa: BLE001 - fall back to the generic carrier
-                pass
-    return ReplayedCallError(data["type"], data["message"])
+    """The recorded exception's own class if it is built-in or registered, else a stand-in
+    `ReplayedCallError` that derives from its built-in bases (see `_exceptions`)."""
+    from ratchet.agents._exceptions import rebuild_error
+
+    return rebuild_error(payload)
 
 
 class RunnerContext:
@@ -118,7 +103,7 @@ class RunnerContext:
         self._sensory = MemoryBuffer(task.sensory, "sensory")
         self.short_term_memory = MemoryObject(self._stm)
         self.sensory_memory = MemoryObject(self._sensory)
-        self.events: list[Event] = []
+        self.events: list[Emitted] = []
         self.config = config
 
     @property
@@ -147,13 +132,13 @@ class RunnerContext:
                 f"send_event() takes a ratchet Event, got {type(event).__name__}; wrap the value, "
                 f"e.g. OutputEvent(output=...)"
             )
-        codec.check_admissible(event.model_dump(mode="python"), f"event {type(event).event_name}")
-        self.events.append(event)
+        self.events.append(freeze(event))
 
     # -- durable calls ----------------------------------------------------------------------
 
-    def _replayed(self, idx: int, name: str, digest: str) -> tuple[bool, Any]:
-        rec = self._calls.recorded(idx)
+    def _claim(self, name: str, digest: str) -> tuple[int, bool, Any]:
+        """(index, answered from the journal?, value or the intent record to reconcile)."""
+        idx, rec = self._calls.claim(name, digest)
         replayed = rec is not None and rec.status in ("ok", "error")
         _last_replayed.set(replayed)
         if replayed:
@@ -161,19 +146,12 @@ class RunnerContext:
         else:
             self._metrics.add(self.key, "durable_calls.made")
         if rec is None:
-            return False, None
-        if rec.fn != name or rec.digest != digest:
-            raise NonDeterminismError(
-                f"replay of key {self.key!r} input {self.seq}, task {self.task_id}: durable "
-                f"call #{idx} was {rec.fn} with argument digest "
-                f"{rec.digest[:12]}, now it is {name} with {digest[:12]}; the action's calls changed "
-                f"since they were recorded"
-            )
+            return idx, False, None
         if rec.status == "ok":
-            return True, codec.decode(rec.payload or b"")
+            return idx, True, codec.decode(rec.payload or b"")
         if rec.status == "error":
             raise _rebuild_error(rec.payload or b"")
-        return False, rec  # an intent with no result: the call may or may not have happened
+        return idx, False, rec  # an intent with no result: the call may or may not have happened
 
     def _result_payload(self, name: str, value: Any) -> bytes:
         try:
@@ -199,8 +177,7 @@ class RunnerContext:
         """
         name = _fn_name(fn)
         digest = _args_digest(args, kwargs)
-        idx = self._calls.next_index()
-        done, value = self._replayed(idx, name, digest)
+        idx, done, value = self._claim(name, digest)
         if done:
             return value  # type: ignore[no-any-return]
         target = fn
@@ -248,8 +225,7 @@ class RunnerContext:
         """The async form of `durable_execute`; a sync `fn` runs in a thread, off the loop."""
         name = _fn_name(fn)
         digest = _args_digest(args, kwargs)
-        idx = self._calls.next_index()  # taken before any await: positions follow call order
-        done, value = self._replayed(idx, name, digest)
+        idx, done, value = self._claim(name, digest)
         if done:
             return value  # type: ignore[no-any-return]
         target: Callable[..., Any] = fn
@@ -274,6 +250,14 @@ class RunnerContext:
         return result  # type: ignore[no-any-return]
 
     def _result(self) -> TaskResult:
+        left = self._calls.unclaimed()
+        if left:
+            calls = ", ".join(f"#{r.idx} {r.fn} (argument digest {r.digest[:12]})" for r in left)
+            raise NonDeterminismError(
+                f"replay of key {self.key!r} input {self.seq}, task {self.task_id}: recorded "
+                f"durable call(s) {calls} were not made again; the action's calls changed since "
+                f"they were recorded (a call is matched by its function and arguments)"
+            )
         return TaskResult(self._stm.ops, self._sensory.ops, list(self.events))
 
 
@@ -310,71 +294,94 @@ class AgentBinding:
             for a in self.spec.actions
         }
 
-    def listeners(self, event: Any) -> list[str]:
-        et = type(event)
+    def listeners(self, event: Emitted) -> list[str]:
+        et = event.cls
         names = self._listeners.get(et)
         if names is None:
             names = self._listeners[et] = [a.name for a in self.spec.listeners(et)]
+        if names and issubclass(et, ErrorEvent):
+            # An action's own failure is not delivered back to it: a handler that raises on
+            # every error would otherwise receive its own error forever.
+            failed = event.fields.get("action")
+            if failed in names:
+                return [n for n in names if n != failed]
         return names
 
-    def is_output(self, event: Any) -> bool:
-        if isinstance(event, OutputEvent):
+    def budget_output(self, key: Any, seq: int, dropped: int) -> Emitted:
+        """What a run that used up its task budget reports, as an error output."""
+        return Emitted(
+            ErrorEvent,
+            {
+                "action": "ratchet",
+                "error_type": "ratchet.TaskBudgetExceeded",
+                "message": (
+                    f"the run of key {key!r} input {seq} dispatched its budget of tasks and "
+                    f"{dropped} more were not run (an event loop between actions?); raise "
+                    f"max_tasks_per_run (--max-tasks-per-run) if the run needs more"
+                ),
+                "event_type": "ratchet.InputEvent",
+            },
+        )
+
+    def is_output(self, event: Emitted) -> bool:
+        if issubclass(event.cls, OutputEvent):
             return True
         # A failure nobody handles is reported as an output rather than vanishing.
-        return isinstance(event, ErrorEvent) and not self.listeners(event)
+        return issubclass(event.cls, ErrorEvent) and not self.listeners(event)
 
     def action_mode(self, action: str) -> str:
         return self._modes[action]
 
-    def event_to_wire(self, event: Any) -> Any:
-        return event_to_wire(event)
+    def event_to_wire(self, event: Emitted) -> Any:
+        return event.wire()
 
-    def event_from_wire(self, wire: Any) -> Any:
+    def event_from_wire(self, wire: Any) -> Emitted:
         name, fields = wire
-        return event_from_wire(name, fields)
+        return emitted_from_wire(name, fields)
 
-    def event_from_input(self, value: Any) -> Any:
-        return InputEvent.model_construct(input=value)
+    def event_from_input(self, value: Any) -> Emitted:
+        # Listeners get copies decoded from its stored form (taken before any of them runs).
+        return Emitted(InputEvent, {"input": value})
 
     def output_record(self, output: Output) -> dict[str, Any]:
-        ev = output.event
+        ev: Emitted = output.event
         rec: dict[str, Any] = {
             "id": output.id,
             "key": output.key,
             "seq": output.seq,
             "task": output.task_id,
         }
-        if isinstance(ev, ErrorEvent):
+        if issubclass(ev.cls, ErrorEvent):
             rec["output"] = None
             rec["error"] = {
-                "action": ev.action,
-                "type": ev.error_type,
-                "message": ev.message,
-                "event_type": ev.event_type,
+                "action": ev.field("action"),
+                "type": ev.field("error_type"),
+                "message": ev.field("message"),
+                "event_type": ev.field("event_type"),
             }
         else:
-            rec["output"] = ev.output
+            rec["output"] = ev.field("output")
         return rec
 
     def _error_result(self, task: Task, exc: BaseException) -> TaskResult:
         log.warning(
             "action %s failed on key %r: %s: %s", task.action, task.run.key, type(exc).__name__, exc
         )
-        err = ErrorEvent(
-            action=task.action,
-            error_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-            message=str(exc),
-            event_type=type(task.event).event_name,
-        )
+        fields = {
+            "action": task.action,
+            "error_type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "message": str(exc),
+            "event_type": task.event.cls.event_name,
+        }
         # A failed action commits nothing but its error event.
-        return TaskResult([], [], [err])
+        return TaskResult([], [], [Emitted(ErrorEvent, fields)])
 
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
         ctx = RunnerContext(task, calls, self.config, self.metrics)
         token = _current.set(ctx)
         try:
-            out = spec.fn(task.event, ctx)
+            out = spec.fn(task.event.thaw(), ctx)
             if inspect.isawaitable(out):
                 close = getattr(out, "close", None)
                 if close is not None:
@@ -397,7 +404,7 @@ class AgentBinding:
         token = _current.set(ctx)
         _children.set(children)
         try:
-            await spec.fn(task.event, ctx)
+            await spec.fn(task.event.thaw(), ctx)
         except ENGINE_FAULTS:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's failure becomes data

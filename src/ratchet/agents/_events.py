@@ -6,7 +6,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from ratchet._errors import ConfigError, StateError
+from ratchet._errors import CodecError, ConfigError, StateError
+from ratchet.store import codec
 
 _REGISTRY: dict[str, type[Event]] = {}
 
@@ -91,3 +92,104 @@ def event_to_wire(event: Event) -> tuple[str, dict[str, Any]]:
 
 def event_from_wire(name: str, fields: dict[str, Any]) -> Event:
     return event_class(name).model_validate(fields)
+
+
+class Emitted:
+    """An event as it was emitted, frozen in its wire form; what the engines pass around.
+
+    Events are values: an action that mutates the event it received, or keeps mutating one
+    after sending it, must not change what its siblings see, what the journal stores, or what
+    a replay sees. So `send_event` freezes the event's wire form (the form journals store)
+    and every listener gets its own copy decoded from it (`thaw`), live and in replay alike.
+    """
+
+    __slots__ = ("cls", "fields", "_raw", "_spare")
+
+    def __init__(
+        self,
+        cls: type[Event],
+        fields: dict[str, Any],
+        raw: bytes | None = None,
+        spare: Event | None = None,
+    ) -> None:
+        self.cls = cls
+        self.fields = fields  # private: never handed to user code, never mutated
+        self._raw = raw
+        # One decoded copy made by the round-trip check, for the first listener; a list so
+        # that taking it is one atomic pop under the GIL (sync listeners run on threads).
+        self._spare = [spare] if spare is not None else []
+
+    @property
+    def raw(self) -> bytes:
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = codec.encode(self.fields)
+        return raw
+
+    def thaw(self) -> Event:
+        """A private copy of the event, equal to what was sent."""
+        try:
+            return self._spare.pop()
+        except IndexError:
+            return self.cls.model_validate(codec.decode(self.raw))
+
+    def wire(self) -> tuple[str, dict[str, Any]]:
+        return self.cls.event_name, self.fields
+
+    def field(self, name: str) -> Any:
+        """One field's value as stored (for output records); not to be mutated."""
+        return self.fields[name]
+
+    def __repr__(self) -> str:
+        return f"Emitted({self.cls.event_name}, {self.fields!r})"
+
+
+def freeze(event: Event) -> Emitted:
+    """Freeze an event being sent; refuse one whose fields would not come back as they are.
+
+    A field typed `Any` holding a pydantic model, say, is stored as a dict: the listener would
+    get the model live and a dict after a crash. Refused here, naming the event and the field.
+    """
+    cls = type(event)
+    name = cls.event_name
+    fields = event.model_dump(mode="python")  # new containers: not the sender's
+    try:
+        raw = codec.encode(fields)
+    except CodecError:
+        codec.check_admissible(fields, f"event {name}")  # the same refusal, naming the field
+        raise
+    if issubclass(cls, OutputEvent):
+        # Nobody listens to an output: it leaves as its stored fields, live and in replay.
+        return Emitted(cls, fields, raw)
+    copy = cls.model_validate(codec.decode(raw))
+    for f in cls.model_fields:
+        sent, back = getattr(event, f), getattr(copy, f)
+        if not _same(sent, back):
+            raise CodecError(
+                f"event {name}: field {f!r} holds {type(sent).__name__} {sent!r:.80}, which "
+                f"comes back as {type(back).__name__} {back!r:.80} after it is stored; a "
+                f"listener would see one live and the other after a crash. Declare the "
+                f"field with its type (e.g. `{f}: {type(sent).__name__}`) or send plain data"
+            )
+    return Emitted(cls, fields, raw, copy)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same types all the way down (NaN equals NaN: it round-trips)."""
+    if a is b:
+        return True
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t is float:
+        return bool(a == b or (a != a and b != b))
+    if t is list or t is tuple:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if t is dict:
+        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+    return bool(a == b)
+
+
+def emitted_from_wire(name: str, fields: dict[str, Any]) -> Emitted:
+    """A journaled event: its class found by name, its fields as stored."""
+    return Emitted(event_class(name), fields)

@@ -36,6 +36,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     run.add_argument("--max-concurrent-runs", type=int, default=64)
     run.add_argument("--max-buffered-inputs", type=int, default=1000)
+    run.add_argument(
+        "--max-tasks-per-run",
+        type=int,
+        default=10_000,
+        help="tasks one run may dispatch before it ends with an error output (default 10000)",
+    )
     run.add_argument("--tolerable-checkpoint-failures", type=int, default=3)
     run.add_argument("--sync-workers", type=int, default=16, help="threads for sync actions")
     run.add_argument(
@@ -74,6 +80,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect = sub.add_parser("inspect", help="the committed short-term memory per key")
     inspect.add_argument("--state", required=True)
     inspect.add_argument("--key", default=None, help="only this key")
+    inspect.add_argument(
+        "--agent",
+        default=None,
+        help="package.module:Class or path/file.py:Class that wrote the state: its module is "
+        "loaded (as `ratchet run` loads it, nothing runs) so the types it registers decode",
+    )
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
 
@@ -89,6 +101,7 @@ def _config(args: argparse.Namespace) -> Any:
         checkpoint_interval=args.checkpoint_interval / 1000.0,
         max_concurrent_runs=args.max_concurrent_runs,
         max_buffered_inputs=args.max_buffered_inputs,
+        max_tasks_per_run=args.max_tasks_per_run,
         tolerable_checkpoint_failures=args.tolerable_checkpoint_failures,
         sync_workers=args.sync_workers,
         synchronous=args.synchronous.upper(),
@@ -318,29 +331,148 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """Show committed short-term memory; a value of a type this process has not registered is
+    shown in a generic form (its stored name and fields), never an error.
+
+    ratchet's own registered types (the chat layer's `TokenUsage`, `ChatMessage`, ...) always
+    decode; `--agent` loads the user's module so the types it registers decode too.
+    """
+    import dataclasses
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    import ratchet.agents.chat  # noqa: F401 - registers ratchet's chat types; no provider SDK
     from ratchet.agents._memory import nested
     from ratchet.runtime._memops import from_wire
     from ratchet.store import codec
     from ratchet.store._sqlite import SqliteStore
 
+    loaded_agent = None
+    if args.agent is not None:
+        from ratchet.agents._run import load_agent
+
+        agent = load_agent(args.agent)  # imports the module: its register_type() calls run
+        loaded_agent = f"{type(agent).__module__}.{type(agent).__qualname__}"
     store = SqliteStore.open_readonly(args.state)
     try:
         rows = store.memories(args.key)
+        owner = store.meta("agent_name") if loaded_agent is not None else None
     finally:
         store.close()
+    if owner is not None and owner != loaded_agent:
+        print(
+            f"ratchet: note: --agent {args.agent} is {loaded_agent}, but {args.state} was "
+            f"written by {owner}; types only that agent's modules register are shown generically",
+            file=sys.stderr,
+        )
     if args.key is not None and not rows:
         print(f"ratchet: no committed memory for key {args.key!r}", file=sys.stderr)
         return EXIT_FAILED
-    memories = {str(codec.decode(k)): nested(from_wire(codec.decode(m))) for k, m in rows}
+    memories = {
+        str(codec.decode(k, unknown="generic")): nested(
+            from_wire(codec.decode(m, unknown="generic"))
+        )
+        for k, m in rows
+    }
+    unregistered: set[str] = set()
+
+    class Unregistered:
+        """A stand-in as rich shows it: `stored.Name(field=..., ...)` (a class per name)."""
+
+        def __init__(self, state: Any) -> None:
+            self.state = state
+
+        def __rich_repr__(self) -> Any:
+            state = self.state
+            if type(state) is dict and all(type(k) is str and k.isidentifier() for k in state):
+                yield from state.items()
+            else:
+                yield (state,)
+
+        def __repr__(self) -> str:
+            return f"{type(self).__name__}({self.state!r})"
+
+    shown_as: dict[str, type[Unregistered]] = {}
+
+    def shown(value: Any, as_json: bool) -> Any:
+        """`value` with every stand-in in its display form (a JSON object or an Unregistered).
+
+        For JSON, registered objects become their fields too, so a stand-in inside one (in a
+        model's `Any` field) is converted as well.
+        """
+        t = type(value)
+        if t is codec.UnknownValue:
+            unregistered.add(value.type_name)
+            state = shown(value.state, as_json)
+            if as_json:
+                return {"$unregistered": value.type_name, "$state": state}
+            cls = shown_as.get(value.type_name)
+            if cls is None:
+                name = value.type_name.replace("\0", "?")
+                cls = shown_as[value.type_name] = type(name, (Unregistered,), {})
+            return cls(state)
+        if as_json:
+            if isinstance(value, Enum):
+                return shown(value.value, as_json)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                fields = dataclasses.fields(value)
+                return {f.name: shown(getattr(value, f.name), as_json) for f in fields}
+            if isinstance(value, BaseModel):
+                return shown(value.model_dump(mode="python"), as_json)
+            if t is set or t is frozenset:
+                return sorted((shown(v, as_json) for v in value), key=repr)
+        if t is dict:
+            return {shown_key(k, as_json): shown(v, as_json) for k, v in value.items()}
+        if t is list or t is tuple or t is set or t is frozenset:
+            return t(shown(v, as_json) for v in value)
+        return value
+
+    def shown_key(key: Any, as_json: bool) -> Any:
+        if not as_json:
+            return shown(key, as_json)
+        if isinstance(key, str | int | float):  # a StrEnum key is its value
+            return key
+        return key_text(key)  # JSON object keys are strings: a tuple key as its repr
+
+    def key_text(key: Any) -> str:
+        if type(key) is tuple:
+            inner = ", ".join(key_text(x) for x in key)
+            return f"({inner},)" if len(key) == 1 else f"({inner})"
+        if type(key) is codec.UnknownValue:
+            unregistered.add(key.type_name)
+            return f"{key.type_name}({key_text(key.state)})"
+        if isinstance(key, Enum):
+            return f"{type(key).__name__}.{key.name}"
+        return repr(key)
+
+    def note_unregistered() -> None:
+        if not unregistered:
+            return
+        fix = (
+            f"register them when {args.agent}'s module is imported (not inside an action)"
+            if args.agent is not None
+            else "pass --agent with the agent that wrote the state to load the module that "
+            "registers them"
+        )
+        print(
+            f"ratchet: note: {len(unregistered)} type(s) in this state are not registered in "
+            f"this process and are shown generically ({', '.join(sorted(unregistered))}); {fix}",
+            file=sys.stderr,
+        )
+
     if args.json:
-        print(to_json_line(memories))
+        print(to_json_line(shown(memories, as_json=True)))
+        note_unregistered()
         return EXIT_OK
     from rich.console import Console
+    from rich.markup import escape
     from rich.pretty import Pretty
 
     console = Console()
     for key, memory in memories.items():
-        console.print(f"[bold]{key}[/]", Pretty(memory))
+        console.print(f"[bold]{escape(key)}[/]", Pretty(shown(memory, as_json=False)))
+    note_unregistered()
     return EXIT_OK
 
 

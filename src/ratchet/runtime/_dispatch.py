@@ -43,6 +43,7 @@ class Binding(Protocol):
     def event_from_wire(self, wire: Any) -> Any: ...
     def event_from_input(self, value: Any) -> Any: ...
     def output_record(self, output: Output) -> dict[str, Any]: ...
+    def budget_output(self, key: Any, seq: int, dropped: int) -> Any: ...
 
 
 class CallWriter(Protocol):
@@ -52,9 +53,25 @@ class CallWriter(Protocol):
 
 
 class TaskCalls:
-    """The durable-call journal of one task: recorded results by position, and write-through."""
+    """The durable-call journal of one task: recorded results, matched, and write-through.
 
-    __slots__ = ("seq", "task_id", "key", "_recorded", "_writer", "_next")
+    A call is matched to a record by what it is — its function and argument digest, and which
+    occurrence of that pair it is in the task — not by its position among the task's calls:
+    coroutines gathered in an action, or threads an action starts, may interleave differently
+    after a crash. Identical calls are interchangeable, so any order among them is fine.
+    """
+
+    __slots__ = (
+        "seq",
+        "task_id",
+        "key",
+        "_recorded",
+        "_by_call",
+        "_claimed",
+        "_writer",
+        "_next",
+        "_lock",
+    )
 
     def __init__(
         self,
@@ -67,17 +84,37 @@ class TaskCalls:
         self.seq = seq
         self.task_id = task_id
         self.key = key
-        self._recorded = recorded
+        self._by_call: dict[tuple[str, str], list[CallRecord]] = {}
+        for idx in sorted(recorded):
+            rec = recorded[idx]
+            self._by_call.setdefault((rec.fn, rec.digest), []).append(rec)
+        self._claimed: set[int] = set()
         self._writer = writer
-        self._next = 0
+        # Rows are keyed (seq, task, idx): new calls take indexes after every recorded one.
+        self._next = max(recorded, default=-1) + 1
+        self._lock = threading.Lock()
+        self._recorded = recorded
 
-    def next_index(self) -> int:
-        idx = self._next
-        self._next += 1
-        return idx
+    def claim(self, fn: str, digest: str) -> tuple[int, CallRecord | None]:
+        """The record this call was made as before a crash (and its index), or a new index."""
+        with self._lock:
+            pending = self._by_call.get((fn, digest))
+            if pending:
+                rec = pending.pop(0)
+                self._claimed.add(rec.idx)
+                return rec.idx, rec
+            idx = self._next
+            self._next += 1
+            return idx, None
 
-    def recorded(self, idx: int) -> CallRecord | None:
-        return self._recorded.get(idx)
+    def unclaimed(self) -> list[CallRecord]:
+        """Recorded calls with a result that this task's code has not made again (so far)."""
+        with self._lock:
+            return [
+                r
+                for idx, r in sorted(self._recorded.items())
+                if idx not in self._claimed and r.status in ("ok", "error")
+            ]
 
     def write(
         self, idx: int, fn: str, digest: str, status: str, payload: bytes | None

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import BadInputError, CheckpointError, ConfigError, RatchetError
+from ratchet._errors import (
+    BadInputError,
+    CheckpointError,
+    CodecError,
+    ConfigError,
+    CorruptDataError,
+    RatchetError,
+    StateError,
+)
 from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome, TaskCalls
 from ratchet.runtime._io import Sink, Source
 from ratchet.runtime._journal import (
@@ -45,6 +53,9 @@ class EngineConfig:
     checkpoint_interval: float = 0.2
     max_concurrent_runs: int = 64
     max_buffered_inputs: int = 1000
+    # Tasks one run may dispatch; past it the run ends with an error output (an event loop
+    # between actions must not grow the state without bound).
+    max_tasks_per_run: int = 10_000
     tolerable_checkpoint_failures: int = 3
     sync_workers: int = 16
     # Tasks a sync worker takes at once. 1 keeps a blocking action from holding up any task
@@ -63,13 +74,15 @@ class EngineConfig:
                 self.max_buffered_inputs,
                 self.sync_workers,
                 self.sync_batch,
+                self.max_tasks_per_run,
             )
             < 1
         ):
             raise ConfigError(
-                "max_concurrent_runs, max_buffered_inputs, sync_workers and sync_batch must be "
-                f">= 1 (got {self.max_concurrent_runs}, {self.max_buffered_inputs}, "
-                f"{self.sync_workers}, {self.sync_batch})"
+                "max_concurrent_runs, max_buffered_inputs, sync_workers, sync_batch and "
+                f"max_tasks_per_run must be >= 1 (got {self.max_concurrent_runs}, "
+                f"{self.max_buffered_inputs}, {self.sync_workers}, {self.sync_batch}, "
+                f"{self.max_tasks_per_run})"
             )
         if self.on_bad_input not in ("stop", "skip"):
             raise ConfigError(f"on_bad_input must be 'stop' or 'skip', not {self.on_bad_input!r}")
@@ -157,6 +170,17 @@ class _Writer(threading.Thread):
                 return None
 
 
+def _decoded(table: str, where: Any, decode: Callable[..., Any], *args: Any) -> Any:
+    """Decode one stored value; damaged bytes are a StateError naming the table and the row."""
+    try:
+        return decode(*args)
+    except (CodecError, CorruptDataError) as exc:
+        raise StateError(
+            f"the state's {table} row for {where!r} cannot be read ({exc}); it was left "
+            f"untouched; restore the state directory from a backup or use a new --state"
+        ) from exc
+
+
 def _resolve(
     fut: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
 ) -> None:
@@ -236,7 +260,11 @@ class Engine:
         self.on_progress = on_progress
         self.clock = clock
         self.machine = Machine(
-            binding.listeners, binding.is_output, self.config.max_concurrent_runs
+            binding.listeners,
+            binding.is_output,
+            self.config.max_concurrent_runs,
+            self.config.max_tasks_per_run,
+            binding.budget_output,
         )
         self.stats = CheckpointStats()
         self.result = EngineResult()
@@ -246,6 +274,7 @@ class Engine:
             1, thread_name_prefix="ratchet-sink"
         )
         self._carry: Delta | None = None
+        self._written_position: dict[str, Any] | None = None
         self._unreleased: dict[str, Output] = {}
         self._released: list[str] = []
         self._calls = CallJournal()
@@ -274,20 +303,31 @@ class Engine:
 
     def _restore(self) -> None:
         loaded = self.store.load()
-        decode = codec.decode
         b = self.binding
-        memories = {decode(k): (decode_memory(mem), nd) for k, nd, mem in loaded.keys}
-        queued = [(seq, decode(k), decode_event(b, ev)) for seq, k, ev in loaded.inputs]
+        memories = {}
+        for k, nd, mem in loaded.keys:
+            key = _decoded("keys", k, codec.decode, k)
+            memories[key] = (_decoded("keys", key, decode_memory, mem), nd)
+        queued = []
+        for seq, k, ev in loaded.inputs:
+            key = _decoded("inputs", f"input {seq}", codec.decode, k)
+            queued.append((seq, key, _decoded("inputs", f"input {seq}", decode_event, b, ev)))
         inputs = {seq: (key, ev) for seq, key, ev in queued}
         runs = []
         for seq, _k, base, journal in loaded.runs:
+            if seq not in inputs:
+                raise StateError(
+                    f"the state's run of input {seq} has no input row; the state directory was "
+                    f"altered outside ratchet; restore it from a backup or use a new --state"
+                )
             key, event = inputs[seq]
-            runs.append(RestoredRun(key, seq, event, base, decode_journal(b, journal)))
+            entries = _decoded("runs", f"input {seq}", decode_journal, b, journal)
+            runs.append(RestoredRun(key, seq, event, base, entries))
         for rec in loaded.calls:
             self._calls.add(rec)
         self.machine.restore(memories, runs, queued)
         for out_id, _seq, blob in loaded.outbox:
-            record = decode(blob)
+            record = _decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
         src = loaded.source
         self._next_seq = int(src.get("next_seq", 0))
@@ -517,6 +557,18 @@ class Engine:
                 self._carry.absorb(delta)
                 delta, self._carry = self._carry, None
             position = {"next_seq": self._next_seq, "position": self.source.position()}
+            if (
+                delta.is_empty()
+                and not self._released
+                and not self._unreleased
+                and position == self._written_position
+                and self.machine.active_runs == 0
+                and self.stats.latest_completed is not None
+            ):
+                # An idle job (a --follow source with nothing new, no run in flight) has
+                # nothing to save: the last checkpoint is still exact. While a run is in flight
+                # checkpoints keep completing, as Flink's do (a parked run is in every one).
+                return self.stats.latest_completed
             released, self._released = self._released, []
             triggered = self.clock.now()
             self.stats.in_progress = 1
@@ -548,6 +600,7 @@ class Engine:
                 return None
             self.stats.in_progress = 0
             self._failures_in_row = 0
+            self._written_position = position
             self.stats.completed += 1
             self.stats.latest_completed = info
             outs = list(delta.outputs.values())

@@ -68,6 +68,7 @@ class CoreConfig:
     """Knobs of the operator core (times in milliseconds)."""
 
     max_concurrent_tasks: int = 64
+    max_tasks_per_run: int = 10_000
     sync_workers: int = 16
     poll_min_ms: int = 2
     poll_max_ms: int = 100
@@ -125,7 +126,13 @@ class AgentCore:
         self.binding = binding
         self.config = config or CoreConfig()
         self.clock = clock
-        self.machine = Machine(binding.listeners, binding.is_output, _UNBOUNDED)
+        self.machine = Machine(
+            binding.listeners,
+            binding.is_output,
+            _UNBOUNDED,
+            self.config.max_tasks_per_run,
+            binding.budget_output,
+        )
         self._keys: dict[Any, _Key] = {}
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)

@@ -11,6 +11,7 @@ task gets a per-key *dispatch index*; finished tasks *commit* in dispatch order.
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,10 @@ FINISHED = 1
 COMMITTED = 2
 
 ROOT_EVENT_ID = "r"
+# A task id is the path from the root event; past this length the path's prefix is replaced
+# by its digest, so ids stay bounded however deep a chain of events goes.
+MAX_TASK_ID = 200
+BUDGET_TASK_ID = "r!budget"
 
 
 @dataclass(slots=True)
@@ -82,6 +87,7 @@ class Run:
     fifo: deque[Task] = field(default_factory=deque)
     executed: int = 0
     skipped: int = 0
+    dropped: int = 0  # dispatches refused once the run used up its task budget
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,6 +154,9 @@ class Machine:
 
     `listeners(event)` names the actions that hear an event, in definition order;
     `is_output(event)` says whether an event leaves the agent (it goes to `outputs`).
+    A run may dispatch at most `max_tasks_per_run` tasks (an event loop in an agent must not
+    grow state without bound); past that its further events are not delivered and, when it
+    completes, `budget_output(key, seq, dropped)` gives an event reported as its output.
     """
 
     def __init__(
@@ -155,11 +164,19 @@ class Machine:
         listeners: Callable[[Any], Sequence[str]],
         is_output: Callable[[Any], bool],
         max_concurrent_runs: int = 64,
+        max_tasks_per_run: int = 10_000,
+        budget_output: Callable[[Any, int, int], Any] | None = None,
     ) -> None:
         if max_concurrent_runs < 1:
             raise InvalidArgumentError(
                 f"max_concurrent_runs must be at least 1, not {max_concurrent_runs!r}"
             )
+        if max_tasks_per_run < 1:
+            raise InvalidArgumentError(
+                f"max_tasks_per_run must be at least 1, not {max_tasks_per_run!r}"
+            )
+        self.max_tasks_per_run = max_tasks_per_run
+        self._budget_output = budget_output
         self._listeners = listeners
         self._is_output = is_output
         self.max_concurrent_runs = max_concurrent_runs
@@ -290,7 +307,13 @@ class Machine:
             self._dispatch_event(run, event_id, event)
 
     def _dispatch_event(self, run: Run, event_id: str, event: Any) -> None:
+        if len(event_id) > MAX_TASK_ID:
+            digest = hashlib.blake2b(event_id.encode(), digest_size=12).hexdigest()
+            event_id = f"~{digest}"
         for action_name in self._listeners(event):
+            if run.next_dispatch - run.base_dispatch >= self.max_tasks_per_run:
+                run.dropped += 1
+                continue
             task_id = f"{event_id}>{action_name}"
             index = run.next_dispatch
             run.next_dispatch += 1
@@ -350,6 +373,18 @@ class Machine:
         ks = self.keys[run.key]
         if ks.run is not run:
             raise InternalError(f"run {run.seq} of key {run.key!r} completed twice")
+        if run.dropped and self._budget_output is not None:
+            event = self._budget_output(run.key, run.seq, run.dropped)
+            out = Output(
+                id=f"{run.key}:{run.seq}:{BUDGET_TASK_ID}:0",
+                key=run.key,
+                seq=run.seq,
+                task_id=BUDGET_TASK_ID,
+                index=0,
+                event=event,
+            )
+            self.outputs.append(out)
+            self._delta.outputs[out.id] = out
         ks.queue.popleft()
         ks.run = None
         ks.memory = run.stm

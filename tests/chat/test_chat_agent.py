@@ -289,11 +289,11 @@ def test_token_metrics_count_only_model_calls_this_process_paid_for(tmp_path: Pa
         run(
             CrashesOnAnswer(),
             inputs=inputs[:1],
-            output=tmp_path / "o.jsonl",
+            output=tmp_path / "o2.jsonl",
             state_dir=tmp_path / "s2",
         )
     resumed = run(
-        Budgeted(), inputs=inputs[:1], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s2"
+        Budgeted(), inputs=inputs[:1], output=tmp_path / "o2.jsonl", state_dir=tmp_path / "s2"
     )
     # The reply came from the journal: nothing was paid for in the resumed process.
     assert resumed.runs_completed == 1

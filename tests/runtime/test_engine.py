@@ -287,6 +287,8 @@ class Doubling(Agent):
 
 def outputs_and_memory(out: Path, state: Path) -> tuple[list[Any], dict[Any, Any]]:
     records = sorted(read_jsonl(out), key=lambda r: r["id"])
+    for r in records:
+        r.pop("job", None)  # the job id differs between the reference and the faulty job
     store = SqliteStore.open_readonly(state)
     try:
         memory = {codec.decode(k): from_wire(codec.decode(m)) for k, m in store.memories()}

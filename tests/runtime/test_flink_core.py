@@ -166,3 +166,17 @@ def test_a_key_the_callback_does_not_own_is_an_internal_error() -> None:
             sim.core.timer("a", sim.state.view("a"), end=True)
     finally:
         sim.close()
+
+
+class Unwritable(Agent):
+    @action(InputEvent, inline=True)
+    def go(self, event: InputEvent, ctx: Any) -> None:
+        v = event.input["v"]
+        ctx.send_event(OutputEvent(output={(v, v): "a tuple key"} if v == 2 else {"v": v}))
+
+
+def test_an_output_json_cannot_hold_is_an_error_record_on_the_flink_core_too() -> None:
+    out, _ = run_flink_core(Unwritable(), [{"key": "k", "v": v} for v in (1, 2, 3)])
+    assert [o["output"] for o in out] == [{"v": 1}, None, {"v": 3}]
+    assert "has a key (2, 2) of type tuple" in out[1]["error"]["message"]
+    assert out[1]["error"]["type"] == "ratchet._errors.CodecError"

@@ -14,11 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import ConfigError
+from ratchet._errors import ConfigError, StateError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding, install_task_factory
 from ratchet.runtime._engine import Engine, EngineConfig, EngineResult
-from ratchet.runtime._io import CallbackSink, IterableSource, JsonlSink, JsonlSource, Sink, Source
+from ratchet.runtime._io import (
+    CallbackSink,
+    IterableSource,
+    JsonlFilesSource,
+    JsonlSink,
+    JsonlSource,
+    Sink,
+    Source,
+    job_identity,
+)
 from ratchet.store._sqlite import SqliteStore, StateLock
 
 
@@ -60,26 +69,43 @@ def _source(inputs: Any, key: str, follow: bool) -> Source:
     if isinstance(inputs, Source):
         return inputs
     if isinstance(inputs, str | os.PathLike):
+        path = Path(inputs)
+        if path.is_dir() or (_has_glob(str(inputs)) and not path.is_file()):
+            return JsonlFilesSource(inputs, key_field=key, follow=follow)
         return JsonlSource(inputs, key_field=key, follow=follow)
     if isinstance(inputs, Iterable):
         return IterableSource(inputs, key_field=key)
     raise ConfigError(
-        f"inputs must be a JSONL path, an iterable of dicts or a Source, not {inputs!r}"
+        f"inputs must be a JSONL path, a directory or glob pattern of JSONL files, an iterable "
+        f"of dicts or a Source, not {inputs!r}"
     )
 
 
-def _sink(output: Any) -> Sink:
+def _has_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def _sink(output: Any, append: bool) -> Sink:
+    if isinstance(output, str | os.PathLike):
+        return JsonlSink(output, append=append)
+    if append:
+        raise ConfigError(
+            f"append_output applies to a JSONL output path, not {output!r} (a JsonlSink you "
+            f"build yourself takes append=True)"
+        )
     if isinstance(output, Sink):
         return output
-    if isinstance(output, str | os.PathLike):
-        return JsonlSink(output)
     if callable(output):
         return CallbackSink(output)
     raise ConfigError(f"output must be a JSONL path, a callable or a Sink, not {output!r}")
 
 
 class Job:
-    """One agent, one state directory: opened (and locked) on enter, closed on exit."""
+    """One agent, one state directory: opened (and locked) on enter, closed on exit.
+
+    `job` is the state directory's identity (`job.json`, made once with the state); the
+    output is bound to it, and the input to the checkpointed source position.
+    """
 
     def __init__(
         self,
@@ -94,16 +120,31 @@ class Job:
         agent_config: dict[str, Any] | None = None,
         on_progress: Callable[[Engine], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        append_output: bool = False,
     ) -> None:
         self.config = config or EngineConfig()
         self.config.validate()
         self.binding = AgentBinding(agent, agent_config)
+        # The connectors first: a wrong input or output path is refused before the state
+        # directory is created.
+        source = _source(inputs, key, follow)
+        sink = _sink(output, append_output)
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = StateLock(self.state_dir)
-        self._lock.acquire()
         try:
-            self.store = SqliteStore.open(
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._lock = StateLock(self.state_dir)
+            self._lock.acquire()
+        except BaseException as exc:
+            source.close()
+            sink.close()
+            if isinstance(exc, OSError):
+                raise StateError(
+                    f"--state {self.state_dir} cannot be used as a state directory: {exc}"
+                ) from exc
+            raise
+        store: SqliteStore | None = None
+        try:
+            store = SqliteStore.open(
                 self.state_dir,
                 self.binding.name,
                 self.binding.fingerprint,
@@ -111,16 +152,25 @@ class Job:
                 synchronous=self.config.synchronous,
                 clock=clock,
             )
+            # A state that completed checkpoints but has no job file predates job ids.
+            history = store.stats()["counts"]["completed"] > 0
+            self.job = job_identity(self.state_dir, has_history=history, clock=clock)
+            sink.open(self.job)
+            self.store = store
             self.engine = Engine(
                 self.binding,
                 self.store,
-                _source(inputs, key, follow),
-                _sink(output),
+                source,
+                sink,
                 self.config,
                 on_progress,
                 clock=clock,
             )
         except BaseException:
+            source.close()
+            sink.close()
+            if store is not None:
+                store.close()
             self._lock.release()
             raise
 
@@ -175,11 +225,16 @@ def run(
     config: EngineConfig | None = None,
     agent_config: dict[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    append_output: bool = False,
 ) -> EngineResult:
     """Run `agent` over `inputs` into `output`, durably in `state_dir`; resumes if it has state.
 
-    `inputs`: a JSONL path, an iterable of dicts (replayable in the same order), or a Source.
-    `output`: a JSONL path (exactly once), a callable (at least once, with stable ids), or a Sink.
+    `inputs`: a JSONL path, a directory or glob pattern of JSONL files (rotated logs, read in
+    order and tracked by identity), an iterable of dicts (replayable in the same order), or a
+    Source.
+    `output`: a JSONL path (exactly once, bound to this state's job), a callable (at least
+    once, with stable ids), or a Sink. `append_output=True` lets a JSONL output that holds
+    another job's outputs be appended to (otherwise it is refused).
     `clock`: where the engine reads time (tests pass `ratchet.testing.FakeClock`).
     """
     job = Job(
@@ -192,5 +247,6 @@ def run(
         config=config,
         agent_config=agent_config,
         clock=clock,
+        append_output=append_output,
     )
     return run_owned(job)

@@ -22,8 +22,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     global _RUN_PARSER, _SUPERVISION_DESTS
     run = sub.add_parser("run", help="run an agent over a JSONL input, durably")
     run.add_argument("agent", help="package.module:Class or path/file.py:Class")
-    run.add_argument("--input", required=True, help="JSON Lines file, one input object per line")
+    run.add_argument(
+        "--input",
+        required=True,
+        help="JSON Lines file, one input object per line; or a directory or a quoted glob "
+        "pattern ('logs/app.jsonl*') of files read in order, for logs rotated by renaming",
+    )
     run.add_argument("--output", required=True, help="JSON Lines file the outputs are appended to")
+    run.add_argument(
+        "--append-output",
+        action="store_true",
+        help="append to an --output file that holds another job's outputs (refused otherwise)",
+    )
     run.add_argument("--state", required=True, help="state directory (created if missing)")
     run.add_argument("--key", default="key", help="input field that holds the key (default: key)")
     run.add_argument("--follow", action="store_true", help="keep reading new lines (unbounded job)")
@@ -223,8 +233,15 @@ def _status_reporter(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import Job, load_agent, run_owned
+    from ratchet.runtime._io import check_output_path
 
+    # Refused before anything is created (the supervisor creates the state directory).
+    check_output_path(args.output)
     if args.supervise:
+        if args.rest_port is not None:
+            from ratchet.runtime._supervisor import require_rest_server
+
+            require_rest_server()
         return _supervise(args)
     agent = load_agent(args.agent)
     config = _config(args)
@@ -262,6 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         follow=args.follow,
         config=config,
         on_progress=on_progress,
+        append_output=args.append_output,
     )
     code = 0
     try:

@@ -28,7 +28,7 @@ from ratchet._errors import (
     StateError,
 )
 from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome, TaskCalls
-from ratchet.runtime._io import Sink, Source
+from ratchet.runtime._io import Sink, Source, writable
 from ratchet.runtime._journal import (
     decode_event,
     decode_journal,
@@ -633,13 +633,26 @@ class Engine:
             self._unreleased[out.id] = b.output_record(out)  # type: ignore[assignment]
         if not self._unreleased:
             return
-        records = list(self._unreleased.values())
+        records: list[dict[str, Any]] = list(self._unreleased.values())  # type: ignore[arg-type]
+        sink = self.sink
+
+        def deliver() -> list[Any]:
+            # An output the sink cannot write becomes an error record in its place (the same
+            # one when it comes back from the outbox after a crash): it never holds back others.
+            checked, refused = writable(sink, records)
+            sink.write(checked)
+            return refused
+
         try:
             # The sink has its own thread, so its fsync never delays a durable-call record.
-            await asyncio.wrap_future(self._sink_thread.submit(self.sink.write, records))  # type: ignore[arg-type]
+            refused = await asyncio.wrap_future(self._sink_thread.submit(deliver))
         except Exception as exc:  # noqa: BLE001 - kept in the outbox, retried next checkpoint
             log.warning("sink write failed, will retry after the next checkpoint: %s", exc)
             return
+        metrics = getattr(self.binding, "metrics", None)
+        if metrics is not None:
+            for key in refused:
+                metrics.add(key, "outputs.unwritable")
         self._released.extend(self._unreleased)
         self.result.outputs += len(self._unreleased)
         self._unreleased.clear()

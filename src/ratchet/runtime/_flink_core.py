@@ -24,7 +24,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import InternalError, RatchetError
 from ratchet.agents._context import install_task_factory
 from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome
-from ratchet.runtime._io import to_json_line
+from ratchet.runtime._io import json_line_or_error
 from ratchet.runtime._journal import (
     decode_call,
     decode_event,
@@ -343,7 +343,7 @@ class AgentCore:
         while True:
             dispatched, outputs, completed = m.take_effects()
             for out in outputs:
-                step.outputs.append(to_json_line(b.output_record(out)))
+                step.outputs.append(json_line_or_error(b.output_record(out)))
             if completed:
                 info.key_dirty = True
             if not dispatched:

@@ -1,19 +1,33 @@
-"""Sources and sinks of the embedded engine: where inputs come from, where outputs go."""
+"""Sources and sinks of the embedded engine: where inputs come from, where outputs go.
+
+Both are bound to the job (DESIGN "A job has an identity"): a file source checkpoints which
+file it read (device, inode, digests of the bytes around its position) and refuses another
+one; the JSONL sink labels every line with the job id and refuses a file another job wrote.
+"""
 
 from __future__ import annotations
 
 import base64
 import datetime as _dt
 import decimal
+import glob
+import hashlib
 import json
+import logging
 import os
+import stat
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from ratchet._errors import BadInputError, ConfigError
+from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._errors import BadInputError, CodecError, ConfigError, StateError
+from ratchet.store._files import atomic_json
+
+log = logging.getLogger("ratchet.io")
 
 
 @dataclass(slots=True)
@@ -62,8 +76,170 @@ def _key_of(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
     return key, None
 
 
+def _parse(raw: bytes, line: int, where: str, key_field: str) -> Record | None:
+    """One line of a JSONL input as a record; None for a blank line."""
+    text = raw.strip()
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return Record(line, error=f"{where}: invalid JSON ({exc})")
+    key, err = _key_of(value, key_field, where)
+    if err:
+        return Record(line, error=err)
+    return Record(line, key=key, value=value)
+
+
+# -- input files and their identity ----------------------------------------------------------------
+
+# Bytes hashed at each end of what was read: enough to tell two files apart, cheap to re-read
+# at every restart (two preads of at most this size, whatever the file's length).
+WINDOW = 4096
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _windows(fd: int, offset: int, window: int) -> tuple[str, str]:
+    """Digests of the first and of the last `window` bytes before `offset`."""
+    head = os.pread(fd, min(window, offset), 0)
+    start = max(0, offset - window)
+    tail = head[start:offset] if offset <= window else os.pread(fd, offset - start, start)
+    return _digest(head), _digest(tail)
+
+
+class _File:
+    """One input file: where it is, which file it is (device, inode, digests of the bytes
+    around the position), and how far it has been read."""
+
+    def __init__(self, path: Path, offset: int = 0, line: int = 0) -> None:
+        self.path = path
+        self.offset = offset
+        self.line = line
+        self.dev: int | None = None
+        self.ino: int | None = None
+        self.head: str | None = None
+        self.tail: str | None = None
+        self.window = WINDOW
+        self.done = False
+        self.gone = False
+        self.fh: IO[bytes] | None = None
+        self.seen: tuple[int, int] | None = None  # (size, mtime_ns) at the last scan
+        self._digested_at = -1 if offset else 0
+        if not offset:
+            self.head = self.tail = _digest(b"")
+
+    @classmethod
+    def from_position(cls, pos: dict[str, Any], path: Path | None = None) -> _File:
+        f = cls(
+            Path(pos.get("path") or path or ""), int(pos.get("offset", 0)), int(pos.get("line", 0))
+        )
+        if path is not None:
+            f.path = path
+        f.dev = pos.get("dev")
+        f.ino = pos.get("ino")
+        f.head = pos.get("head")
+        f.tail = pos.get("tail")
+        f.window = int(pos.get("window", WINDOW))
+        f.done = bool(pos.get("done", False))
+        f._digested_at = f.offset if f.head is not None else -1
+        return f
+
+    def _digest_now(self) -> None:
+        if self.fh is not None and self._digested_at != self.offset:
+            self.window = WINDOW
+            self.head, self.tail = _windows(self.fh.fileno(), self.offset, WINDOW)
+            self._digested_at = self.offset
+
+    def position(self) -> dict[str, Any]:
+        self._digest_now()
+        return {
+            "path": str(self.path),
+            "offset": self.offset,
+            "line": self.line,
+            "dev": self.dev,
+            "ino": self.ino,
+            "head": self.head,
+            "tail": self.tail,
+            "window": self.window,
+        }
+
+    def describe(self) -> str:
+        ident = f", device {self.dev} inode {self.ino}" if self.ino is not None else ""
+        return f"{self.path} ({self.offset} bytes, {self.line} lines read{ident})"
+
+    def differs(self, fh: IO[bytes], st: os.stat_result) -> str | None:
+        """Why the open file `fh` is not this one, or None if it is (as far as can be told)."""
+        if st.st_size < self.offset:
+            return f"it has {st.st_size} bytes, fewer than the {self.offset} already read"
+        if self.head is None or self.tail is None:
+            return None  # a position from before identities: only its length can be checked
+        head, tail = _windows(fh.fileno(), self.offset, self.window)
+        if head != self.head:
+            return "its first bytes differ"
+        if tail != self.tail:
+            return f"the bytes before offset {self.offset} differ"
+        return None
+
+    def attach(self, fh: IO[bytes], st: os.stat_result) -> None:
+        """Read on from `fh` (already checked to be this file) at the position."""
+        self.fh = fh
+        self.dev, self.ino = st.st_dev, st.st_ino
+        self.seen = (st.st_size, st.st_mtime_ns)
+        fh.seek(self.offset)
+
+    def readline(self, partial_ok: bool) -> bytes | None:
+        """The next whole line (with its newline), or None at the end. A last line without
+        its newline counts as whole only when `partial_ok` (nobody is writing it any more)."""
+        assert self.fh is not None
+        raw = self.fh.readline()
+        if not raw:
+            return None
+        if not raw.endswith(b"\n") and not partial_ok:
+            self.fh.seek(self.offset)  # still being written: read it again once it is whole
+            return None
+        return raw
+
+    def rewind(self, offset: int, line: int) -> None:
+        self.offset, self.line = offset, line
+        if self.fh is not None:
+            self.fh.seek(offset)
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self._digest_now()  # the position outlives the handle
+            self.fh.close()
+            self.fh = None
+
+
+def _open_checked(path: Path) -> tuple[IO[bytes], os.stat_result] | None:
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - kept open across reads
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"--input {path} cannot be read: {exc}") from exc
+    return fh, os.fstat(fh.fileno())
+
+
+def _kind_of(position: dict[str, Any]) -> str:
+    if "files" in position:
+        return f"from files matching {position.get('pattern')!r}"
+    if "index" in position:
+        return "from a Python iterable"
+    if "offset" in position:
+        return f"from the file {position.get('path')}"
+    return ""
+
+
 class JsonlSource(Source):
-    """A JSON Lines file; its byte offset is checkpointed. `follow=True` waits for new lines."""
+    """A JSON Lines file; its byte offset and the file's identity are checkpointed.
+
+    `follow=True` waits for new lines. A restart on another file (a different identity or
+    different bytes before the position) is refused, never resumed part-way into it.
+    """
 
     def __init__(
         self, path: str | os.PathLike[str], key_field: str = "key", follow: bool = False
@@ -73,71 +249,316 @@ class JsonlSource(Source):
         self.follow = follow
         if not self.path.exists() and not follow:
             raise ConfigError(f"--input {self.path} does not exist")
-        self._fh: Any = None
-        self._offset = 0
-        self._line = 0
+        self._file = _File(self.path)
+        self._recorded: _File | None = None  # the restored position, until checked
         self._prev = (0, 0)
 
     def unread(self) -> None:
-        self._offset, self._line = self._prev
-        if self._fh is not None:
-            self._fh.seek(self._offset)
+        self._file.rewind(*self._prev)
 
     def restore(self, position: dict[str, Any]) -> None:
-        self._offset = int(position.get("offset", 0))
-        self._line = int(position.get("line", 0))
-        if self.path.exists() and self.path.stat().st_size < self._offset:
-            raise BadInputError(
-                f"{self.path} is shorter ({self.path.stat().st_size} bytes) than the checkpointed "
-                f"read position ({self._offset}); the input file was replaced or truncated"
+        kind = _kind_of(position)
+        if position and "offset" not in position:
+            raise ConfigError(
+                f"this state directory read its inputs {kind}, not from the file {self.path}; "
+                f"pass the same input as before, or use a new --state directory for {self.path}"
             )
+        if not position:
+            return
+        self._file = _File.from_position(position, self.path)
+        self._recorded = _File.from_position(position)
+        self._open()
 
     def position(self) -> dict[str, Any]:
-        return {"offset": self._offset, "line": self._line, "path": str(self.path)}
+        return self._file.position()
 
     def _open(self) -> bool:
-        if self._fh is None:
-            if not self.path.exists():
-                return False
-            self._fh = open(self.path, "rb")  # noqa: SIM115 - kept open across reads
-            self._fh.seek(self._offset)
+        f = self._file
+        if f.fh is not None:
+            return True
+        opened = _open_checked(self.path)
+        if opened is None:
+            return False
+        fh, st = opened
+        rec = self._recorded
+        if rec is not None:
+            try:
+                self._check(rec, fh, st)
+            except BaseException:
+                fh.close()
+                raise
+            self._recorded = None
+        f.attach(fh, st)
         return True
 
+    def _check(self, rec: _File, fh: IO[bytes], st: os.stat_result) -> None:
+        why = rec.differs(fh, st)
+        same = rec.ino is None or (rec.dev, rec.ino) == (st.st_dev, st.st_ino)
+        if why is None:
+            if not same or rec.path != self.path:
+                log.info("%s is %s, moved or copied: resuming it", self.path, rec.describe())
+            return
+        if same and st.st_size < rec.offset:
+            raise BadInputError(
+                f"{self.path} is shorter ({st.st_size} bytes) than the checkpointed read "
+                f"position ({rec.offset}); the input file was replaced or truncated"
+            )
+        now = "the same file, changed" if same else f"device {st.st_dev} inode {st.st_ino}"
+        if rec.path != self.path:
+            fix = (
+                f"Pass --input {rec.path} to continue that job, or use a new --state directory "
+                f"to process {self.path} from its start"
+            )
+        else:
+            fix = (
+                "Put the original file back to continue that job, or use a new --state "
+                "directory to process this one from its start"
+            )
+        raise ConfigError(
+            f"--input {self.path} is not the file this state directory read: its position was "
+            f"taken in {rec.describe()}, and {self.path} ({now}) differs: {why}; resuming would "
+            f"skip its first {rec.offset} bytes. {fix}; for a log rotated by renaming, pass a "
+            f"pattern that tracks each file: --input '{rec.path}*'"
+        )
+
+    def _rotated(self) -> None:
+        """At the end of a followed file: refuse if the path now names another file."""
+        f = self._file
+        assert f.fh is not None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return  # renamed away and not created again yet: keep waiting
+        if (st.st_dev, st.st_ino) != (f.dev, f.ino):
+            raise ConfigError(
+                f"--input {self.path} was replaced by another file while it was followed "
+                f"(rotated?); everything read from the old one ({f.offset} bytes) is kept. "
+                f"To follow a rotated log pass a pattern that tracks each file: "
+                f"--input '{self.path}*' (with the same --state, it resumes the old file)"
+            )
+        if st.st_size < f.offset:
+            raise BadInputError(
+                f"{self.path} was truncated to {st.st_size} bytes while it was followed "
+                f"(at {f.offset}); lines written before the truncation after the position "
+                f"are lost to ratchet. Use rotation by renaming, not copytruncate"
+            )
+
     def next_record(self) -> Record | None:
+        f = self._file
         while True:
             if not self._open():
                 return None
-            fh = self._fh
-            raw = fh.readline()
-            if not raw:
-                return None
-            if not raw.endswith(b"\n"):
+            raw = f.readline(partial_ok=not self.follow)
+            if raw is None:
                 if self.follow:
-                    # A line still being written: read it again once it is whole.
-                    fh.seek(self._offset)
-                    return None
-                if fh.read(1):
-                    raise BadInputError(f"{self.path}: unexpected read state")
-            self._prev = (self._offset, self._line)
-            self._offset += len(raw)
-            self._line += 1
-            text = raw.strip()
-            if not text:
-                continue
-            where = f"{self.path}:{self._line}"
-            try:
-                value = json.loads(text)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                return Record(self._line, error=f"{where}: invalid JSON ({exc})")
-            key, err = _key_of(value, self.key_field, where)
-            if err:
-                return Record(self._line, error=err)
-            return Record(self._line, key=key, value=value)
+                    self._rotated()
+                return None
+            self._prev = (f.offset, f.line)
+            f.offset += len(raw)
+            f.line += 1
+            rec = _parse(raw, f.line, f"{self.path}:{f.line}", self.key_field)
+            if rec is not None:
+                return rec
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        self._file.close()
+
+
+class JsonlFilesSource(Source):
+    """The JSON Lines files matching a glob pattern (a directory means every file in it), read
+    one after another: for logs that are rotated by renaming.
+
+    Each file is tracked by identity (device and inode, checked against the digests of the
+    bytes around its position), so a renamed file keeps its place and its position. Order:
+    tracked files keep theirs (it is checkpointed); files found later go after them, oldest
+    modification time first, then by name. A file is finished once it was read to its end and
+    a later file exists; lines appended to a finished file afterwards are still read, next.
+    """
+
+    def __init__(
+        self, pattern: str | os.PathLike[str], key_field: str = "key", follow: bool = False
+    ) -> None:
+        text = str(pattern)
+        self.pattern = str(Path(text) / "*") if Path(text).is_dir() else text
+        self.key_field = key_field
+        self.follow = follow
+        if not follow and not glob.glob(self.pattern):
+            raise ConfigError(
+                f"--input {text!r} matches no file; name a file, a directory or a glob pattern "
+                f"of existing files, or pass --follow to wait for them"
+            )
+        self._files: list[_File] = []
+        self._undo: Callable[[], None] | None = None
+        self._scanned = False
+        self._cur: int | None = None  # the first unfinished file, until the list changes
+
+    # -- position --------------------------------------------------------------------------
+
+    def position(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern,
+            "files": [{**f.position(), "done": f.done} for f in self._files],
+        }
+
+    def restore(self, position: dict[str, Any]) -> None:
+        if not position:
+            return
+        if "files" in position:
+            if position.get("pattern") != self.pattern:
+                log.info(
+                    "input pattern %r was %r: tracked files are found by identity",
+                    self.pattern,
+                    position.get("pattern"),
+                )
+            self._files = [_File.from_position(p) for p in position["files"]]
+        elif "offset" in position:
+            self._files = [_File.from_position(position)]  # a single file's, taken over
+        else:
+            raise ConfigError(
+                f"this state directory read its inputs {_kind_of(position)}, not from files "
+                f"matching {self.pattern!r}; pass the same input as before, or use a new --state "
+                f"directory"
+            )
+        self._scan()  # every tracked file is checked against what is on disk now
+
+    # -- finding files ---------------------------------------------------------------------
+
+    def _scan(self) -> bool:
+        """Match the files on disk to the tracked ones and track new ones; True if there is
+        something new to read (a new file, a finished one that grew, one that is gone)."""
+        self._scanned = True
+        self._cur = None
+        found: dict[tuple[int, int], tuple[Path, os.stat_result]] = {}
+        for name in sorted(glob.glob(self.pattern)):
+            try:
+                st = os.stat(name)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[(st.st_dev, st.st_ino)] = (Path(name), st)
+        changed = False
+        kept: list[_File] = []
+        for f in self._files:
+            hit = found.get((f.dev, f.ino)) if f.dev is not None and f.ino is not None else None
+            if hit is None and f.ino is None:  # a position from before identities: by path
+                hit = next((h for h in found.values() if h[0] == f.path), None)
+            if hit is not None and not self._same(f, *hit):
+                hit = None  # its inode was freed and reused: another file
+            if hit is None:
+                if f.fh is not None:
+                    kept.append(f)  # renamed out of the pattern: read on through the handle
+                elif f.done:
+                    log.info("finished input %s is gone", f.describe())
+                else:
+                    changed = changed or not f.gone
+                    f.gone = True
+                    kept.append(f)
+                continue
+            path, st = hit
+            del found[(st.st_dev, st.st_ino)]
+            if path != f.path:
+                log.info("input %s was renamed to %s", f.path, path)
+                f.path = path
+            f.dev, f.ino, f.gone = st.st_dev, st.st_ino, False
+            f.seen = (st.st_size, st.st_mtime_ns)
+            if f.done and st.st_size > f.offset:
+                log.warning("%s grew after a later file appeared; reading it again", f.describe())
+                f.done = False
+                changed = True
+            kept.append(f)
+        for path, st in sorted(found.values(), key=lambda h: (h[1].st_mtime_ns, str(h[0]))):
+            f = _File(path)
+            f.dev, f.ino = st.st_dev, st.st_ino
+            f.seen = (st.st_size, st.st_mtime_ns)
+            kept.append(f)
+            changed = True
+        self._files = kept
+        return changed
+
+    def _same(self, f: _File, path: Path, st: os.stat_result) -> bool:
+        """Whether the file at `path` is the tracked `f`; re-checked whenever it changed."""
+        if f.fh is not None or f.offset == 0:
+            return True  # held open (its inode cannot be reused), or nothing read from it yet
+        if f.seen == (st.st_size, st.st_mtime_ns) and path == f.path:
+            return True
+        opened = _open_checked(path)
+        if opened is None:
+            return False
+        fh, now = opened
+        try:
+            return f.differs(fh, now) is None
+        finally:
+            fh.close()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _gone(self, i: int) -> Record:
+        f = self._files.pop(i)
+        self._cur = None
+
+        def undo() -> None:
+            self._files.insert(i, f)
+            self._cur = None
+
+        self._undo = undo
+        return Record(
+            f.line,
+            error=(
+                f"input file {f.describe()} is gone or no longer matches {self.pattern!r}, and "
+                f"it was not read to its end; its remaining lines cannot be read. Make the "
+                f"pattern match rotated names too (e.g. 'logs/app.jsonl*') and run again, or "
+                f"pass --on-bad-input skip to go on without them"
+            ),
+        )
+
+    def next_record(self) -> Record | None:
+        if not self._scanned:
+            self._scan()
+        while True:
+            i = self._cur
+            if i is None or self._files[i].done:
+                i = self._cur = next((i for i, f in enumerate(self._files) if not f.done), None)
+            if i is None:
+                if self._scan():
+                    continue
+                return None
+            f = self._files[i]
+            if f.gone:
+                return self._gone(i)
+            last = i == len(self._files) - 1
+            if f.fh is None:
+                opened = _open_checked(f.path)
+                if opened is None or not self._same(f, f.path, opened[1]):
+                    if opened is not None:
+                        opened[0].close()
+                    self._scan()  # moved (found again by identity) or gone
+                    continue
+                f.attach(*opened)
+            raw = f.readline(partial_ok=not self.follow or not last)
+            if raw is None:
+                if not last:
+                    f.done = True
+                    f.close()
+                    continue
+                if self._scan():
+                    continue
+                return None
+            start, line = f.offset, f.line
+            f.offset += len(raw)
+            f.line += 1
+            rec = _parse(raw, f.line, f"{f.path}:{f.line}", self.key_field)
+            if rec is not None:
+                self._undo = lambda f=f, start=start, line=line: f.rewind(start, line)
+                return rec
+
+    def unread(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
 
 
 class IterableSource(Source):
@@ -150,6 +571,11 @@ class IterableSource(Source):
         self._index = 0
 
     def restore(self, position: dict[str, Any]) -> None:
+        if position and "index" not in position:
+            raise ConfigError(
+                f"this state directory read its inputs {_kind_of(position)}, not from a Python "
+                f"iterable; pass the same input as before, or use a new state_dir"
+            )
         self._index = int(position.get("index", 0))
 
     def unread(self) -> None:
@@ -171,7 +597,6 @@ class IterableSource(Source):
         if value is _END:
             return None
         self._index += 1
-        self._last = value
         key, err = _key_of(value, self.key_field, f"input item {self._index}")
         if err:
             return Record(self._index, error=err)
@@ -179,6 +604,71 @@ class IterableSource(Source):
 
 
 _END = object()
+
+
+# -- the job ---------------------------------------------------------------------------------------
+
+JOB_FILE = "job.json"
+_JOB_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class JobIdentity:
+    """The job a state directory belongs to: made once, with the state, kept in `job.json`.
+
+    `legacy_outputs`: the state is older than job ids, so output lines without a job id are
+    this job's own (a state created with its id never claims them).
+    """
+
+    id: str
+    state_dir: Path
+    legacy_outputs: bool = False
+
+
+def job_identity(
+    state_dir: str | os.PathLike[str], *, has_history: bool, clock: Clock = SYSTEM_CLOCK
+) -> JobIdentity:
+    """The job of `state_dir`; made (and written atomically) if it has none yet.
+
+    `has_history`: the state already completed checkpoints, so it was made by a ratchet
+    without job ids (its outputs carry none).
+    """
+    sdir = Path(state_dir)
+    path = sdir / JOB_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        job = JobIdentity(os.urandom(8).hex(), sdir, legacy_outputs=has_history)
+        atomic_json(
+            path,
+            {
+                "format": _JOB_FORMAT,
+                "job": job.id,
+                "created": clock.now(),
+                "legacy_outputs": job.legacy_outputs,
+            },
+        )
+        return job
+    except (OSError, ValueError) as exc:
+        raise StateError(
+            f'{path} is not a ratchet job file ({exc}); restore it (its job id is the "job" '
+            f"field of this job's output lines), or use a new --state directory"
+        ) from exc
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != _JOB_FORMAT
+        or not isinstance(data.get("job"), str)
+        or not data["job"]
+        or not isinstance(data.get("legacy_outputs"), bool)
+    ):
+        raise StateError(
+            f'{path} is not a ratchet job file (format {_JOB_FORMAT} with a "job" id and '
+            f'"legacy_outputs"); restore it, or use a new --state directory'
+        )
+    return JobIdentity(data["job"], sdir, data["legacy_outputs"])
+
+
+# -- outputs ---------------------------------------------------------------------------------------
 
 
 def _json_default(value: Any) -> Any:
@@ -204,21 +694,161 @@ def to_json_line(record: dict[str, Any]) -> str:
     return json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"))
 
 
-_ID_PREFIX = b'{"id":'
+_JSON_KEYS = (str, int, float, bool, type(None))
+
+
+def _json_problem(record: dict[str, Any], exc: BaseException) -> str:
+    """Where a record that `to_json_line` refused goes wrong, in words."""
+    if isinstance(exc, RecursionError):
+        return "the output is nested too deeply to write as JSON; flatten it"
+    stack: list[tuple[str, Any, frozenset[int]]] = [("output", record.get("output"), frozenset())]
+    while stack:
+        where, value, outer = stack.pop()
+        if not isinstance(value, dict | list | tuple):
+            continue
+        if id(value) in outer:
+            return f"{where} contains itself (a circular reference); JSON cannot hold that"
+        inner = outer | {id(value)}
+        if isinstance(value, dict):
+            for k in value:
+                if not isinstance(k, _JSON_KEYS):
+                    return (
+                        f"{where} has a key {k!r} of type {type(k).__name__}; JSON object keys "
+                        f"must be str, int, float, bool or None (use a string key, or a list "
+                        f"of pairs)"
+                    )
+            stack.extend((f"{where}[{k!r}]", v, inner) for k, v in reversed(value.items()))
+        else:
+            stack.extend((f"{where}[{i}]", v, inner) for i, v in reversed(list(enumerate(value))))
+    return f"it cannot be written as JSON: {type(exc).__name__}: {exc}"
+
+
+_CODEC_ERROR = f"{CodecError.__module__}.{CodecError.__qualname__}"
+
+
+def unwritable_record(record: dict[str, Any], problem: str) -> dict[str, Any]:
+    """What is written in place of an output the sink cannot write: an error record with the
+    same id (so it is deterministic, and deduplicated like any output)."""
+    task = record.get("task")
+    action = task.rsplit(">", 1)[-1] if isinstance(task, str) and ">" in task else None
+    return {
+        "id": record["id"],
+        "key": record.get("key"),
+        "seq": record.get("seq"),
+        "task": task,
+        "output": None,
+        "error": {
+            "action": action,
+            "type": _CODEC_ERROR,
+            "message": f"the output was not written: {problem}",
+            "event_type": None,
+        },
+    }
+
+
+def json_line_or_error(record: dict[str, Any]) -> str:
+    """The output's JSON line, or, for one JSON cannot hold, the line of its error record:
+    what an engine that writes lines itself (the Flink engine's file sink) emits."""
+    try:
+        return to_json_line(record)
+    except Exception as exc:  # noqa: BLE001 - whatever fails (a __repr__ too) is the reason
+        problem = _json_problem(record, exc)
+        log.warning("output %s cannot be written: %s", record.get("id"), problem)
+        error = unwritable_record(record, problem)
+        try:
+            return to_json_line(error)
+        except Exception:  # noqa: BLE001 - even its key cannot be written
+            return to_json_line({**error, "key": repr(error["key"])})
+
+
+def writable(sink: Sink, records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """`records` as `sink` is given them: each one it cannot write replaced, in its place, by
+    an error record; and the keys of those replaced. The same records give the same result,
+    so outputs restored from the outbox after a crash are replaced in the same way."""
+    checked: list[dict[str, Any]] = []
+    refused: list[Any] = []
+    for rec in records:
+        problem = sink.validate(rec)
+        if problem is not None:
+            refused.append(rec.get("key"))
+            log.warning("output %s cannot be written: %s", rec.get("id"), problem)
+            rec = unwritable_record(rec, problem)
+            if sink.validate(rec) is not None:  # even its key cannot be written
+                rec["key"] = repr(rec["key"])
+        checked.append(rec)
+    return checked, refused
+
+
+_ID_PREFIX = '{"id":'
+_JOB_NEXT = ',"job":'
+_KEY_NEXT = ',"key":'
 _decoder = json.JSONDecoder()
 
 
-def _line_id(raw: bytes) -> str:
-    """The id of an output line; ratchet writes it first, so only that string is decoded."""
-    if raw.startswith(_ID_PREFIX):
-        value, _ = _decoder.raw_decode(raw.decode("utf-8"), len(_ID_PREFIX))
-        if isinstance(value, str):
-            return value
-    return str(json.loads(raw)["id"])  # a line written some other way: read it whole
+def _line_id(raw: bytes) -> tuple[str, str | None]:
+    """The id and job id of an output line. ratchet writes them first, so only those two
+    strings are decoded; a line written some other way is read whole."""
+    text = raw.decode("utf-8")
+    if text.startswith(_ID_PREFIX):
+        try:
+            value, end = _decoder.raw_decode(text, len(_ID_PREFIX))
+            if isinstance(value, str):
+                if text.startswith(_JOB_NEXT, end):
+                    at = end + len(_JOB_NEXT)
+                    close = text.find('"', at + 1)
+                    if text[at] == '"' and close > at and "\\" not in text[at:close]:
+                        return value, text[at + 1 : close]  # a job id is plain hex
+                    job, _ = _decoder.raw_decode(text, at)
+                    if isinstance(job, str):
+                        return value, job
+                elif text.startswith(_KEY_NEXT, end):
+                    return value, None
+        except ValueError:
+            pass  # not laid out as ratchet writes it: read it whole
+    whole = json.loads(text)
+    job = whole.get("job")
+    return str(whole["id"]), job if isinstance(job, str) else None
+
+
+def check_output_path(output: str | os.PathLike[str]) -> None:
+    """Refuse an output path that cannot be a writable file (a directory, a path under a file,
+    a place that cannot be written), creating nothing."""
+    path = Path(output)
+    where = f"--output {path}"
+    try:
+        if path.is_dir():
+            raise ConfigError(
+                f"{where} is a directory; name a file in it, e.g. {path / 'out.jsonl'}"
+            )
+        if path.exists():
+            if not path.is_file():
+                raise ConfigError(f"{where} is not a regular file; name a JSON Lines file")
+            with open(path, "ab"):
+                return
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"{where} cannot be created: {parent} is a file, not a directory")
+        with tempfile.TemporaryFile(dir=parent):
+            return
+    except OSError as exc:
+        raise ConfigError(
+            f"{where} cannot be written ({exc.strerror or exc}); choose a file in a place "
+            f"you can write to"
+        ) from exc
 
 
 class Sink:
     """Receives outputs after the checkpoint holding them completed."""
+
+    def open(self, job: JobIdentity | None) -> None:
+        """Called by `Job` before the first write, with the job of the state directory."""
+
+    def validate(self, record: dict[str, Any]) -> str | None:
+        """None if this sink can write `record`; otherwise why not, in words. The engine
+        writes an error record in its place, so one bad output never holds back others."""
+        return None
 
     def write(self, records: list[dict[str, Any]]) -> None:
         raise NotImplementedError
@@ -228,41 +858,108 @@ class Sink:
 
 
 class JsonlSink(Sink):
-    """Appends one line per output and never writes an id twice, even after a crash."""
+    """Appends one line per output and never writes an id twice, even after a crash.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    Each line carries the job id ("job", after "id"). A file that holds another job's
+    outputs is refused unless `append=True` (`--append-output`): a new job repeats the ids
+    of the earlier one, and its outputs must not be dropped as duplicates, nor mixed in
+    unnoticed. Opened (read, checked, repaired) by `open()`; the constructor only checks
+    that the path can be a writable file, creating nothing.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.append = append
+        check_output_path(self.path)
         self._ids: set[str] = set()
-        self._recover()
-        self._fh = open(self.path, "ab")  # noqa: SIM115 - the sink's lifetime
+        self._job: str | None = None
+        self._fh: IO[bytes] | None = None
+        self._checked: dict[str, tuple[dict[str, Any], str]] = {}
 
-    def _recover(self) -> None:
+    def open(self, job: JobIdentity | None) -> None:
+        if self._fh is not None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._recover(job)
+            self._fh = open(self.path, "ab")  # noqa: SIM115 - the sink's lifetime
+        except OSError as exc:
+            raise ConfigError(f"--output {self.path} cannot be written: {exc}") from exc
+        self._job = job.id if job is not None else None
+
+    def _recover(self, job: JobIdentity | None) -> None:
         if not self.path.exists():
             return
-        keep = 0
+        keep = mine = 0
+        others: dict[str | None, int] = {}
         with open(self.path, "rb") as fh:
             for raw in fh:
                 if not raw.endswith(b"\n"):
                     break  # a line cut by a crash: dropped below and written again
                 keep += len(raw)
                 try:
-                    self._ids.add(_line_id(raw))
-                except (ValueError, KeyError, TypeError) as exc:
+                    out_id, line_job = _line_id(raw)
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
                     raise ConfigError(
                         f"--output {self.path} has a line that is not a ratchet output ({exc}); "
                         f"use a new output file"
                     ) from exc
+                if job is None or line_job == job.id or (line_job is None and job.legacy_outputs):
+                    self._ids.add(out_id)
+                    mine += 1
+                else:
+                    others[line_job] = others.get(line_job, 0) + 1
+        if others and not mine and not self.append:
+            assert job is not None
+            raise ConfigError(self._refusal(job, others))
         if keep != self.path.stat().st_size:
             with open(self.path, "r+b") as fh:
                 fh.truncate(keep)
 
+    def _refusal(self, job: JobIdentity, others: dict[str | None, int]) -> str:
+        held = ", ".join(
+            f"{n} output(s) of job {j}"
+            if j is not None
+            else f"{n} output(s) of an earlier job (lines without a job id, written by a "
+            f"ratchet older than job ids)"
+            for j, n in others.items()
+        )
+        resume = next(
+            (f"the --state directory of job {j} to resume that job" for j in others if j),
+            "the state directory that wrote them",
+        )
+        return (
+            f"--output {self.path} holds {held}, and the state directory {job.state_dir} is job "
+            f"{job.id}: a new job repeats the earlier one's output ids, so its outputs would be "
+            f"taken for duplicates or mixed in unnoticed. Write to a new --output file, pass "
+            f"--append-output (append_output=True) to add this job's outputs after them (each "
+            f'line\'s "job" tells them apart), or pass {resume}'
+        )
+
+    def _line(self, record: dict[str, Any]) -> str:
+        if self._job is not None:
+            record = {"id": record["id"], "job": self._job, **record}
+        return to_json_line(record) + "\n"
+
+    def validate(self, record: dict[str, Any]) -> str | None:
+        try:
+            line = self._line(record)
+        except Exception as exc:  # noqa: BLE001 - whatever fails (a __repr__ too) is the reason
+            return _json_problem(record, exc)
+        self._checked[record["id"]] = (record, line)  # so write() does not encode it again
+        return None
+
     def write(self, records: list[dict[str, Any]]) -> None:
+        if self._fh is None:
+            self.open(None)  # used without a Job (an Engine built by hand): not bound to one
+        assert self._fh is not None
+        checked, self._checked = self._checked, {}
         lines = []
         for rec in records:
             if rec["id"] in self._ids:
                 continue
-            lines.append(to_json_line(rec) + "\n")
+            hit = checked.get(rec["id"])
+            lines.append(hit[1] if hit is not None and hit[0] is rec else self._line(rec))
         if not lines:
             return
         self._fh.write("".join(lines).encode("utf-8"))
@@ -272,12 +969,15 @@ class JsonlSink(Sink):
             self._ids.add(rec["id"])
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
 
 class CallbackSink(Sink):
     """Calls `fn(record)` per output. After a crash an output may be delivered again with the
-    same `id`; deduplicate on it if the callback's effect must happen once."""
+    same `id`; deduplicate on it if the callback's effect must happen once. Any value is
+    accepted: the callback gets the output as the agent emitted it."""
 
     def __init__(self, fn: Callable[[dict[str, Any]], None]) -> None:
         self._fn = fn

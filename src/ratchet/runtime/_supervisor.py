@@ -9,6 +9,7 @@ state directory like any restart.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -50,6 +51,21 @@ class SupervisorState:
     started: float = 0.0
 
 
+def require_rest_server() -> None:
+    """Refuse `--rest-port` without the `server` extra, before anything is started or created."""
+    missing = []
+    for module in ("fastapi", "uvicorn"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ConfigError(
+            f"--rest-port needs the server extra ({' and '.join(missing)} not installed): "
+            f"pip install 'ratchet[server]'"
+        )
+
+
 class Supervisor:
     def __init__(
         self,
@@ -64,6 +80,8 @@ class Supervisor:
     ) -> None:
         if restart_attempts < 0 or restart_delay < 0:
             raise ConfigError("--restart-attempts and --restart-delay must be >= 0")
+        if rest_port is not None:
+            require_rest_server()
         self.worker_argv = worker_argv
         self.state_dir = Path(state_dir)
         self.attempts = restart_attempts

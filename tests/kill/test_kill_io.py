@@ -1,0 +1,171 @@
+"""SIGKILL a real `ratchet run` around the connectors' edges, restart, check each claim:
+
+- an output the JSONL sink cannot write is replaced by the same error record, exactly once,
+  whether it was written before a kill or comes back from the outbox after one;
+- a directory source over a log rotated by renaming, followed (`--follow`) and killed at
+  random points, between files included, reads every line exactly once, in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.kill
+
+AGENT = f"{Path(__file__).with_name('io_agent.py')}:Relay"
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+
+
+def start(tmp: Path, inputs: Path, out: Path, state: Path, *extra: str) -> subprocess.Popen[bytes]:
+    with open(tmp / "stderr.log", "ab") as err:
+        return subprocess.Popen(
+            [
+                *RATCHET, "run", AGENT, "--input", str(inputs), "--output", str(out),
+                "--state", str(state), "--checkpoint-interval", "20", *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )  # fmt: skip
+
+
+def read(out: Path) -> list[dict[str, Any]]:
+    if not out.exists():
+        return []
+    return [json.loads(x) for x in out.read_text().splitlines() if x.endswith("}")]
+
+
+def without_job(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(({k: v for k, v in r.items() if k != "job"} for r in recs), key=lambda r: r["id"])
+
+
+def test_unwritable_outputs_are_the_same_error_records_exactly_once_across_kills(
+    tmp_path: Path,
+) -> None:
+    seed = 20260611
+    rng = random.Random(seed)
+    n = 400
+    src = tmp_path / "in.jsonl"
+    with src.open("w") as fh:
+        for i in range(n):
+            row = {"key": f"k{i % 6}", "i": i, "bad": i % 7 == 3, "sleep": 0.002}
+            fh.write(json.dumps(row) + "\n")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    proc = start(ref, src, ref / "o.jsonl", ref / "state")
+    assert proc.wait(timeout=120) == 0, (ref / "stderr.log").read_text()
+    expected = without_job(read(ref / "o.jsonl"))
+    assert len(expected) == n and sum(r["output"] is None for r in expected) == len(
+        [i for i in range(n) if i % 7 == 3]
+    )
+
+    out, state = tmp_path / "o.jsonl", tmp_path / "state"
+    kills = 0
+    for _ in range(100):
+        proc = start(tmp_path, src, out, state)
+        before = len(read(out))
+        deadline = time.monotonic() + 60
+        target = before + rng.randint(10, 40)
+        while proc.poll() is None and len(read(out)) < target and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if proc.poll() is None:
+            time.sleep(rng.uniform(0, 0.03))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            continue
+        assert proc.returncode == 0, f"seed {seed}: {(tmp_path / 'stderr.log').read_text()}"
+        break
+    else:
+        raise AssertionError(f"seed {seed}: the job never finished")
+    assert kills >= 5, f"seed {seed}: only {kills} kills"
+    got = read(out)
+    assert len({r["id"] for r in got}) == len(got), f"seed {seed}: an output was written twice"
+    assert without_job(got) == expected, f"seed {seed}: outputs differ from a crash-free run"
+    print(f"seed {seed}: {kills} SIGKILLs, {len(got)} outputs")
+
+
+class Rotator:
+    """Writes a log the way a rotating logger does: append to app.jsonl; rotate by renaming
+    app.jsonl.k to app.jsonl.k+1, app.jsonl to app.jsonl.1, and starting a new app.jsonl."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.written = 0
+        self.rotations = 0
+        (logs / "app.jsonl").touch()
+
+    def write(self, count: int) -> None:
+        rows = "".join(
+            json.dumps({"key": f"k{i % 4}", "i": i}) + "\n"
+            for i in range(self.written, self.written + count)
+        )
+        with open(self.logs / "app.jsonl", "a") as fh:
+            fh.write(rows)
+        self.written += count
+
+    def rotate(self) -> None:
+        for k in range(self.rotations, 0, -1):
+            os.rename(self.logs / f"app.jsonl.{k}", self.logs / f"app.jsonl.{k + 1}")
+        os.rename(self.logs / "app.jsonl", self.logs / "app.jsonl.1")
+        (self.logs / "app.jsonl").touch()
+        self.rotations += 1
+
+
+def wait_for(out: Path, count: int, proc: subprocess.Popen[bytes], tmp: Path) -> None:
+    deadline = time.monotonic() + 60
+    while len(read(out)) < count:
+        assert proc.poll() is None, (tmp / "stderr.log").read_text()
+        assert time.monotonic() < deadline, f"{len(read(out))} of {count} outputs"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["no-kills", "sigkills"])
+def test_a_followed_rotating_log_is_read_once_in_order(tmp_path: Path, kill: bool) -> None:
+    seed = 77
+    rng = random.Random(seed)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = Rotator(logs)
+    out, state = tmp_path / "o.jsonl", tmp_path / "state"
+    proc = start(tmp_path, logs, out, state, "--follow")
+    kills = 0
+    for _ in range(8):
+        log.write(rng.randint(5, 40))
+        if rng.random() < 0.5:
+            log.write(rng.randint(1, 5))
+        log.rotate()  # sometimes before the reader reached the end of the old file
+        log.write(rng.randint(0, 10))
+        if kill:
+            # Kill once the reader is somewhere in the last few files: mid-file, at the end
+            # of one, or between two.
+            wait_for(out, rng.randint(max(0, log.written - 40), log.written), proc, tmp_path)
+            time.sleep(rng.uniform(0, 0.02))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            if rng.random() < 0.5:  # rotate while nobody reads, too
+                log.write(rng.randint(1, 10))
+                log.rotate()
+            proc = start(tmp_path, logs, out, state, "--follow")
+    log.write(7)
+    wait_for(out, log.written, proc, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, (tmp_path / "stderr.log").read_text()
+    got = read(out)
+    assert len(got) == log.written and len({r["id"] for r in got}) == len(got), f"seed {seed}"
+    # The engine numbers inputs in the order it read them: file order, line order.
+    assert [r["output"]["i"] for r in sorted(got, key=lambda r: r["seq"])] == list(
+        range(log.written)
+    ), f"seed {seed}"
+    assert log.rotations >= 8 and kills == (8 if kill else 0)
+    print(f"seed {seed}: {log.written} lines, {log.rotations} rotations, {kills} SIGKILLs")

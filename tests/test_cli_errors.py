@@ -1,0 +1,132 @@
+"""`ratchet run` refuses what it cannot do with exit 2 and one line naming the thing and the
+fix, before it creates anything: no traceback, no state directory left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ratchet._errors import EXIT_OK, EXIT_USAGE
+
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+# `python -m ratchet.cli` in a process where the server extra is not installed.
+WITHOUT_SERVER = (
+    "import runpy, sys\n"
+    "sys.modules['uvicorn'] = None  # makes `import uvicorn` raise ModuleNotFoundError\n"
+    "sys.argv[0] = 'ratchet'\n"
+    "runpy.run_module('ratchet.cli', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def agent_file(tmp_path: Path) -> str:
+    path = tmp_path / "echo_agent.py"
+    path.write_text(
+        "from ratchet import Agent, InputEvent, OutputEvent, action\n"
+        "class Echo(Agent):\n"
+        "    @action(InputEvent, inline=True)\n"
+        "    def echo(self, event, ctx):\n"
+        "        ctx.send_event(OutputEvent(output=event.input))\n"
+    )
+    return f"{path}:Echo"
+
+
+def ratchet_run(
+    tmp_path: Path, output: Path | str, *extra: str, prefix: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    src = tmp_path / "in.jsonl"
+    if not src.exists():
+        src.write_text('{"key": "a"}\n')
+    argv = [*(prefix or RATCHET), "run", agent_file(tmp_path), "--input", str(src)]
+    argv += ["--output", str(output), "--state", str(tmp_path / "state"), *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def assert_refused(proc: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ratchet: error: ")
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_an_output_that_is_a_directory(tmp_path: Path) -> None:
+    out = tmp_path / "outdir"
+    out.mkdir()
+    proc = ratchet_run(tmp_path, out)
+    assert_refused(proc, f"--output {out} is a directory", f"{out / 'out.jsonl'}")
+    assert not (tmp_path / "state").exists()
+
+
+def test_an_output_under_a_file(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_text("x")
+    out = tmp_path / "plain" / "sub" / "o.jsonl"
+    proc = ratchet_run(tmp_path, out)
+    assert_refused(proc, f"--output {out} cannot be created: {tmp_path / 'plain'} is a file")
+    assert not (tmp_path / "state").exists()
+
+
+def test_an_output_in_a_place_that_cannot_be_written(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        out = Path("/proc/ratchet-test/o.jsonl")  # not even root creates files in /proc
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        out = ro / "o.jsonl"
+    proc = ratchet_run(tmp_path, out)
+    assert_refused(proc, f"--output {out} cannot be written", "choose a file in a place")
+    assert not (tmp_path / "state").exists()
+
+
+def test_an_output_file_that_cannot_be_written(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes any file; the directory case covers /proc")
+    out = tmp_path / "o.jsonl"
+    out.write_text("")
+    out.chmod(0o400)
+    proc = ratchet_run(tmp_path, out)
+    assert_refused(proc, f"--output {out} cannot be written (Permission denied)")
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_supervised_run_checks_the_output_before_the_supervisor_starts(tmp_path: Path) -> None:
+    out = tmp_path / "outdir"
+    out.mkdir()
+    proc = ratchet_run(tmp_path, out, "--supervise")
+    assert_refused(proc, f"--output {out} is a directory")
+    assert not (tmp_path / "state").exists()
+
+
+def test_rest_port_without_the_server_extra(tmp_path: Path) -> None:
+    proc = ratchet_run(
+        tmp_path,
+        tmp_path / "o.jsonl",
+        "--supervise",
+        "--rest-port",
+        "0",
+        prefix=[sys.executable, "-c", WITHOUT_SERVER],
+    )
+    assert_refused(proc, "--rest-port needs the server extra", "pip install 'ratchet[server]'")
+    assert not (tmp_path / "state").exists() and not (tmp_path / "o.jsonl").exists()
+
+
+def test_append_output_is_a_documented_flag(tmp_path: Path) -> None:
+    out = tmp_path / "o.jsonl"
+    first = ratchet_run(tmp_path, out)
+    assert first.returncode == EXIT_OK, first.stderr
+    # A clean state (a new job) on the same output: refused, naming both jobs and the flag.
+    os.rename(tmp_path / "state", tmp_path / "old-state")
+    again = ratchet_run(tmp_path, out)
+    job = json.loads((tmp_path / "old-state" / "job.json").read_text())["job"]
+    new = json.loads((tmp_path / "state" / "job.json").read_text())["job"]
+    assert_refused(again, f"of job {job}", f"is job {new}", "--append-output")
+    appended = ratchet_run(tmp_path, out, "--append-output")
+    assert appended.returncode == EXIT_OK, appended.stderr
+    assert [json.loads(x)["job"] for x in out.read_text().splitlines()] == [job, new]

@@ -70,7 +70,9 @@ def test_a_checkpoint_comes_back_after_a_restart_in_order(stores: Stores) -> Non
     assert loaded.inputs == [(2, b"ka", b"ev2"), (5, b"kb", b"ev5"), (9, b"ka", b"ev9")]  # by seq
     assert loaded.runs == [(2, b"ka", 4, b"journal2"), (5, b"kb", 1, b"journal5")]  # by seq
     # by seq, then id
-    assert loaded.outbox == [("y", 1, b"ry"), ("z", 2, b"rz"), ("a", 5, b"ra"), ("b", 5, b"rb")]
+    # In the order first written (the order outputs were emitted), not by id: "r>a:10" is
+    # emitted after "r>a:9".
+    assert loaded.outbox == [("z", 2, b"rz"), ("b", 5, b"rb"), ("a", 5, b"ra"), ("y", 1, b"ry")]
     assert loaded.source == {"next_seq": 10, "position": {"offset": 120, "path": "in.jsonl"}}
     assert loaded.calls == []
 
@@ -350,9 +352,7 @@ class Model:
             keys=[(k, nd, mem) for k, (nd, mem) in sorted(self.keys.items())],
             inputs=[(s, k, ev) for s, (k, ev) in sorted(self.inputs.items())],
             runs=[(s, k, b, j) for s, (k, b, j) in sorted(self.runs.items())],
-            outbox=sorted(
-                ((i, s, rec) for i, (s, rec) in self.outbox.items()), key=lambda o: (o[1], o[0])
-            ),
+            outbox=[(i, s, rec) for i, (s, rec) in self.outbox.items()],
             calls=[self.calls[k] for k in sorted(self.calls)],
             source=self.source,
             stats=self.stats(),

@@ -62,7 +62,8 @@ class Loaded:
     keys: list[tuple[bytes, int, bytes]]  # (key, next dispatch, memory), by key bytes
     inputs: list[tuple[int, bytes, bytes]]  # (seq, key, event), by seq
     runs: list[tuple[int, bytes, int, bytes]]  # (seq, key, base dispatch, journal), by seq
-    outbox: list[tuple[str, int, bytes]]  # (id, seq, record), by seq then id
+    # (id, seq, record), in the order first written: the order the outputs were emitted
+    outbox: list[tuple[str, int, bytes]]
     calls: list[CallRecord]  # by seq, task id, idx
     source: dict[str, Any]
     stats: dict[str, Any]

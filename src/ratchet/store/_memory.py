@@ -40,10 +40,7 @@ class MemoryStore:
             keys=[(k, nd, mem) for k, (_t, nd, mem) in sorted(self.keys.items())],
             inputs=[(seq, k, ev) for seq, (k, ev) in sorted(self.inputs.items())],
             runs=[(seq, k, base, j) for seq, (k, base, j) in sorted(self.runs.items())],
-            outbox=sorted(
-                ((i, seq, rec) for i, (seq, rec) in self.outbox.items()),
-                key=lambda row: (row[1], row[0]),
-            ),
+            outbox=[(i, seq, rec) for i, (seq, rec) in self.outbox.items()],
             calls=[copy.copy(self.calls[k]) for k in sorted(self.calls)],
             source=copy.deepcopy(self.source),
             stats=self.stats(),

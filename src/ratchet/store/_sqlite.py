@@ -377,7 +377,7 @@ class SqliteStore:
                 runs=c.execute(
                     "SELECT seq, key, base_dispatch, journal FROM runs ORDER BY seq"
                 ).fetchall(),
-                outbox=c.execute("SELECT id, seq, record FROM outbox ORDER BY seq, id").fetchall(),
+                outbox=c.execute("SELECT id, seq, record FROM outbox ORDER BY rowid").fetchall(),
                 calls=[
                     CallRecord(*row)
                     for row in c.execute(
@@ -474,7 +474,10 @@ class SqliteStore:
                 )
             if rows.outbox:
                 c.executemany(
-                    "INSERT OR REPLACE INTO outbox(id, seq, record) VALUES (?, ?, ?)", rows.outbox
+                    # An upsert keeps the row where it was first written (emission order).
+                    "INSERT INTO outbox(id, seq, record) VALUES (?, ?, ?) ON CONFLICT(id) DO "
+                    "UPDATE SET seq = excluded.seq, record = excluded.record",
+                    rows.outbox,
                 )
             if rows.released:
                 c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in rows.released])

@@ -59,7 +59,8 @@ def per_key(
     (the embedded engine numbers inputs across the whole source, Flink per key)."""
     grouped: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for rec in outputs:
-        grouped[rec["key"]].append(rec)
+        # The embedded JSONL sink stamps its state's job id; Flink's file sink has none.
+        grouped[rec["key"]].append({k: v for k, v in rec.items() if k != "job"})
     result = {}
     for key, recs in grouped.items():
         recs.sort(key=lambda r: (r["seq"], r["task"], r["id"]))

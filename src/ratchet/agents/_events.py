@@ -176,11 +176,13 @@ def freeze(event: Event) -> Emitted:
 
 def _same(a: Any, b: Any) -> bool:
     """Equal values of the same types all the way down (NaN equals NaN: it round-trips)."""
-    if a is b:
-        return True
     t = type(a)
     if t is not type(b):
         return False
+    if t is int or t is str or t is bool:
+        return bool(a == b)
+    if a is b:
+        return True
     if t is float:
         return bool(a == b or (a != a and b != b))
     if t is list or t is tuple:

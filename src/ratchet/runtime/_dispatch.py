@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Coroutine
@@ -84,31 +85,37 @@ class TaskCalls:
         self.seq = seq
         self.task_id = task_id
         self.key = key
-        self._by_call: dict[tuple[str, str], list[CallRecord]] = {}
-        for idx in sorted(recorded):
-            rec = recorded[idx]
-            self._by_call.setdefault((rec.fn, rec.digest), []).append(rec)
-        self._claimed: set[int] = set()
+        self._recorded = recorded
         self._writer = writer
         # Rows are keyed (seq, task, idx): new calls take indexes after every recorded one.
-        self._next = max(recorded, default=-1) + 1
-        self._lock = threading.Lock()
-        self._recorded = recorded
+        # (next() on a count is atomic, so threads an action starts may share it.)
+        self._next = itertools.count(max(recorded) + 1 if recorded else 0)
+        self._by_call: dict[tuple[str, str], list[CallRecord]] | None = None
+        self._claimed: set[int] = set()
+        self._lock: threading.Lock | None = None
+        if recorded:  # a replayed task: match calls to records (most tasks have none)
+            self._lock = threading.Lock()
+            self._by_call = {}
+            for idx in sorted(recorded):
+                rec = recorded[idx]
+                self._by_call.setdefault((rec.fn, rec.digest), []).append(rec)
 
     def claim(self, fn: str, digest: str) -> tuple[int, CallRecord | None]:
         """The record this call was made as before a crash (and its index), or a new index."""
+        if self._lock is None or self._by_call is None:
+            return next(self._next), None
         with self._lock:
             pending = self._by_call.get((fn, digest))
             if pending:
                 rec = pending.pop(0)
                 self._claimed.add(rec.idx)
                 return rec.idx, rec
-            idx = self._next
-            self._next += 1
-            return idx, None
+            return next(self._next), None
 
     def unclaimed(self) -> list[CallRecord]:
         """Recorded calls with a result that this task's code has not made again (so far)."""
+        if self._lock is None:
+            return []
         with self._lock:
             return [
                 r

@@ -117,6 +117,12 @@ def test_rest_port_without_the_server_extra(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists() and not (tmp_path / "o.jsonl").exists()
 
 
+def test_rest_port_without_supervise_is_refused_not_ignored(tmp_path: Path) -> None:
+    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", "--rest-port", "8765")
+    assert_refused(proc, "--rest-port serves a supervised job's REST API; add --supervise")
+    assert not (tmp_path / "state").exists()
+
+
 def test_append_output_is_a_documented_flag(tmp_path: Path) -> None:
     out = tmp_path / "o.jsonl"
     first = ratchet_run(tmp_path, out)

@@ -243,6 +243,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             require_rest_server()
         return _supervise(args)
+    if args.rest_port is not None:  # a worker's command line never carries it
+        raise ConfigError(
+            "--rest-port serves a supervised job's REST API; add --supervise (or drop --rest-port)"
+        )
     agent = load_agent(args.agent)
     config = _config(args)
     tty = sys.stderr.isatty()

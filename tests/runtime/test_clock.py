@@ -194,3 +194,20 @@ def test_an_idle_follow_job_takes_no_empty_checkpoints(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert [r["output"] for r in got] == [1, 2]
+
+
+def test_a_new_states_job_id_comes_from_the_injected_random(tmp_path: Path) -> None:
+    import json
+    import random
+
+    Gated.gate.set()
+    for name in ("a", "b"):
+        ratchet.run(
+            Gated(),
+            inputs=[{"key": "k", "v": 1}],
+            output=tmp_path / f"{name}.jsonl",
+            state_dir=tmp_path / name,
+            rng=random.Random(42),
+        )
+    jobs = [json.loads((tmp_path / n / "job.json").read_text())["job"] for n in ("a", "b")]
+    assert jobs[0] == jobs[1] == f"{random.Random(42).getrandbits(64):016x}"

@@ -7,6 +7,7 @@ import concurrent.futures
 import importlib
 import importlib.util
 import os
+import random
 import signal
 import sys
 from collections.abc import Callable, Iterable
@@ -121,6 +122,7 @@ class Job:
         on_progress: Callable[[Engine], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
         append_output: bool = False,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.config.validate()
@@ -154,7 +156,7 @@ class Job:
             )
             # A state that completed checkpoints but has no job file predates job ids.
             history = store.stats()["counts"]["completed"] > 0
-            self.job = job_identity(self.state_dir, has_history=history, clock=clock)
+            self.job = job_identity(self.state_dir, has_history=history, clock=clock, rng=rng)
             sink.open(self.job)
             self.store = store
             self.engine = Engine(
@@ -226,6 +228,7 @@ def run(
     agent_config: dict[str, Any] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     append_output: bool = False,
+    rng: random.Random | None = None,
 ) -> EngineResult:
     """Run `agent` over `inputs` into `output`, durably in `state_dir`; resumes if it has state.
 
@@ -235,7 +238,8 @@ def run(
     `output`: a JSONL path (exactly once, bound to this state's job), a callable (at least
     once, with stable ids), or a Sink. `append_output=True` lets a JSONL output that holds
     another job's outputs be appended to (otherwise it is refused).
-    `clock`: where the engine reads time (tests pass `ratchet.testing.FakeClock`).
+    `clock`: where the engine reads time (tests pass `ratchet.testing.FakeClock`); `rng`:
+    where a new state's job id comes from (default: the operating system's randomness).
     """
     job = Job(
         agent,
@@ -248,5 +252,6 @@ def run(
         agent_config=agent_config,
         clock=clock,
         append_output=append_output,
+        rng=rng,
     )
     return run_owned(job)

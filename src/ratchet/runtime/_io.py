@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import stat
 import tempfile
 import uuid
@@ -626,7 +627,11 @@ class JobIdentity:
 
 
 def job_identity(
-    state_dir: str | os.PathLike[str], *, has_history: bool, clock: Clock = SYSTEM_CLOCK
+    state_dir: str | os.PathLike[str],
+    *,
+    has_history: bool,
+    clock: Clock = SYSTEM_CLOCK,
+    rng: random.Random | None = None,
 ) -> JobIdentity:
     """The job of `state_dir`; made (and written atomically) if it has none yet.
 
@@ -638,7 +643,8 @@ def job_identity(
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        job = JobIdentity(os.urandom(8).hex(), sdir, legacy_outputs=has_history)
+        ident = f"{rng.getrandbits(64):016x}" if rng is not None else os.urandom(8).hex()
+        job = JobIdentity(ident, sdir, legacy_outputs=has_history)
         atomic_json(
             path,
             {

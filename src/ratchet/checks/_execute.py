@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +81,13 @@ def kill_live_processes() -> None:
 
 
 class SubprocessExecutor:
-    """The real executor: `execute_stage_command`, and `kill_all` for an interrupted run."""
+    """The real executor: `command` (default `execute_stage_command`) runs a stage, and
+    `kill_all` ends every live stage process of an interrupted run."""
 
-    __slots__ = ()
+    __slots__ = ("_command",)
+
+    def __init__(self, command: Callable[..., int] | None = None) -> None:
+        self._command = command or execute_stage_command
 
     def run(
         self,
@@ -94,7 +98,7 @@ class SubprocessExecutor:
         timeout: float | None,
         env: Mapping[str, str] | None,
     ) -> int:
-        return execute_stage_command(stage, cwd=cwd, log_path=log_path, timeout=timeout, env=env)
+        return self._command(stage, cwd=cwd, log_path=log_path, timeout=timeout, env=env)
 
     def kill_all(self) -> None:
         kill_live_processes()

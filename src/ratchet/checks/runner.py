@@ -20,8 +20,8 @@ from ratchet._clock import SYSTEM_CLOCK
 from ratchet.checks import _recover, _run
 from ratchet.checks._cli import add_common_arguments, register
 from ratchet.checks._decide import CHECKPOINT_VERSION, FINGERPRINT_VERSION
+from ratchet.checks._execute import SubprocessExecutor
 from ratchet.checks._execute import execute_stage_command as _execute_stage_command
-from ratchet.checks._execute import kill_live_processes
 from ratchet.checks._explain import explain
 from ratchet.checks._receipts import read_receipt, seal_receipt
 from ratchet.checks._recover import process_start
@@ -48,26 +48,6 @@ _seal = seal_receipt
 _process_start = process_start
 
 
-class _PatchableExecutor:
-    """The real executor, reached through this module's `_execute_stage_command`."""
-
-    __slots__ = ()
-
-    def run(
-        self,
-        stage: Mapping[str, Any],
-        *,
-        cwd: Path,
-        log_path: Path,
-        timeout: float | None,
-        env: Mapping[str, str] | None,
-    ) -> int:
-        return _execute_stage_command(stage, cwd=cwd, log_path=log_path, timeout=timeout, env=env)
-
-    def kill_all(self) -> None:
-        kill_live_processes()
-
-
 def _write(path: Path, payload: dict[str, Any]) -> None:
     atomic_json(path, payload)
 
@@ -87,7 +67,10 @@ def patchable_seams() -> Seams:
     """The real seams, reaching the executor, writer, waiter and environment fingerprint
     through this module's names (so patching them here takes effect)."""
     return Seams(
-        executor=_PatchableExecutor(), writer=_write, waiter=_wait, environment=_environment
+        executor=SubprocessExecutor(lambda *a, **k: _execute_stage_command(*a, **k)),
+        writer=_write,
+        waiter=_wait,
+        environment=_environment,
     )
 
 

@@ -54,5 +54,10 @@ fuzz: $(STAMP)
 	$(BIN)/python -m pip install -q atheris || echo "atheris did not install: using the random-mutation driver"
 	$(BIN)/python scripts/fuzz_codec.py --inputs $(or $(INPUTS),1000000)
 
+# The crash-equivalence harness at scale: generated agents, hundreds of SIGKILLs of real
+# `ratchet run` processes; CASES=N to change the count (make test runs a small budget).
+soak: $(STAMP)
+	$(BIN)/python tests/kill/soak.py --cases $(or $(CASES),150)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ratchet import Agent, Event, InputEvent, InternalError, OutputEvent, action
+from ratchet import Agent, Event, InputEvent, InternalError, OutputEvent, StateError, action
 from ratchet.runtime._flink_core import MemoryKeyedState
 from support.engines import FlinkSim, per_key, run_embedded, run_flink_core, store_memory
 
@@ -180,3 +180,14 @@ def test_an_output_json_cannot_hold_is_an_error_record_on_the_flink_core_too() -
     assert [o["output"] for o in out] == [{"v": 1}, None, {"v": 3}]
     assert "has a key (2, 2) of type tuple" in out[1]["error"]["message"]
     assert out[1]["error"]["type"] == "ratchet._errors.CodecError"
+
+
+def test_damaged_keyed_state_is_a_state_error_naming_the_state_and_key() -> None:
+    state = MemoryKeyedState()
+    state.view("k").put_key(b"\xc1")
+    sim = FlinkSim(Scenario(), state)
+    try:
+        with pytest.raises(StateError, match=r"the state's ratchet-key row for 'k' cannot be read"):
+            sim.element("k", {"key": "k", "v": 1})
+    finally:
+        sim.close()

@@ -21,9 +21,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import (
     BadInputError,
     CheckpointError,
-    CodecError,
     ConfigError,
-    CorruptDataError,
     RatchetError,
     StateError,
 )
@@ -33,6 +31,7 @@ from ratchet.runtime._journal import (
     decode_event,
     decode_journal,
     decode_memory,
+    decoded,
     encode_event,
     encode_journal,
     encode_memory,
@@ -170,17 +169,6 @@ class _Writer(threading.Thread):
                 return None
 
 
-def _decoded(table: str, where: Any, decode: Callable[..., Any], *args: Any) -> Any:
-    """Decode one stored value; damaged bytes are a StateError naming the table and the row."""
-    try:
-        return decode(*args)
-    except (CodecError, CorruptDataError) as exc:
-        raise StateError(
-            f"the state's {table} row for {where!r} cannot be read ({exc}); it was left "
-            f"untouched; restore the state directory from a backup or use a new --state"
-        ) from exc
-
-
 def _resolve(
     fut: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
 ) -> None:
@@ -306,12 +294,12 @@ class Engine:
         b = self.binding
         memories = {}
         for k, nd, mem in loaded.keys:
-            key = _decoded("keys", k, codec.decode, k)
-            memories[key] = (_decoded("keys", key, decode_memory, mem), nd)
+            key = decoded("keys", k, codec.decode, k)
+            memories[key] = (decoded("keys", key, decode_memory, mem), nd)
         queued = []
         for seq, k, ev in loaded.inputs:
-            key = _decoded("inputs", f"input {seq}", codec.decode, k)
-            queued.append((seq, key, _decoded("inputs", f"input {seq}", decode_event, b, ev)))
+            key = decoded("inputs", f"input {seq}", codec.decode, k)
+            queued.append((seq, key, decoded("inputs", f"input {seq}", decode_event, b, ev)))
         inputs = {seq: (key, ev) for seq, key, ev in queued}
         runs = []
         for seq, _k, base, journal in loaded.runs:
@@ -321,13 +309,13 @@ class Engine:
                     f"altered outside ratchet; restore it from a backup or use a new --state"
                 )
             key, event = inputs[seq]
-            entries = _decoded("runs", f"input {seq}", decode_journal, b, journal)
+            entries = decoded("runs", f"input {seq}", decode_journal, b, journal)
             runs.append(RestoredRun(key, seq, event, base, entries))
         for rec in loaded.calls:
             self._calls.add(rec)
         self.machine.restore(memories, runs, queued)
         for out_id, _seq, blob in loaded.outbox:
-            record = _decoded("outbox", out_id, codec.decode, blob)
+            record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
         src = loaded.source
         self._next_seq = int(src.get("next_seq", 0))

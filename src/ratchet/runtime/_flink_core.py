@@ -30,6 +30,7 @@ from ratchet.runtime._journal import (
     decode_event,
     decode_memory,
     decode_run,
+    decoded,
     encode_call,
     encode_event,
     encode_memory,
@@ -248,20 +249,22 @@ class AgentCore:
         next_dispatch = 0
         raw = store.get_key()
         if raw is not None:
-            data = codec.decode(raw)
-            memory = decode_memory(data["m"])
+            data = decoded("ratchet-key", key, codec.decode, raw)
+            memory = decoded("ratchet-key", key, lambda: decode_memory(data["m"]))
             next_dispatch = data["d"]
             info.next_seq = data["n"]
         run_raw = store.get_run()
-        run = decode_run(b, key, run_raw) if run_raw is not None else None
+        run = decoded("ratchet-run", key, decode_run, b, key, run_raw) if run_raw else None
         queued = []
         for seq, ev in store.inputs():
-            queued.append((seq, decode_event(b, ev)))
+            queued.append(
+                (seq, decoded("ratchet-inputs", f"{key} input {seq}", decode_event, b, ev))
+            )
             info.stored_inputs.add(seq)
         if run is not None:
             info.written_run = (run.seq, len(run.journal))
             for blob in store.calls():
-                rec = decode_call(blob)
+                rec = decoded("ratchet-calls", key, decode_call, blob)
                 info.calls_written = True
                 if rec.seq == run.seq:
                     info.recorded.add(rec)

@@ -7,8 +7,10 @@ back through the same functions. The golden journals under `tests/golden/` pin t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
+from ratchet._errors import CodecError, CorruptDataError, StateError
 from ratchet.runtime._machine import JournalEntry, RestoredRun
 from ratchet.runtime._memops import from_wire, to_wire
 from ratchet.store import codec
@@ -95,3 +97,14 @@ def encode_call(record: CallRecord) -> bytes:
 
 def decode_call(raw: bytes) -> CallRecord:
     return CallRecord(*codec.decode(raw))
+
+
+def decoded(table: str, where: Any, decode: Callable[..., Any], *args: Any) -> Any:
+    """Decode one stored value; damaged bytes are a StateError naming the table and the row."""
+    try:
+        return decode(*args)
+    except (CodecError, CorruptDataError, KeyError, TypeError, ValueError) as exc:
+        raise StateError(
+            f"the state's {table} row for {where!r} cannot be read ({type(exc).__name__}: "
+            f"{exc}); it was left untouched; restore the state from a backup or use a new one"
+        ) from exc

@@ -68,7 +68,7 @@ def test_a_run_past_its_task_budget_ends_with_an_error_output(tmp_path: Path) ->
     )
     assert res.runs_completed == 2
     budget = [r for r in got if r["task"] == "r!budget"]
-    assert [r["key"] for r in budget] == ["k", "j"]
+    assert sorted(r["key"] for r in budget) == ["j", "k"]  # the two runs race: any order
     assert budget[0]["error"]["type"] == "ratchet.TaskBudgetExceeded"
     assert "raise max_tasks_per_run (--max-tasks-per-run)" in budget[0]["error"]["message"]
     assert res.tasks_executed == 2 * 60

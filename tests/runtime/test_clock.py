@@ -179,15 +179,24 @@ def test_an_idle_follow_job_takes_no_empty_checkpoints(tmp_path: Path) -> None:
     async def main() -> None:
         install_task_factory(asyncio.get_running_loop())
         job = asyncio.create_task(engine.run())
-        await tick(8)  # the input's run, its checkpoint, its release, the outbox row's removal
-        await until(lambda: len(got) == 1)
+
+        async def tick_until(done: Any) -> None:
+            """Move time on, half an interval at a time, until the engine got there."""
+            for _ in range(400):
+                if done():
+                    return
+                await tick(1)
+            raise AssertionError("the engine did not get there")
+
+        # The input's run, its checkpoint, its release, and the outbox row's removal.
+        await tick_until(lambda: len(got) == 1 and not store.outbox and not engine._released)
+        await tick(4)
         settled = store.counts["completed"]
         await tick(40)  # twenty idle checkpoint intervals
         assert store.counts["completed"] == settled
         with inputs.open("a") as fh:
             fh.write('{"key": "k", "v": 2}\n')
-        await tick(6)
-        await until(lambda: len(got) == 2)
+        await tick_until(lambda: len(got) == 2)
         assert store.counts["completed"] > settled  # new work is checkpointed again
         engine.request_stop("test")
         await asyncio.wait_for(job, 10)

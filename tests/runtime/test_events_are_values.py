@@ -63,13 +63,19 @@ def test_a_mutated_event_replays_as_it_was_sent_after_a_sigkill(tmp_path: Path) 
             tmp_path / "stderr.log"
         ).read_text()
         time.sleep(0.02)
-    time.sleep(0.3)  # checkpoints every 10 ms: the run, with `grab` journaled, is in one
+    # Kill once a checkpoint holds the run with `grab` journaled (checkpoints every 10 ms).
+    while True:
+        assert time.monotonic() < deadline, "no checkpoint took the run in flight"
+        store = SqliteStore.open_readonly(tmp_path / "s")
+        try:
+            runs = store.load().runs
+        finally:
+            store.close()
+        if runs and b"grab" in runs[0][3]:
+            break
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    store = SqliteStore.open_readonly(tmp_path / "s")
-    runs = store.load().runs
-    store.close()
-    assert runs, "the kill must leave the run in flight"
     gate.write_text("open")
     done = subprocess.run(cmd, env=env, capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr

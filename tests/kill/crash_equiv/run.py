@@ -85,6 +85,9 @@ class CaseRun:
         return "\n".join(parts)
 
 
+TASK_BUDGET = 400
+
+
 def _env(log: Path) -> dict[str, str]:
     env = dict(os.environ)
     env[LOG_ENV] = str(log)
@@ -109,6 +112,10 @@ def _command(workdir: Path, chain: Path, case: Case) -> list[str]:
         str(case.interval_ms),
         "--max-concurrent-runs",
         str(case.max_runs),
+        # Error handlers that fail on each other's errors loop until the run's task budget
+        # ends them; a small budget ends such runs in a moment (both runs alike).
+        "--max-tasks-per-run",
+        str(TASK_BUDGET),
     ]
 
 

@@ -105,7 +105,9 @@ def test_taskmanager_sigkill_restores_parked_run_exactly_once(cluster, tmp_path:
         first = wait_for(
             "a first output after the restore",
             lambda: len(read_output_dir(out)) > len(before) and time.monotonic(),
-            120,
+            # ~30-45 s on a quiet 2-core machine; a bound, not a measurement (a loaded machine
+            # once took over 120 s to restart the TaskManager's Python workers).
+            300,
             every=0.1,
         )
         wait_for("all 15 outputs", lambda: len(read_output_dir(out)) >= 15, 90)

@@ -49,6 +49,7 @@ from crash_equiv.spec import (
     Emit,
     Gather,
     Kill,
+    Mutate,
     NewObject,
     Output,
     Raise,
@@ -209,6 +210,78 @@ RICH = Case(
 @pytest.mark.kill
 def test_an_agent_with_every_base_feature_survives_sigkills() -> None:
     check(RICH, test_an_agent_with_every_base_feature_survives_sigkills)
+
+
+def _found(actions: list[ActionSpec], v: int, kill: Kill) -> Case:
+    return Case(("E1",), tuple(actions), (("k0", v),), (kill,), interval_ms=5)
+
+
+# What the harness found in the code issue 11 was filed against (aefef37), shrunk by hand to
+# cases that failed there 5 times in 5; each kill lands while the task that shows the defect
+# is still running, after a checkpoint holds what came before it.
+FOUND = {
+    # 1: a2 mutates the E1 it got; the journal stores E1 as mutated, so a2 re-run after the
+    # kill reads v + 1000
+    "1-mutated-event": _found(
+        [
+            ActionSpec("a0", (INPUT,), "thread", (Emit("E1"),)),
+            ActionSpec("a1", ("E1",), "thread", (Sleep(20),)),
+            ActionSpec("a2", ("E1",), "thread", (Mutate("v"), Sleep(100), Output(9))),
+        ],
+        1,
+        Kill(100, "lines", 60),
+    ),
+    # 2: E1.extra (typed Any) holds a registered model live and a dict on replay
+    "2-model-in-any-field": _found(
+        [
+            ActionSpec("a0", (INPUT,), "thread", (Emit("E1", 0, model=True),)),
+            ActionSpec("a1", ("E1",), "thread", (Sleep(100), Output(9))),
+        ],
+        1,
+        Kill(100, "lines", 30),
+    ),
+    # 3: RateLimited(RuntimeError) came back as ReplayedCallError: `except RuntimeError` missed
+    "3-replayed-exception-type": _found(
+        [
+            ActionSpec(
+                "a0",
+                (INPUT,),
+                "thread",
+                (Call("c0", "fail_custom", caught=True), Sleep(100), Output(9)),
+            )
+        ],
+        2,
+        Kill(100, "calls", 30),
+    ),
+    # 4: two gathered coroutines with two calls each: the restart exited 2, NonDeterminismError
+    "4-gathered-sequential-calls": _found(
+        [
+            ActionSpec(
+                "a0",
+                (INPUT,),
+                "async",
+                (Gather((("c0", "c1"), ("c2", "c3"))), Sleep(100), Output(9)),
+            )
+        ],
+        1,
+        Kill(100, "calls", 30),
+    ),
+    # 9: a raising ErrorEvent handler got its own error forever: the reference never ended
+    "9-raising-error-handler": _found(
+        [
+            ActionSpec("a0", (INPUT,), "thread", (Raise(),)),
+            ActionSpec("a1", (ERROR,), "thread", (Raise(),)),
+        ],
+        1,
+        Kill(50),
+    ),
+}
+
+
+@pytest.mark.kill
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_what_the_harness_found_stays_fixed(name: str) -> None:
+    check(FOUND[name], test_what_the_harness_found_stays_fixed)
 
 
 # --- the harness itself (no processes) -----------------------------------------------------------

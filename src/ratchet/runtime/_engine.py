@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +100,6 @@ class _Writer(threading.Thread):
         self.store = store
         self.clock = clock
         self.tolerable_failures = tolerable_failures
-        self.call_write_failures = 0
         self._q: queue.SimpleQueue[tuple[str, Any, concurrent.futures.Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -155,7 +154,6 @@ class _Writer(threading.Thread):
                 self.store.put_calls(records)
             except Exception as exc:  # noqa: BLE001 - any storage fault is retried
                 attempt += 1
-                self.call_write_failures += 1
                 if attempt > self.tolerable_failures:
                     return CheckpointError(
                         f"durable-call records could not be written {attempt} time(s) in a row "
@@ -482,10 +480,17 @@ class Engine:
 
     def _settle(self, task: Task, outcome: Outcome) -> None:
         """An async task's outcome, on the loop."""
+        self._apply(((task, outcome),))
+
+    def _apply(self, outcomes: Iterable[tuple[Task, Outcome]]) -> None:
+        """Finish tasks (a failed one stops the job) and perform what the machine asks next."""
+        m = self.machine
         try:
-            if isinstance(outcome, RatchetError):
-                raise outcome
-            self.machine.finish(task, outcome)
+            for task, outcome in outcomes:
+                if isinstance(outcome, RatchetError):
+                    self._fail(outcome)
+                    continue
+                m.finish(task, outcome)
             self._pump()
         except RatchetError as exc:
             self._fail(exc)
@@ -507,18 +512,13 @@ class Engine:
     def _take_work(self) -> None:
         with self._work_lock:
             self._work_scheduled = False
-        m = self.machine
         work = self._work
-        try:
-            while work:
-                task, outcome = work.popleft()
-                if isinstance(outcome, RatchetError):
-                    self._fail(outcome)
-                    continue
-                m.finish(task, outcome)
-            self._pump()
-        except RatchetError as exc:
-            self._fail(exc)
+
+        def drain() -> Iterator[tuple[Task, Outcome]]:
+            while work:  # outcomes workers add meanwhile are taken too
+                yield work.popleft()
+
+        self._apply(drain())
 
     # -- checkpoints ------------------------------------------------------------------------
 

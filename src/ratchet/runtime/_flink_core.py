@@ -373,9 +373,7 @@ class AgentCore:
             await coro
 
     def _deliver(self, task: Task, outcome: Outcome) -> None:
-        with self._cond:
-            self._done.setdefault(task.key, []).append((task, outcome))
-            self._cond.notify_all()
+        self._deliver_batch([(task, outcome)])
 
     def _deliver_batch(self, batch: list[tuple[Task, Outcome]]) -> None:
         with self._cond:

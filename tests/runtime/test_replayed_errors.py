@@ -26,7 +26,8 @@ from ratchet import (
     register_type,
     run,
 )
-from ratchet.agents._context import _encode_error, _rebuild_error
+from ratchet.agents._exceptions import encode_error as _encode_error
+from ratchet.agents._exceptions import rebuild_error as _rebuild_error
 from ratchet.store import codec
 
 

@@ -26,6 +26,7 @@ from ratchet.agents._events import (
     emitted_from_wire,
     freeze,
 )
+from ratchet.agents._exceptions import encode_error, rebuild_error
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
 from ratchet.runtime._dispatch import TaskCalls
 from ratchet.runtime._machine import Output, Task, TaskResult
@@ -67,20 +68,6 @@ def _args_digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
                 return f"<{type(v).__module__}.{type(v).__qualname__}>"
 
         return codec.digest((tuple(part(a) for a in args), {k: part(v) for k, v in kwargs.items()}))
-
-
-def _encode_error(exc: BaseException) -> bytes:
-    from ratchet.agents._exceptions import encode_error
-
-    return encode_error(exc)
-
-
-def _rebuild_error(payload: bytes) -> BaseException:
-    """The recorded exception's own class if it is built-in or registered, else a stand-in
-    `ReplayedCallError` that derives from its built-in bases (see `_exceptions`)."""
-    from ratchet.agents._exceptions import rebuild_error
-
-    return rebuild_error(payload)
 
 
 class RunnerContext:
@@ -150,7 +137,7 @@ class RunnerContext:
         if rec.status == "ok":
             return idx, True, codec.decode(rec.payload or b"")
         if rec.status == "error":
-            raise _rebuild_error(rec.payload or b"")
+            raise rebuild_error(rec.payload or b"")
         return idx, False, rec  # an intent with no result: the call may or may not have happened
 
     def _result_payload(self, name: str, value: Any) -> bytes:
@@ -192,7 +179,7 @@ class RunnerContext:
                     f"{name} is async; use `await ctx.durable_execute_async(...)`"
                 )
         except Exception as exc:
-            self._calls.write(idx, name, digest, "error", _encode_error(exc)).result()
+            self._calls.write(idx, name, digest, "error", encode_error(exc)).result()
             raise
         self._calls.write(idx, name, digest, "ok", self._result_payload(name, result)).result()
         return result
@@ -242,7 +229,7 @@ class RunnerContext:
                     result = await result
         except Exception as exc:
             await asyncio.wrap_future(
-                self._calls.write(idx, name, digest, "error", _encode_error(exc))
+                self._calls.write(idx, name, digest, "error", encode_error(exc))
             )
             raise
         payload = self._result_payload(name, result)

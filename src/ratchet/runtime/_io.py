@@ -752,19 +752,33 @@ def unwritable_record(record: dict[str, Any], problem: str) -> dict[str, Any]:
     }
 
 
+def _error_in_place(
+    record: dict[str, Any], problem: str, can_write: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """The error record written instead of an output that cannot be (its key as text if even
+    the key cannot be written)."""
+    log.warning("output %s cannot be written: %s", record.get("id"), problem)
+    error = unwritable_record(record, problem)
+    if not can_write(error):
+        error["key"] = repr(error["key"])
+    return error
+
+
+def _json_ok(record: dict[str, Any]) -> bool:
+    try:
+        to_json_line(record)
+    except Exception:  # noqa: BLE001 - whatever fails, the record cannot be written
+        return False
+    return True
+
+
 def json_line_or_error(record: dict[str, Any]) -> str:
     """The output's JSON line, or, for one JSON cannot hold, the line of its error record:
     what an engine that writes lines itself (the Flink engine's file sink) emits."""
     try:
         return to_json_line(record)
     except Exception as exc:  # noqa: BLE001 - whatever fails (a __repr__ too) is the reason
-        problem = _json_problem(record, exc)
-        log.warning("output %s cannot be written: %s", record.get("id"), problem)
-        error = unwritable_record(record, problem)
-        try:
-            return to_json_line(error)
-        except Exception:  # noqa: BLE001 - even its key cannot be written
-            return to_json_line({**error, "key": repr(error["key"])})
+        return to_json_line(_error_in_place(record, _json_problem(record, exc), _json_ok))
 
 
 def writable(sink: Sink, records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -777,10 +791,7 @@ def writable(sink: Sink, records: list[dict[str, Any]]) -> tuple[list[dict[str, 
         problem = sink.validate(rec)
         if problem is not None:
             refused.append(rec.get("key"))
-            log.warning("output %s cannot be written: %s", rec.get("id"), problem)
-            rec = unwritable_record(rec, problem)
-            if sink.validate(rec) is not None:  # even its key cannot be written
-                rec["key"] = repr(rec["key"])
+            rec = _error_in_place(rec, problem, lambda r: sink.validate(r) is None)
         checked.append(rec)
     return checked, refused
 

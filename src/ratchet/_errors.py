@@ -12,6 +12,8 @@
     │   └── ResumeRefusedError        (also ValueError) a checks run cannot be resumed as it is
     ├── BadInputError                 an input record cannot be admitted; exit 3
     ├── NonDeterminismError           replay met a different call than the journal recorded
+    │   └── IncompatibleChangeError   a run in flight cannot be replayed by the new agent; exit 2
+    ├── MigrationError                a memory migration is missing or raised; exit 2
     ├── CheckpointError               checkpoints failed more times in a row than tolerated
     ├── CodecError                    (also TypeError) a value cannot be stored
     │   └── UnknownTypeError          stored data names a class this process has not registered
@@ -43,6 +45,16 @@ EXIT_BAD_INPUT: Final = 3  # an input line was refused; everything before it is 
 EXIT_INTERRUPTED: Final = 130  # Ctrl-C
 # A worker that exits with one of these hit an error a restart cannot fix.
 EXIT_NO_RESTART: Final = frozenset({EXIT_USAGE, EXIT_BAD_INPUT})
+
+
+# What an IncompatibleChangeError offers (docs/runtime.md, "Upgrading an agent").
+UPGRADE_FIXES: Final = (
+    "Fixes: run the previous agent version until the run completes; branch the changed code "
+    "with ctx.patched(...) so the recorded run takes its old path; or stop the job and "
+    "`ratchet runs restart --state DIR --key KEY` (the run starts again from its input; calls "
+    "it made may be made again) or `ratchet runs abandon --state DIR --key KEY` (its input "
+    "goes to the dead letters). See docs/runtime.md, 'Upgrading an agent'"
+)
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -78,6 +90,17 @@ class StateError(RatchetError):
 
 class NonDeterminismError(RatchetError):
     """Replay found a different call where the journal recorded one; the agent code changed."""
+
+
+class IncompatibleChangeError(NonDeterminismError):
+    """A run in flight has a journal the upgraded agent cannot replay; the message names the
+    key, the run, the task and the change, and the fixes (`ctx.patched`, `ratchet runs
+    restart`, `ratchet runs abandon`, or the old code until the run completes)."""
+
+
+class MigrationError(RatchetError):
+    """A key's memory cannot be brought to the agent's `memory_version`: a migration is
+    missing or raised. Nothing of that key was written; the message names the key and version."""
 
 
 class CheckpointError(RatchetError):

@@ -54,7 +54,8 @@ def replay_embedded(
     store = MemoryStore()
     store.write_checkpoint(
         CheckpointRows(
-            keys=[(k, str(codec.decode(k)), nd, m) for k, nd, m in rows["keys"]],
+            # Dumps made before memory versions hold (key, next dispatch, memory): version 1.
+            keys=[(k, str(codec.decode(k)), nd, m, (v or [1])[0]) for k, nd, m, *v in rows["keys"]],
             new_inputs=list(rows["inputs"]),
             runs=list(rows["runs"]),
             outbox=list(rows["outbox"]),
@@ -79,7 +80,7 @@ def replay_embedded(
         await engine.run()
 
     asyncio.run(main())
-    memory = {codec.decode(k): decode_memory(m) for k, (_t, _nd, m) in store.keys.items()}
+    memory = {codec.decode(k): decode_memory(m) for k, (_t, _nd, m, _v) in store.keys.items()}
     return got, memory
 
 

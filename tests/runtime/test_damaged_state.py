@@ -47,7 +47,7 @@ def restore(store: MemoryStore) -> None:
 @pytest.mark.parametrize("blob", GARBAGE)
 def test_damaged_memory_is_a_state_error_naming_the_key(blob: bytes) -> None:
     store = MemoryStore()
-    store.write_checkpoint(CheckpointRows(keys=[(codec.encode("k"), "k", 1, blob)]), 0.0)
+    store.write_checkpoint(CheckpointRows(keys=[(codec.encode("k"), "k", 1, blob, 1)]), 0.0)
     with pytest.raises(StateError, match=r"the state's keys row for 'k' cannot be read"):
         restore(store)
 

@@ -56,7 +56,7 @@ def test_a_checkpoint_comes_back_after_a_restart_in_order(stores: Stores) -> Non
     store = stores.open()
     store.write_checkpoint(
         rows(
-            keys=[(b"kb", "kb", 3, b"mem-b"), (b"ka", "ka", 7, b"mem-a")],
+            keys=[(b"kb", "kb", 3, b"mem-b", 1), (b"ka", "ka", 7, b"mem-a", 1)],
             new_inputs=[(5, b"kb", b"ev5"), (2, b"ka", b"ev2"), (9, b"ka", b"ev9")],
             runs=[(5, b"kb", 1, b"journal5"), (2, b"ka", 4, b"journal2")],
             outbox=[("z", 2, b"rz"), ("b", 5, b"rb"), ("a", 5, b"ra"), ("y", 1, b"ry")],
@@ -66,7 +66,7 @@ def test_a_checkpoint_comes_back_after_a_restart_in_order(stores: Stores) -> Non
     )
     store = stores.reopen(store)
     loaded = store.load()
-    assert loaded.keys == [(b"ka", 7, b"mem-a"), (b"kb", 3, b"mem-b")]  # by key
+    assert loaded.keys == [(b"ka", 7, b"mem-a", 1), (b"kb", 3, b"mem-b", 1)]  # by key
     assert loaded.inputs == [(2, b"ka", b"ev2"), (5, b"kb", b"ev5"), (9, b"ka", b"ev9")]  # by seq
     assert loaded.runs == [(2, b"ka", 4, b"journal2"), (5, b"kb", 1, b"journal5")]  # by seq
     # by seq, then id
@@ -81,7 +81,7 @@ def test_rows_are_upserted_by_their_natural_key(stores: Stores) -> None:
     store = stores.open()
     store.write_checkpoint(
         rows(
-            keys=[(b"k", "k", 1, b"old")],
+            keys=[(b"k", "k", 1, b"old", 1)],
             new_inputs=[(0, b"k", b"old")],
             runs=[(0, b"k", 0, b"old")],
             outbox=[("o", 0, b"old")],
@@ -90,7 +90,7 @@ def test_rows_are_upserted_by_their_natural_key(stores: Stores) -> None:
     )
     store.write_checkpoint(
         rows(
-            keys=[(b"k", "k", 2, b"new")],
+            keys=[(b"k", "k", 2, b"new", 1)],
             new_inputs=[(0, b"k", b"new")],
             runs=[(0, b"k", 5, b"new")],
             outbox=[("o", 0, b"new")],
@@ -98,9 +98,11 @@ def test_rows_are_upserted_by_their_natural_key(stores: Stores) -> None:
         2.0,
     )
     # Twice in one checkpoint: the later row wins.
-    store.write_checkpoint(rows(keys=[(b"j", "j", 1, b"first"), (b"j", "j", 9, b"second")]), 3.0)
+    store.write_checkpoint(
+        rows(keys=[(b"j", "j", 1, b"first", 1), (b"j", "j", 9, b"second", 1)]), 3.0
+    )
     loaded = stores.reopen(store).load()
-    assert loaded.keys == [(b"j", 9, b"second"), (b"k", 2, b"new")]
+    assert loaded.keys == [(b"j", 9, b"second", 1), (b"k", 2, b"new", 1)]
     assert loaded.inputs == [(0, b"k", b"new")]
     assert loaded.runs == [(0, b"k", 5, b"new")]
     assert loaded.outbox == [("o", 0, b"new")]
@@ -147,7 +149,7 @@ def test_an_empty_source_keeps_the_previous_one(stores: Stores) -> None:
     store = stores.open()
     position = {"next_seq": 4, "position": {"index": 4, "pair": (1, "a"), "raw": b"\x00"}}
     store.write_checkpoint(rows(source=position), 1.0)
-    store.write_checkpoint(rows(keys=[(b"k", "k", 0, b"m")]), 2.0)
+    store.write_checkpoint(rows(keys=[(b"k", "k", 0, b"m", 1)]), 2.0)
     source = stores.reopen(store).load().source
     assert source == position
     assert type(source["position"]["pair"]) is tuple and type(source["position"]["raw"]) is bytes
@@ -159,7 +161,7 @@ def test_checkpoint_ids_count_up_by_one_and_stats_report_the_latest(
     store = stores.open()
     infos = []
     for i in range(3):
-        r = rows(keys=[(b"k", "k", i, b"m" * i)], outbox=[(f"o{i}", i, b"rec")])
+        r = rows(keys=[(b"k", "k", i, b"m" * i, 1)], outbox=[(f"o{i}", i, b"rec")])
         infos.append(store.write_checkpoint(r, FAKE_START + i + 0.25))
         clock.advance(1.0)
     assert [i["id"] for i in infos] == [1, 2, 3]
@@ -167,7 +169,7 @@ def test_checkpoint_ids_count_up_by_one_and_stats_report_the_latest(
         "id": 3,
         "trigger_timestamp": FAKE_START + 2.25,
         "duration_ms": 0.0,  # the fake clock did not move during the write
-        "size_bytes": rows(keys=[(b"k", "k", 2, b"mm")], outbox=[("o2", 2, b"rec")]).size(),
+        "size_bytes": rows(keys=[(b"k", "k", 2, b"mm", 1)], outbox=[("o2", 2, b"rec")]).size(),
     }
     expected = {
         "counts": {"completed": 3, "failed": 0, "restored": 0},
@@ -212,7 +214,7 @@ def test_record_restore_returns_the_latest_checkpoint_and_counts_it(
     store = stores.open()
     assert store.record_restore() is None  # a fresh start restores nothing
     assert store.stats()["counts"]["restored"] == 0
-    info = store.write_checkpoint(rows(keys=[(b"k", "k", 1, b"m")]), FAKE_START + 1)
+    info = store.write_checkpoint(rows(keys=[(b"k", "k", 1, b"m", 1)]), FAKE_START + 1)
     clock.advance(42.5)
     store = stores.reopen(store)
     restored = store.record_restore()
@@ -238,11 +240,13 @@ def test_a_failed_checkpoint_is_counted(stores: Stores) -> None:
 
 def test_a_checkpoint_that_fails_applies_nothing(stores: Stores) -> None:
     store = stores.open()
-    first = rows(keys=[(b"k", "k", 1, b"m")], new_inputs=[(0, b"k", b"e")], source={"next_seq": 1})
+    first = rows(
+        keys=[(b"k", "k", 1, b"m", 1)], new_inputs=[(0, b"k", b"e")], source={"next_seq": 1}
+    )
     store.write_checkpoint(first, 1.0)
     before = store.load()
     bad = rows(
-        keys=[(b"k", "k", 2, b"changed"), (b"j", "j", 0, b"new")],
+        keys=[(b"k", "k", 2, b"changed", 1), (b"j", "j", 0, b"new", 1)],
         done_inputs=[0],
         source={"next_seq": 2},
         outbox=[("broken", 0)],  # a malformed row (no record), last
@@ -274,7 +278,7 @@ sources: st.SearchStrategy[dict[str, Any]] = st.one_of(
     ),
 )
 key_rows = st.sampled_from(KEYS).flatmap(
-    lambda k: st.tuples(st.just(k), st.just(repr(k)), ints, blobs)
+    lambda k: st.tuples(st.just(k), st.just(repr(k)), ints, blobs, st.integers(1, 5))
 )
 checkpoint_rows = st.builds(
     CheckpointRows,
@@ -303,7 +307,7 @@ class Model:
     """The spec, as plain dicts: what any store must load after the same operations."""
 
     def __init__(self) -> None:
-        self.keys: dict[bytes, tuple[int, bytes]] = {}
+        self.keys: dict[bytes, tuple[int, bytes, int]] = {}
         self.inputs: dict[int, tuple[bytes, bytes]] = {}
         self.runs: dict[int, tuple[bytes, int, bytes]] = {}
         self.outbox: dict[str, tuple[int, bytes]] = {}
@@ -314,8 +318,8 @@ class Model:
         self.restored: dict[str, Any] | None = None
 
     def write_checkpoint(self, r: CheckpointRows, triggered_at: float) -> dict[str, Any]:
-        for key, _text, nd, mem in r.keys:
-            self.keys[key] = (nd, mem)
+        for key, _text, nd, mem, version in r.keys:
+            self.keys[key] = (nd, mem, version)
         for seq, key, ev in r.new_inputs:
             self.inputs[seq] = (key, ev)
         for seq in r.done_inputs:
@@ -349,7 +353,7 @@ class Model:
 
     def loaded(self) -> Loaded:
         return Loaded(
-            keys=[(k, nd, mem) for k, (nd, mem) in sorted(self.keys.items())],
+            keys=[(k, nd, mem, v) for k, (nd, mem, v) in sorted(self.keys.items())],
             inputs=[(s, k, ev) for s, (k, ev) in sorted(self.inputs.items())],
             runs=[(s, k, b, j) for s, (k, b, j) in sorted(self.runs.items())],
             outbox=[(i, s, rec) for i, (s, rec) in self.outbox.items()],

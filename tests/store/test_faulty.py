@@ -18,7 +18,7 @@ DISK_ERRORS = (OSError, sqlite3.OperationalError)
 
 
 def keyed(n: int) -> CheckpointRows:
-    return CheckpointRows(keys=[(b"k", "k", n, b"m%d" % n)])
+    return CheckpointRows(keys=[(b"k", "k", n, b"m%d" % n, 1)])
 
 
 def test_it_is_a_checkpoint_store_and_a_fault_free_one_changes_nothing(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_chosen_calls_fail_before_anything_is_applied() -> None:
     ]
     assert store.injected == [("write_checkpoint", 2, "fail"), ("write_checkpoint", 3, "fail")]
     # The failed checkpoints left no trace: key k holds the 4th write, the 1st before it.
-    assert store.load().keys == [(b"k", 4, b"m4")]
+    assert store.load().keys == [(b"k", 4, b"m4", 1)]
     assert store.stats()["counts"]["completed"] == 2
 
 
@@ -56,7 +56,7 @@ def test_a_failure_after_the_call_applies_it_and_still_raises() -> None:
     store = FaultyStore(MemoryStore(), seed=0).fail("write_checkpoint", calls=[1], after=True)
     with pytest.raises(DISK_ERRORS):
         store.write_checkpoint(keyed(1), 1.0)
-    assert store.inner.load().keys == [(b"k", 1, b"m1")]  # it happened
+    assert store.inner.load().keys == [(b"k", 1, b"m1", 1)]  # it happened
     assert store.injected == [Injected("write_checkpoint", 1, "fail_after")]
 
 
@@ -135,7 +135,7 @@ def test_a_seed_is_drawn_when_none_is_given() -> None:
 @pytest.mark.parametrize(
     ("configure", "message"),
     [
-        (lambda s: s.fail("write", calls=[1]), r"cannot inject into 'write'; it wraps load, "),
+        (lambda s: s.fail("write", calls=[1]), r"cannot inject into 'write'; it wraps adopt, load, "),
         (lambda s: s.fail("load", rate=1.5), r"rate must be between 0 and 1, not 1.5"),
         (lambda s: s.fail("load", calls=[0, 2]), r"call numbers count from 1, got \[0, 2\]"),
         (lambda s: s.delay("load", (2.0, 1.0)), r"seconds must be >= 0 and low <= high"),

@@ -46,7 +46,7 @@ def run_embedded(
 
 def store_memory(store: MemoryStore) -> dict[Any, dict[str, Any]]:
     """Every key's committed memory in a MemoryStore."""
-    return {codec.decode(k): decode_memory(mem) for k, (_t, _nd, mem) in store.keys.items()}
+    return {codec.decode(k): decode_memory(mem) for k, (_t, _nd, mem, _v) in store.keys.items()}
 
 
 class FlinkSim:

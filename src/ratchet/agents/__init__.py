@@ -1,7 +1,7 @@
 """The agent front end: Agent, @action, events, RunnerContext, memory, and running them."""
 
 from ratchet._errors import ReplayedCallError
-from ratchet.agents._agent import Agent, action
+from ratchet.agents._agent import Agent, action, migration
 from ratchet.agents._context import RunnerContext
 from ratchet.agents._events import ErrorEvent, Event, InputEvent, OutputEvent
 from ratchet.agents._memory import MemoryObject
@@ -19,5 +19,6 @@ __all__ = [
     "RunnerContext",
     "action",
     "load_agent",
+    "migration",
     "run",
 ]

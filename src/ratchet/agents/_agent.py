@@ -6,14 +6,16 @@ import hashlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ratchet._errors import ConfigError
 from ratchet.agents._events import Event
+from ratchet.store._base import DispatchTable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ACTION_ATTR = "__ratchet_action__"
+_MIGRATION_ATTR = "__ratchet_migration__"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,28 @@ def action(
     return mark
 
 
+def migration(from_version: int) -> Callable[[F], F]:
+    """Mark a method `(self, memory)` that brings a key's memory from `from_version` to the next.
+
+    `memory` is the key's short-term memory (`get`/`set`/`delete`, as in actions). Each key is
+    migrated once, when its first run after the upgrade starts or by `ratchet migrate`; the
+    result is committed with the key, so a crash before that commit runs it again on the old
+    memory (keep it a function of the memory: no calls, no side effects that must not repeat).
+    """
+    if type(from_version) is not int or from_version < 1:
+        raise ConfigError(
+            f"@migration() takes the memory version it migrates from, an int >= 1; got "
+            f"{from_version!r}"
+        )
+
+    def mark(fn: F) -> F:
+        target = fn.__func__ if isinstance(fn, staticmethod | classmethod) else fn
+        setattr(target, _MIGRATION_ATTR, from_version)
+        return fn
+
+    return mark
+
+
 @dataclass(frozen=True)
 class ActionSpec:
     """One action of an agent, resolved for the engine."""
@@ -65,7 +89,13 @@ class Agent:
     Instance attributes are configuration, not state: they are not checkpointed, and
     a restart builds a fresh instance. Keep anything that must survive in
     `ctx.short_term_memory` (per key) or `ctx.sensory_memory` (per run).
+
+    `memory_version`: the layout version of this agent's short-term memory. Raise it when a
+    new version reads memory differently, and add `@migration(old)` methods that bring a
+    key's memory from each older version to the next (docs/runtime.md, "Upgrading an agent").
     """
+
+    memory_version: ClassVar[int] = 1
 
 
 class AgentSpec:
@@ -109,6 +139,32 @@ class AgentSpec:
             for i, a in enumerate(actions)
         )
         self._by_type: dict[type[Event], tuple[ActionSpec, ...]] = {}
+        self.memory_version = getattr(type(agent), "memory_version", 1)
+        if type(self.memory_version) is not int or self.memory_version < 1:
+            raise ConfigError(
+                f"{self.agent_name}.memory_version must be an int >= 1, not {self.memory_version!r}"
+            )
+        self.migrations: dict[int, Callable[..., Any]] = {}
+        for klass in reversed(type(agent).__mro__):
+            for attr, raw in vars(klass).items():
+                target = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
+                version = getattr(target, _MIGRATION_ATTR, None)
+                if version is None:
+                    continue
+                if version >= self.memory_version:
+                    raise ConfigError(
+                        f"{self.agent_name}.{attr} migrates from memory version {version}, but "
+                        f"the agent's memory_version is {self.memory_version}; a migration from "
+                        f"version v brings memory to v + 1, so raise memory_version to "
+                        f"{version + 1} (or fix the decorator's version)"
+                    )
+                other = self.migrations.get(version)
+                if other is not None and other.__name__ != attr:
+                    raise ConfigError(
+                        f"{self.agent_name} has two migrations from memory version {version} "
+                        f"({other.__name__} and {attr}); keep one"
+                    )
+                self.migrations[version] = getattr(agent, attr)
 
     def listeners(self, event_type: type[Event]) -> tuple[ActionSpec, ...]:
         """Actions on `event_type` (or a base class of it), in definition order."""
@@ -120,13 +176,18 @@ class AgentSpec:
             self._by_type[event_type] = found
         return found
 
+    def table(self) -> DispatchTable:
+        """Which action hears which events, in dispatch order: what replay depends on."""
+        return [(a.name, sorted(t.event_name for t in a.event_types)) for a in self.actions]
+
     def fingerprint(self) -> str:
-        """What a state directory must match: the action names and the event names they hear."""
-        text = ";".join(
-            f"{a.name}<-{','.join(sorted(t.event_name for t in a.event_types))}"
-            for a in self.actions
-        )
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        """A short name for the dispatch table (the action names and the events they hear)."""
+        return table_fingerprint(self.table())
 
     def describe(self) -> list[str]:
         return [f"{a.name}({', '.join(t.event_name for t in a.event_types)})" for a in self.actions]
+
+
+def table_fingerprint(table: DispatchTable) -> str:
+    text = ";".join(f"{name}<-{','.join(events)}" for name, events in table)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -10,11 +10,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
 from ratchet._errors import (
+    UPGRADE_FIXES,
     CheckpointError,
     CodecError,
+    IncompatibleChangeError,
     InternalError,
     InvalidTypeError,
+    MigrationError,
     NonDeterminismError,
+    RatchetError,
 )
 from ratchet.agents._agent import Agent, AgentSpec
 from ratchet.agents._events import (
@@ -32,6 +36,7 @@ from ratchet.runtime._dispatch import TaskCalls
 from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.runtime._metrics import KeyMetrics, Metrics
 from ratchet.store import codec
+from ratchet.store._base import AgentVersion, DispatchTable
 
 log = logging.getLogger("ratchet.agents")
 
@@ -111,6 +116,19 @@ class RunnerContext:
     def task_id(self) -> str:
         """This task's id: the same when it is replayed after a crash."""
         return self._task.task_id
+
+    def patched(self, change_id: str) -> bool:
+        """Branch changed code safely for runs in flight (docs/runtime.md, "Upgrading an agent").
+
+        `if ctx.patched("refund-v2"): new code; else: old code`. True for every execution
+        except one that repeats an earlier attempt of this task which got past this point
+        without the patch (its recorded durable calls are the old branch's): that one gets
+        False, and keeps getting False after any further crash, so it finishes on the path its
+        records came from. Call it where the action is not running calls concurrently.
+        """
+        if not isinstance(change_id, str) or not change_id:
+            raise InvalidTypeError(f"ctx.patched() takes a non-empty str id, got {change_id!r}")
+        return self._calls.patched(change_id)
 
     def send_event(self, event: Event) -> None:
         """Emit an event; it is delivered (or output) when this task commits."""
@@ -240,10 +258,11 @@ class RunnerContext:
         left = self._calls.unclaimed()
         if left:
             calls = ", ".join(f"#{r.idx} {r.fn} (argument digest {r.digest[:12]})" for r in left)
-            raise NonDeterminismError(
+            raise IncompatibleChangeError(
                 f"replay of key {self.key!r} input {self.seq}, task {self.task_id}: recorded "
                 f"durable call(s) {calls} were not made again; the action's calls changed since "
-                f"they were recorded (a call is matched by its function and arguments)"
+                f"they were recorded (a call is matched by its function and arguments). "
+                f"{UPGRADE_FIXES}"
             )
         return TaskResult(self._stm.ops, self._sensory.ops, list(self.events))
 
@@ -272,6 +291,10 @@ class AgentBinding:
         self.name = self.spec.agent_name
         self.fingerprint = self.spec.fingerprint()
         self.action_names = self.spec.describe()
+        self.memory_version = self.spec.memory_version
+        self.version = AgentVersion(
+            self.name, self.fingerprint, self.spec.table(), self.memory_version
+        )
         self.config = dict(config or {})
         self.metrics = Metrics()
         self._by_name = {a.name: a for a in self.spec.actions}
@@ -286,13 +309,66 @@ class AgentBinding:
         names = self._listeners.get(et)
         if names is None:
             names = self._listeners[et] = [a.name for a in self.spec.listeners(et)]
-        if names and issubclass(et, ErrorEvent):
-            # An action's own failure is not delivered back to it: a handler that raises on
-            # every error would otherwise receive its own error forever.
-            failed = event.fields.get("action")
-            if failed in names:
-                return [n for n in names if n != failed]
-        return names
+        return _not_to_itself(event, names)
+
+    def known_actions(self) -> list[str]:
+        return [a.name for a in self.spec.actions]
+
+    def pinned(
+        self, table: DispatchTable
+    ) -> tuple[Callable[[Emitted], list[str]], Callable[[Emitted], bool]]:
+        """Dispatch by an earlier version's table, for a run that started under it.
+
+        An event reaches the table's actions that hear its type or a base type (matched by
+        event name: the classes are this version's). Actions the agent no longer has are
+        listed too; the machine keeps them only where the run's journal holds them.
+        """
+        cache: dict[type, list[str]] = {}
+
+        def listeners(event: Emitted) -> list[str]:
+            et = event.cls
+            names = cache.get(et)
+            if names is None:
+                heard = {getattr(k, "event_name", None) for k in et.__mro__}
+                names = cache[et] = [n for n, evs in table if heard.intersection(evs)]
+            return _not_to_itself(event, names)
+
+        def is_output(event: Emitted) -> bool:
+            if issubclass(event.cls, OutputEvent):
+                return True
+            return issubclass(event.cls, ErrorEvent) and not listeners(event)
+
+        return listeners, is_output
+
+    def migrate(self, key: Any, memory: dict[str, Any], version: int) -> dict[str, Any]:
+        """`memory` of `key`, brought from `version` to `memory_version` by the migrations."""
+        migrations = self.spec.migrations
+        data = memory
+        while version < self.memory_version:
+            fn = migrations.get(version)
+            if fn is None:
+                raise MigrationError(
+                    f"key {key!r} has memory at version {version}, and {self.name} (memory_version "
+                    f"{self.memory_version}) has no @ratchet.migration({version}); add one that "
+                    f"brings version {version} to {version + 1}. Nothing of the key was changed"
+                )
+            buffer = MemoryBuffer(data, "short_term")
+            try:
+                fn(MemoryObject(buffer))
+            except RatchetError as exc:
+                raise MigrationError(
+                    f"the migration of key {key!r} from memory version {version} "
+                    f"({_fn_name(fn)}) failed: {exc}. Nothing of the key was changed"
+                ) from exc
+            except Exception as exc:  # noqa: BLE001 - the user's migration failed
+                raise MigrationError(
+                    f"the migration of key {key!r} from memory version {version} "
+                    f"({_fn_name(fn)}) raised {type(exc).__name__}: {exc}. Nothing of the key "
+                    f"was changed; fix the migration and run again"
+                ) from exc
+            data = buffer.data  # the base, untouched, or a copy with the writes applied
+            version += 1
+        return data
 
     def budget_output(self, key: Any, seq: int, dropped: int) -> Emitted:
         """What a run that used up its task budget reports, as an error output."""
@@ -400,6 +476,16 @@ class AgentBinding:
             _current.reset(token)
             _cancel_leftovers(task, children)
         return ctx._result()
+
+
+def _not_to_itself(event: Emitted, names: list[str]) -> list[str]:
+    if names and issubclass(event.cls, ErrorEvent):
+        # An action's own failure is not delivered back to it: a handler that raises on
+        # every error would otherwise receive its own error forever.
+        failed = event.fields.get("action")
+        if failed in names:
+            return [n for n in names if n != failed]
+    return names
 
 
 # Tasks an action creates inherit this contextvar; the task factory records them so the

@@ -19,13 +19,16 @@ from typing import Any, Protocol
 
 from ratchet._errors import InternalError, RatchetError
 from ratchet.runtime._machine import Output, Task, TaskResult
-from ratchet.store._base import CallRecord
+from ratchet.store._base import AgentVersion, CallRecord, DispatchTable
 
 INLINE = "inline"
 ASYNC = "async"
 THREAD = "thread"
 
 Outcome = TaskResult | RatchetError
+
+# The function name of a `ctx.patched` marker among a task's call records (digest: the id).
+PATCH_FN = "ratchet.patched"
 
 
 class Binding(Protocol):
@@ -34,8 +37,15 @@ class Binding(Protocol):
     name: str
     fingerprint: str
     action_names: list[str]
+    memory_version: int
+    version: AgentVersion
 
     def listeners(self, event: Any) -> list[str]: ...
+    def known_actions(self) -> list[str]: ...
+    def pinned(
+        self, table: DispatchTable
+    ) -> tuple[Callable[[Any], list[str]], Callable[[Any], bool]]: ...
+    def migrate(self, key: Any, memory: dict[str, Any], version: int) -> dict[str, Any]: ...
     def is_output(self, event: Any) -> bool: ...
     def action_mode(self, action: str) -> str: ...
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult: ...
@@ -72,6 +82,8 @@ class TaskCalls:
         "_writer",
         "_next",
         "_lock",
+        "_pending",
+        "_patches",
     )
 
     def __init__(
@@ -93,6 +105,8 @@ class TaskCalls:
         self._by_call: dict[tuple[str, str], list[CallRecord]] | None = None
         self._claimed: set[int] = set()
         self._lock: threading.Lock | None = None
+        self._pending: list[CallRecord] = []  # patch markers, written with the next record
+        self._patches: dict[str, bool] = {}
         if recorded:  # a replayed task: match calls to records (most tasks have none)
             self._lock = threading.Lock()
             self._by_call = {}
@@ -113,23 +127,62 @@ class TaskCalls:
             return next(self._next), None
 
     def unclaimed(self) -> list[CallRecord]:
-        """Recorded calls with a result that this task's code has not made again (so far)."""
+        """Recorded calls with a result that this task's code has not made again (so far).
+
+        Patch markers are not calls: a patch retired from the code leaves its markers unused."""
         if self._lock is None:
             return []
         with self._lock:
             return [
                 r
                 for idx, r in sorted(self._recorded.items())
-                if idx not in self._claimed and r.status in ("ok", "error")
+                if idx not in self._claimed and r.status in ("ok", "error") and r.fn != PATCH_FN
             ]
+
+    def patched(self, change_id: str) -> bool:
+        """Whether this execution takes the new branch of `change_id` (`ctx.patched`).
+
+        True, unless the task is re-executing an earlier attempt that got past this point
+        without the patch: recorded calls of it remain that this execution has not made again.
+        A True is recorded (a marker, written with the task's next call record: with no call
+        after it there is nothing a later attempt could disagree with), so a later attempt that
+        finds those calls recorded knows they came from the new branch.
+        """
+        decided = self._patches.get(change_id)
+        if decided is not None:
+            return decided
+        if self._lock is None or self._by_call is None:
+            decided = True
+        else:
+            with self._lock:
+                marks = self._by_call.get((PATCH_FN, change_id))
+                if marks:
+                    self._claimed.add(marks.pop(0).idx)
+                    self._patches[change_id] = True
+                    return True
+                decided = not any(
+                    idx not in self._claimed and r.fn != PATCH_FN
+                    for idx, r in self._recorded.items()
+                )
+        if decided:
+            self._pending.append(
+                CallRecord(
+                    self.seq, self.task_id, next(self._next), PATCH_FN, change_id, "ok", None
+                )
+            )
+        self._patches[change_id] = decided
+        return decided
 
     def write(
         self, idx: int, fn: str, digest: str, status: str, payload: bytes | None
     ) -> concurrent.futures.Future[None]:
         """Persist a record now (not at the next checkpoint); the future resolves once durable."""
-        return self._writer.put_call(
-            CallRecord(self.seq, self.task_id, idx, fn, digest, status, payload)
-        )
+        record = CallRecord(self.seq, self.task_id, idx, fn, digest, status, payload)
+        if not self._pending:
+            return self._writer.put_call(record)
+        marks, self._pending = self._pending, []
+        # Queued first, so a marker is never durable after the call it precedes.
+        return _all([*(self._writer.put_call(m) for m in marks), self._writer.put_call(record)])
 
 
 class CallJournal:
@@ -152,6 +205,28 @@ class CallJournal:
 
     def __len__(self) -> int:
         return len(self._by_task)
+
+
+def _all(futures: list[concurrent.futures.Future[None]]) -> concurrent.futures.Future[None]:
+    """A future that resolves when all of `futures` have, failing with the first failure."""
+    joined: concurrent.futures.Future[None] = concurrent.futures.Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(fut: concurrent.futures.Future[None]) -> None:
+        exc = fut.exception()
+        with lock:
+            left[0] -= 1
+            if joined.done():
+                return
+            if exc is not None:
+                joined.set_exception(exc)
+            elif left[0] == 0:
+                joined.set_result(None)
+
+    for fut in futures:
+        fut.add_done_callback(done)
+    return joined
 
 
 def _broken(task: Task, exc: BaseException) -> InternalError:

@@ -19,9 +19,12 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import (
+    UPGRADE_FIXES,
     BadInputError,
     CheckpointError,
     ConfigError,
+    IncompatibleChangeError,
+    NonDeterminismError,
     RatchetError,
     StateError,
 )
@@ -38,7 +41,7 @@ from ratchet.runtime._journal import (
 )
 from ratchet.runtime._machine import Delta, Machine, Output, RestoredRun, Task
 from ratchet.store import codec
-from ratchet.store._base import CallRecord, CheckpointRows, CheckpointStore
+from ratchet.store._base import Adopted, CallRecord, CheckpointRows, CheckpointStore
 
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
 
@@ -88,6 +91,34 @@ class EngineConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def check_upgrade(
+    binding: Binding, runs: list[RestoredRun], calls: list[CallRecord], adopted: Adopted
+) -> None:
+    """Refuse, before anything runs, a pinned run whose half-done task lost its action.
+
+    A task of a removed action is left out of a run that reaches it, unless it had already
+    made durable calls: dropping those would hide calls that happened.
+    """
+    if not adopted.pinned:
+        return
+    known = set(binding.known_actions())
+    by_seq = {r.seq: r for r in runs}
+    for rec in calls:
+        if rec.seq not in adopted.pinned:
+            continue
+        action = rec.task_id.rpartition(">")[2]
+        run = by_seq.get(rec.seq)
+        done = run is not None and any(e.task_id == rec.task_id for e in run.journal)
+        if action not in known and not done:
+            key = run.key if run is not None else "?"
+            raise IncompatibleChangeError(
+                f"key {key!r}, run of input {rec.seq}: task {rec.task_id} was in flight with "
+                f"recorded durable call {rec.fn} when the agent changed, and its action "
+                f"{action!r} was removed, so the task can neither finish nor be dropped "
+                f"silently. {UPGRADE_FIXES}"
+            )
 
 
 class _Writer(threading.Thread):
@@ -251,6 +282,9 @@ class Engine:
             self.config.max_concurrent_runs,
             self.config.max_tasks_per_run,
             binding.budget_output,
+            memory_version=binding.memory_version,
+            migrate=binding.migrate,
+            known_actions=binding.known_actions(),
         )
         self.stats = CheckpointStats()
         self.result = EngineResult()
@@ -288,12 +322,13 @@ class Engine:
     # -- restore ----------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        loaded = self.store.load()
         b = self.binding
+        adopted = self.store.adopt(b.version)
+        loaded = self.store.load()
         memories = {}
-        for k, nd, mem in loaded.keys:
+        for k, nd, mem, version in loaded.keys:
             key = decoded("keys", k, codec.decode, k)
-            memories[key] = (decoded("keys", key, decode_memory, mem), nd)
+            memories[key] = (decoded("keys", key, decode_memory, mem), nd, version)
         queued = []
         for seq, k, ev in loaded.inputs:
             key = decoded("inputs", f"input {seq}", codec.decode, k)
@@ -308,10 +343,20 @@ class Engine:
                 )
             key, event = inputs[seq]
             entries = decoded("runs", f"input {seq}", decode_journal, b, journal)
-            runs.append(RestoredRun(key, seq, event, base, entries))
+            run = RestoredRun(key, seq, event, base, entries)
+            table = adopted.pinned.get(seq)
+            if table is not None:
+                run.listeners, run.is_output = b.pinned(table)
+            runs.append(run)
         for rec in loaded.calls:
             self._calls.add(rec)
-        self.machine.restore(memories, runs, queued)
+        check_upgrade(b, runs, loaded.calls, adopted)
+        try:
+            self.machine.restore(memories, runs, queued)
+        except NonDeterminismError as exc:
+            if adopted.upgraded_from is None and not adopted.pinned:
+                raise
+            raise IncompatibleChangeError(f"{exc}. {UPGRADE_FIXES}") from exc
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
@@ -436,7 +481,11 @@ class Engine:
                 return
             seq = self._next_seq
             self._next_seq += 1
-            m.admit(rec.key, seq, self.binding.event_from_input(rec.value))
+            try:
+                m.admit(rec.key, seq, self.binding.event_from_input(rec.value))
+            except RatchetError as exc:  # a memory migration that failed, say
+                self._fail(exc)
+                return
             self.result.inputs += 1
             self._pump()
             admitted += 1
@@ -602,8 +651,8 @@ class Engine:
         enc = codec.encode
         b = self.binding
         rows = CheckpointRows(source=position, released=released)
-        for key, (memory, next_dispatch) in delta.keys.items():
-            rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory)))
+        for key, (memory, next_dispatch, version) in delta.keys.items():
+            rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory), version))
         for seq, (key, event) in delta.new_inputs.items():
             rows.new_inputs.append((seq, enc(key), encode_event(b, event)))
         rows.done_inputs = list(delta.done_inputs)

@@ -84,10 +84,15 @@ class Run:
     sensory: dict[str, Any] = field(default_factory=dict)
     journal: list[JournalEntry] = field(default_factory=list)
     replay: dict[str, JournalEntry] | None = None
+    # A run that started under an earlier agent version keeps that version's dispatch
+    # (None: the machine's own); see `RestoredRun.listeners`.
+    listeners: Callable[[Any], Sequence[str]] | None = None
+    is_output: Callable[[Any], bool] | None = None
     fifo: deque[Task] = field(default_factory=deque)
     executed: int = 0
     skipped: int = 0
     dropped: int = 0  # dispatches refused once the run used up its task budget
+    retired: int = 0  # dispatches to actions the agent no longer has (a pinned run's)
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,6 +111,7 @@ class Output:
 class KeyState:
     memory: dict[str, Any]
     next_dispatch: int = 0
+    version: int = 1  # the memory's layout version (memory migrations bring it up)
     queue: deque[tuple[int, Any]] = field(default_factory=deque)
     run: Run | None = None
 
@@ -119,13 +125,16 @@ class RestoredRun:
     input_event: Any
     base_dispatch: int
     journal: list[JournalEntry]
+    # Set for a run that started under an earlier agent version: that version's dispatch.
+    listeners: Callable[[Any], Sequence[str]] | None = None
+    is_output: Callable[[Any], bool] | None = None
 
 
 @dataclass(slots=True)
 class Delta:
     """What changed since the last capture: the content of one incremental checkpoint."""
 
-    keys: dict[Any, tuple[dict[str, Any], int]] = field(default_factory=dict)
+    keys: dict[Any, tuple[dict[str, Any], int, int]] = field(default_factory=dict)
     new_inputs: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     done_inputs: set[int] = field(default_factory=set)
     runs: dict[int, RestoredRun] = field(default_factory=dict)
@@ -157,6 +166,12 @@ class Machine:
     A run may dispatch at most `max_tasks_per_run` tasks (an event loop in an agent must not
     grow state without bound); past that its further events are not delivered and, when it
     completes, `budget_output(key, seq, dropped)` gives an event reported as its output.
+
+    Upgrades: a run restored with its own `listeners` (it started under an earlier agent
+    version) dispatches by them, except to actions not in `known_actions` that its journal
+    does not hold (retired actions). `memory_version` is the layout new and migrated keys
+    have; a run that starts afresh on a key with an older one first has
+    `migrate(key, memory, version)` bring it up (a run resuming a journal keeps its memory).
     """
 
     def __init__(
@@ -166,6 +181,10 @@ class Machine:
         max_concurrent_runs: int = 64,
         max_tasks_per_run: int = 10_000,
         budget_output: Callable[[Any, int, int], Any] | None = None,
+        *,
+        memory_version: int = 1,
+        migrate: Callable[[Any, dict[str, Any], int], dict[str, Any]] | None = None,
+        known_actions: Iterable[str] | None = None,
     ) -> None:
         if max_concurrent_runs < 1:
             raise InvalidArgumentError(
@@ -177,6 +196,9 @@ class Machine:
             )
         self.max_tasks_per_run = max_tasks_per_run
         self._budget_output = budget_output
+        self.memory_version = memory_version
+        self._migrate = migrate
+        self._known = frozenset(known_actions) if known_actions is not None else None
         self._listeners = listeners
         self._is_output = is_output
         self.max_concurrent_runs = max_concurrent_runs
@@ -200,7 +222,7 @@ class Machine:
         """Take one input. Its run starts now if the key is idle and a run slot is free."""
         ks = self.keys.get(key)
         if ks is None:
-            ks = self.keys[key] = KeyState(memory={})
+            ks = self.keys[key] = KeyState(memory={}, version=self.memory_version)
         self.buffered_inputs += 1
         self._delta.new_inputs[seq] = (key, input_event)
         was_empty = not ks.queue
@@ -211,19 +233,24 @@ class Machine:
 
     def restore(
         self,
-        memories: dict[Any, tuple[dict[str, Any], int]],
+        memories: dict[Any, tuple[Any, ...]],
         runs: Iterable[RestoredRun],
         queued: Iterable[tuple[int, Any, Any]],
     ) -> None:
-        """Load a checkpoint: in-flight runs go first, in dispatch order, before queued inputs."""
+        """Load a checkpoint: in-flight runs go first, in dispatch order, before queued inputs.
+
+        `memories`: key -> (memory, next dispatch[, memory version]); without a version the
+        memory is taken to be at `memory_version`.
+        """
         if self.keys:
             raise InternalError("restore() on a machine that already has state")
-        for key, (memory, next_dispatch) in memories.items():
-            self.keys[key] = KeyState(memory=memory, next_dispatch=next_dispatch)
+        for key, (memory, next_dispatch, *version) in memories.items():
+            v = version[0] if version else self.memory_version
+            self.keys[key] = KeyState(memory=memory, next_dispatch=next_dispatch, version=v)
         restored = sorted(runs, key=lambda r: (r.base_dispatch, r.seq))
         in_flight = {r.seq for r in restored}
         for r in restored:
-            ks = self.keys.setdefault(r.key, KeyState(memory={}))
+            ks = self.keys.setdefault(r.key, KeyState(memory={}, version=self.memory_version))
             if ks.run is not None or ks.queue:
                 raise InternalError(f"two in-flight runs for key {r.key!r} in one checkpoint")
             ks.queue.append((r.seq, r.input_event))
@@ -231,7 +258,7 @@ class Machine:
         for seq, key, event in sorted(queued, key=lambda q: q[0]):
             if seq in in_flight:
                 continue
-            ks = self.keys.setdefault(key, KeyState(memory={}))
+            ks = self.keys.setdefault(key, KeyState(memory={}, version=self.memory_version))
             ks.queue.append((seq, event))
             self.buffered_inputs += 1
         # Start restored runs ahead of everything else, even past the concurrency cap:
@@ -243,7 +270,7 @@ class Machine:
                 raise InternalError(
                     f"in-flight run {r.seq} of key {r.key!r} is not its oldest input"
                 )
-            self._start_run(r.key, ks, base=r.base_dispatch, journal=r.journal)
+            self._start_run(r.key, ks, base=r.base_dispatch, journal=r.journal, pinned=r)
         waiting = sorted(
             (ks.queue[0][0], key) for key, ks in self.keys.items() if ks.run is None and ks.queue
         )
@@ -289,9 +316,10 @@ class Machine:
         )
         run.journal.append(entry)
         self._dirty_runs.add(run.seq)
+        is_output = run.is_output or self._is_output
         for index, event in enumerate(res.events):
             event_id = f"{task.task_id}.{index}"
-            if self._is_output(event):
+            if is_output(event):
                 if not task.replayed:
                     out = Output(
                         id=f"{run.key}:{run.seq}:{task.task_id}:{index}",
@@ -310,16 +338,23 @@ class Machine:
         if len(event_id) > MAX_TASK_ID:
             digest = hashlib.blake2b(event_id.encode(), digest_size=12).hexdigest()
             event_id = f"~{digest}"
-        for action_name in self._listeners(event):
+        listeners = run.listeners or self._listeners
+        for action_name in listeners(event):
             if run.next_dispatch - run.base_dispatch >= self.max_tasks_per_run:
                 run.dropped += 1
                 continue
             task_id = f"{event_id}>{action_name}"
+            entry = run.replay.pop(task_id, None) if run.replay else None
+            if entry is None and self._known is not None and action_name not in self._known:
+                # A run of an earlier agent version reached an action this version removed.
+                # Its journal is a prefix of its dispatches, so nothing journaled follows: no
+                # recorded index moves by leaving the task out.
+                run.retired += 1
+                continue
             index = run.next_dispatch
             run.next_dispatch += 1
             task = Task(run, task_id, action_name, event, index, run.stm, run.sensory)
             run.fifo.append(task)
-            entry = run.replay.pop(task_id, None) if run.replay else None
             if entry is not None:
                 if entry.dispatch_index != index:
                     raise NonDeterminismError(
@@ -350,10 +385,22 @@ class Machine:
                 self._start_run(key, ks, base=ks.next_dispatch, journal=None)
 
     def _start_run(
-        self, key: Any, ks: KeyState, base: int, journal: list[JournalEntry] | None
+        self,
+        key: Any,
+        ks: KeyState,
+        base: int,
+        journal: list[JournalEntry] | None,
+        pinned: RestoredRun | None = None,
     ) -> None:
+        if not journal and ks.version < self.memory_version and self._migrate is not None:
+            # Before anything of the run exists: a migration that raises leaves no trace.
+            ks.memory = self._migrate(key, ks.memory, ks.version)
+            ks.version = self.memory_version
+            self._delta.keys[key] = (ks.memory, ks.next_dispatch, ks.version)
         seq, event = ks.queue[0]
         run = Run(key, seq, event, base, base, ks.memory)
+        if pinned is not None:
+            run.listeners, run.is_output = pinned.listeners, pinned.is_output
         if journal:
             run.replay = {e.task_id: e for e in journal}
         ks.run = run
@@ -393,7 +440,7 @@ class Machine:
         self.buffered_inputs -= 1
         self.completed.append(run)
         d = self._delta
-        d.keys[run.key] = (ks.memory, ks.next_dispatch)
+        d.keys[run.key] = (ks.memory, ks.next_dispatch, ks.version)
         self._dirty_runs.discard(run.seq)
         d.completed.add(run.seq)
         if d.new_inputs.pop(run.seq, None) is None:
@@ -414,7 +461,13 @@ class Machine:
                 run = ks.run
                 if run is not None and run.seq in dirty:
                     d.runs[run.seq] = RestoredRun(
-                        run.key, run.seq, run.input_event, run.base_dispatch, list(run.journal)
+                        run.key,
+                        run.seq,
+                        run.input_event,
+                        run.base_dispatch,
+                        list(run.journal),
+                        run.listeners,
+                        run.is_output,
                     )
         return d
 
@@ -451,7 +504,9 @@ class Machine:
         """
         if key in self.keys:
             raise InternalError(f"load_key({key!r}): the key is already loaded")
-        ks = self.keys[key] = KeyState(memory=memory, next_dispatch=next_dispatch)
+        ks = self.keys[key] = KeyState(
+            memory=memory, next_dispatch=next_dispatch, version=self.memory_version
+        )
         items = sorted(queued, key=lambda q: q[0])
         if run is not None:
             if run.key != key:
@@ -470,7 +525,7 @@ class Machine:
             self.buffered_inputs += 1
         if run is not None:
             # A restored run held a slot when its state was saved: it starts past the cap.
-            self._start_run(key, ks, base=run.base_dispatch, journal=run.journal)
+            self._start_run(key, ks, base=run.base_dispatch, journal=run.journal, pinned=run)
         elif ks.queue:
             self._ready.append(key)
             self._fill_slots()

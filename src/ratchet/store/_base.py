@@ -12,13 +12,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ratchet._errors import StateError
+
 
 @dataclass
 class CheckpointRows:
     """One checkpoint, already encoded: applied all at once or not at all."""
 
-    # (encoded key, key as text, next dispatch index, encoded memory)
-    keys: list[tuple[bytes, str, int, bytes]] = field(default_factory=list)
+    # (encoded key, key as text, next dispatch index, encoded memory, memory version)
+    keys: list[tuple[bytes, str, int, bytes, int]] = field(default_factory=list)
     # (input seq, encoded key, encoded event): inputs admitted since the last checkpoint
     new_inputs: list[tuple[int, bytes, bytes]] = field(default_factory=list)
     # input seqs whose runs completed: their input and run rows go
@@ -35,7 +37,7 @@ class CheckpointRows:
     source: dict[str, Any] = field(default_factory=dict)
 
     def size(self) -> int:
-        n = sum(len(k) + len(t) + 8 + len(m) for k, t, _, m in self.keys)
+        n = sum(len(k) + len(t) + 16 + len(m) for k, t, _, m, _v in self.keys)
         n += sum(8 + len(k) + len(e) for _, k, e in self.new_inputs)
         n += sum(8 + len(k) + 8 + len(j) for _, k, _, j in self.runs)
         n += sum(len(i) + 8 + len(r) for i, _, r in self.outbox)
@@ -59,7 +61,8 @@ class CallRecord:
 class Loaded:
     """Everything a restore needs, still encoded, in the order the engine restores it."""
 
-    keys: list[tuple[bytes, int, bytes]]  # (key, next dispatch, memory), by key bytes
+    # (key, next dispatch, memory, memory version), by key bytes
+    keys: list[tuple[bytes, int, bytes, int]]
     inputs: list[tuple[int, bytes, bytes]]  # (seq, key, event), by seq
     runs: list[tuple[int, bytes, int, bytes]]  # (seq, key, base dispatch, journal), by seq
     # (id, seq, record), in the order first written: the order the outputs were emitted
@@ -69,9 +72,67 @@ class Loaded:
     stats: dict[str, Any]
 
 
+# (action name, sorted names of the events it hears), in dispatch order
+DispatchTable = list[tuple[str, list[str]]]
+
+
+@dataclass
+class AgentVersion:
+    """What a store records of the agent that runs on it (`adopt`)."""
+
+    name: str
+    fingerprint: str
+    table: DispatchTable
+    memory_version: int = 1
+
+
+@dataclass
+class Adopted:
+    """What `adopt` found: runs in flight that started under another dispatch table."""
+
+    # input seq -> the dispatch table its run started with (runs of the current table absent)
+    pinned: dict[int, DispatchTable] = field(default_factory=dict)
+    # the previous agent's fingerprint when this adoption changed it, else None
+    upgraded_from: str | None = None
+
+
+def check_adoption(
+    where: str,
+    stored_name: str | None,
+    stored_table: DispatchTable | None,
+    agent: AgentVersion,
+    highest_memory_version: int,
+) -> None:
+    """Refuse what no upgrade rule covers: another agent's state, or a memory downgrade."""
+    if stored_name is not None and stored_name != agent.name and stored_table is not None:
+        shared = {n for n, _ in stored_table} & {n for n, _ in agent.table}
+        if not shared:
+            raise StateError(
+                f"{where} belongs to agent {stored_name} (actions "
+                f"{[n for n, _ in stored_table]}); {agent.name} has none of those actions "
+                f"({[n for n, _ in agent.table]}), so it is another agent, not a new version of "
+                f"it; pass the agent that owns this state, or use a new --state"
+            )
+    if highest_memory_version > agent.memory_version:
+        raise StateError(
+            f"{where} holds memory at memory_version {highest_memory_version}, and {agent.name} "
+            f"declares memory_version {agent.memory_version}: memory is never migrated "
+            f"backwards; run the agent version that wrote it (or a newer one), or restore a "
+            f"savepoint taken before the upgrade"
+        )
+
+
 @runtime_checkable
 class CheckpointStore(Protocol):
     """What an engine needs from durable state. Called from one thread at a time."""
+
+    def adopt(self, agent: AgentVersion) -> Adopted:
+        """Record `agent` as the one running on this state, before `load`.
+
+        When its dispatch table differs from the stored one, runs in flight keep the table
+        they started with (returned in `pinned`, and kept until they complete). Refuses
+        another agent's state and memory newer than `agent.memory_version`. Atomic."""
+        ...
 
     def load(self) -> Loaded:
         """The state of the latest completed checkpoint plus every call record written since."""

@@ -34,11 +34,19 @@ from typing import Any, NamedTuple, TypeVar
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError
-from ratchet.store._base import CallRecord, CheckpointRows, CheckpointStore, Loaded
+from ratchet.store._base import (
+    Adopted,
+    AgentVersion,
+    CallRecord,
+    CheckpointRows,
+    CheckpointStore,
+    Loaded,
+)
 
 T = TypeVar("T")
 
 METHODS = (
+    "adopt",
     "load",
     "write_checkpoint",
     "put_calls",
@@ -193,6 +201,9 @@ class FaultyStore:
         return result
 
     # -- the store protocol -----------------------------------------------------------------
+
+    def adopt(self, agent: AgentVersion) -> Adopted:
+        return self._call("adopt", lambda: self.inner.adopt(agent))
 
     def load(self) -> Loaded:
         return self._call("load", self.inner.load)

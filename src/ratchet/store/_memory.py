@@ -13,7 +13,15 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.store import codec
-from ratchet.store._base import CallRecord, CheckpointRows, Loaded
+from ratchet.store._base import (
+    Adopted,
+    AgentVersion,
+    CallRecord,
+    CheckpointRows,
+    DispatchTable,
+    Loaded,
+    check_adoption,
+)
 
 _KEEP_CHECKPOINT_STATS = 100
 
@@ -23,7 +31,7 @@ class MemoryStore:
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
-        self.keys: dict[bytes, tuple[str, int, bytes]] = {}
+        self.keys: dict[bytes, tuple[str, int, bytes, int]] = {}
         self.inputs: dict[int, tuple[bytes, bytes]] = {}
         self.runs: dict[int, tuple[bytes, int, bytes]] = {}
         self.outbox: dict[str, tuple[int, bytes]] = {}
@@ -34,10 +42,38 @@ class MemoryStore:
         self.latest_restored: dict[str, Any] | None = None
         self.next_checkpoint_id = 1
         self.closed = False
+        # The agent: name, current table and fingerprint, and the tables of pinned runs.
+        self.agent_name: str | None = None
+        self.fingerprint: str | None = None
+        self.table: DispatchTable | None = None
+        self.memory_version = 1
+        self.pins: dict[int, str] = {}
+        self.versions: dict[str, DispatchTable] = {}
+
+    def adopt(self, agent: AgentVersion) -> Adopted:
+        highest = max((v for *_rest, v in self.keys.values()), default=0)
+        check_adoption("the state", self.agent_name, self.table, agent, highest)
+        pins = {s: fp for s, fp in self.pins.items() if s in self.runs}
+        versions = dict(self.versions)
+        upgraded_from = None
+        if self.fingerprint is not None and self.fingerprint != agent.fingerprint:
+            upgraded_from = self.fingerprint
+            if self.table is not None:
+                versions.setdefault(self.fingerprint, self.table)
+            for seq in self.runs:
+                pins.setdefault(seq, self.fingerprint)
+        pins = {s: fp for s, fp in pins.items() if fp != agent.fingerprint}
+        self.versions = {fp: t for fp, t in versions.items() if fp in set(pins.values())}
+        self.pins = pins
+        self.agent_name, self.fingerprint = agent.name, agent.fingerprint
+        self.table, self.memory_version = copy.deepcopy(agent.table), agent.memory_version
+        return Adopted(
+            {s: copy.deepcopy(self.versions[fp]) for s, fp in pins.items()}, upgraded_from
+        )
 
     def load(self) -> Loaded:
         return Loaded(
-            keys=[(k, nd, mem) for k, (_t, nd, mem) in sorted(self.keys.items())],
+            keys=[(k, nd, mem, v) for k, (_t, nd, mem, v) in sorted(self.keys.items())],
             inputs=[(seq, k, ev) for seq, (k, ev) in sorted(self.inputs.items())],
             runs=[(seq, k, base, j) for seq, (k, base, j) in sorted(self.runs.items())],
             outbox=[(i, seq, rec) for i, (seq, rec) in self.outbox.items()],
@@ -51,8 +87,8 @@ class MemoryStore:
         # Applied to copies and swapped in at the end: a bad row leaves nothing half-applied.
         keys, inputs, runs = dict(self.keys), dict(self.inputs), dict(self.runs)
         outbox, calls, source = dict(self.outbox), dict(self.calls), self.source
-        for key, text, next_dispatch, memory in rows.keys:
-            keys[key] = (text, next_dispatch, memory)
+        for key, text, next_dispatch, memory, version in rows.keys:
+            keys[key] = (text, next_dispatch, memory, version)
         for seq, key, event in rows.new_inputs:
             inputs[seq] = (key, event)
         for seq in rows.done_inputs:

@@ -23,7 +23,15 @@ from typing import Any
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import StateError
 from ratchet.store import codec
-from ratchet.store._base import CallRecord, CheckpointRows, Loaded
+from ratchet.store._base import (
+    Adopted,
+    AgentVersion,
+    CallRecord,
+    CheckpointRows,
+    DispatchTable,
+    Loaded,
+    check_adoption,
+)
 from ratchet.store._files import fsync_dir
 
 DB_NAME = "ratchet.db"
@@ -52,6 +60,12 @@ _MIGRATIONS: list[tuple[str, ...]] = [
     ),
     (  # 2: `ratchet inspect --key` looks keys up by their text (it scanned the table)
         "CREATE INDEX keys_by_text ON keys(key_text)",
+    ),
+    (  # 3: per-key memory versions (memory migrations); runs abandoned by `ratchet runs abandon`
+        "ALTER TABLE keys ADD COLUMN memory_version INTEGER NOT NULL DEFAULT 1",
+        """CREATE TABLE dead_letters(
+            id INTEGER PRIMARY KEY, key BLOB NOT NULL, key_text TEXT NOT NULL,
+            seq INTEGER NOT NULL, event BLOB NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL)""",
     ),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -117,7 +131,9 @@ class SqliteStore:
         synchronous: str = "NORMAL",
         clock: Clock = SYSTEM_CLOCK,
     ) -> SqliteStore:
-        """Open or create the state of `agent_name`; refuse state that does not belong to it."""
+        """Open or create the state of `agent_name` (a new state records it as its agent).
+
+        Whether the state belongs to the agent, and what an upgrade changes, is `adopt`'s."""
         sdir = Path(state_dir)
         if sdir.exists() and not sdir.is_dir():
             raise StateError(f"--state {sdir} exists and is not a directory")
@@ -141,9 +157,8 @@ class SqliteStore:
         store = cls(conn, path, clock)
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
         try:
-            # Refuse another agent's (or a newer ratchet's) state before changing anything.
+            # Refuse a newer ratchet's state before changing anything.
             store._schema_version()
-            store._check_owner(agent_name, agent_fingerprint, actions)
             store._migrate()
         except BaseException:
             conn.close()
@@ -340,15 +355,77 @@ class SqliteStore:
                 f"ratchet version that wrote it"
             ) from exc
 
-    def _check_owner(self, agent_name: str, fingerprint: str, actions: list[str]) -> None:
-        stored = self.meta("agent_fingerprint")
-        if stored != fingerprint:
-            raise StateError(
-                f"{self.path} belongs to agent {self.meta('agent_name')} with actions "
-                f"{self.meta('actions')}; the agent now has actions {actions} ({agent_name}). "
-                f"Journals name actions, so this state cannot be replayed safely; restore the "
-                f"old actions or use a new --state"
-            )
+    def _meta_or(self, name: str, default: Any) -> Any:
+        row = self.conn.execute("SELECT 1 FROM meta WHERE name = ?", (name,)).fetchone()
+        return default if row is None else self.meta(name)
+
+    def stored_table(self) -> DispatchTable | None:
+        """The dispatch table of the agent last recorded (states before schema 3 kept only
+        `actions`, as 'name(Event, ...)' strings; the table is read back from those)."""
+        table = self._meta_or("dispatch_table", None)
+        if table is not None:
+            return [(str(n), [str(e) for e in evs]) for n, evs in table]
+        described = self._meta_or("actions", None)
+        if not isinstance(described, list):
+            return None
+        out: DispatchTable = []
+        for text in described:
+            name, _, rest = str(text).partition("(")
+            events = [e.strip() for e in rest.rstrip(")").split(",") if e.strip()]
+            out.append((name, sorted(events)))
+        return out
+
+    def adopt(self, agent: AgentVersion) -> Adopted:
+        """Record `agent` as this state's agent; pin runs in flight to the table they started
+        with when it changes. One transaction (see `CheckpointStore.adopt`)."""
+        try:
+            with self._transaction() as c:
+                name = self._meta_or("agent_name", None)
+                fingerprint = self._meta_or("agent_fingerprint", None)
+                table = self.stored_table()
+                highest = c.execute("SELECT MAX(memory_version) FROM keys").fetchone()[0] or 0
+                check_adoption(str(self.path), name, table, agent, highest)
+                versions: dict[str, DispatchTable] = {
+                    fp: [(n, list(e)) for n, e in t]
+                    for fp, t in self._meta_or("agent_versions", {}).items()
+                }
+                pins: dict[int, str] = {
+                    int(s): fp for s, fp in self._meta_or("pinned_runs", {}).items()
+                }
+                live = {row[0] for row in c.execute("SELECT seq FROM runs")}
+                pins = {s: fp for s, fp in pins.items() if s in live}
+                upgraded_from = None
+                if fingerprint is not None and fingerprint != agent.fingerprint:
+                    upgraded_from = fingerprint
+                    if table is not None:
+                        versions.setdefault(fingerprint, table)
+                    for s in live:
+                        pins.setdefault(s, fingerprint)
+                    history = list(self._meta_or("upgrades", []))[-19:]
+                    history.append(
+                        {"from": fingerprint, "to": agent.fingerprint, "at": self.clock.now()}
+                    )
+                    self._set_meta("upgrades", history)
+                pins = {s: fp for s, fp in pins.items() if fp != agent.fingerprint}
+                missing = sorted({fp for fp in pins.values() if fp not in versions})
+                if missing:
+                    raise StateError(
+                        f"{self.path}: runs in flight started under agent version(s) {missing}, "
+                        f"whose dispatch tables the state does not hold; it was left untouched; "
+                        f"restore the state from a backup or use a new --state"
+                    )
+                versions = {fp: t for fp, t in versions.items() if fp in set(pins.values())}
+                versions[agent.fingerprint] = agent.table
+                self._set_meta("agent_name", agent.name)
+                self._set_meta("agent_fingerprint", agent.fingerprint)
+                self._set_meta("actions", describe_table(agent.table))
+                self._set_meta("dispatch_table", agent.table)
+                self._set_meta("memory_version", agent.memory_version)
+                self._set_meta("agent_versions", versions)
+                self._set_meta("pinned_runs", {str(s): fp for s, fp in pins.items()})
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{self.path} could not be updated ({exc})") from exc
+        return Adopted({s: versions[fp] for s, fp in pins.items()}, upgraded_from)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -371,7 +448,7 @@ class SqliteStore:
         try:
             return Loaded(
                 keys=c.execute(
-                    "SELECT key, next_dispatch, memory FROM keys ORDER BY key"
+                    "SELECT key, next_dispatch, memory, memory_version FROM keys ORDER BY key"
                 ).fetchall(),
                 inputs=c.execute("SELECT seq, key, event FROM inputs ORDER BY seq").fetchall(),
                 runs=c.execute(
@@ -451,9 +528,10 @@ class SqliteStore:
             checkpoint_id = self.meta("next_checkpoint_id")
             if rows.keys:
                 c.executemany(
-                    "INSERT INTO keys(key, key_text, next_dispatch, memory) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT(key) DO UPDATE SET key_text = excluded.key_text, "
-                    "next_dispatch = excluded.next_dispatch, memory = excluded.memory",
+                    "INSERT INTO keys(key, key_text, next_dispatch, memory, memory_version) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+                    "key_text = excluded.key_text, next_dispatch = excluded.next_dispatch, "
+                    "memory = excluded.memory, memory_version = excluded.memory_version",
                     rows.keys,
                 )
             if rows.new_inputs:
@@ -558,3 +636,8 @@ class SqliteStore:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def describe_table(table: DispatchTable) -> list[str]:
+    """A dispatch table as `ratchet status` shows it: 'name(Event, ...)' per action."""
+    return [f"{name}({', '.join(events)})" for name, events in table]

@@ -113,6 +113,13 @@ class RunnerContext:
         return self._task.run.seq
 
     @property
+    def memory_version(self) -> int:
+        """The layout version of the memory this task sees: the agent's `memory_version`,
+        except in a run that was in flight across an upgrade (it finishes on the memory it
+        started with; the key is migrated when its next run starts)."""
+        return self._task.run.memory_version
+
+    @property
     def task_id(self) -> str:
         """This task's id: the same when it is replayed after a crash."""
         return self._task.task_id

@@ -35,6 +35,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="append to an --output file that holds another job's outputs (refused otherwise)",
     )
     run.add_argument("--state", required=True, help="state directory (created if missing)")
+    run.add_argument(
+        "--from-savepoint",
+        default=None,
+        metavar="PATH",
+        help="start the job from a savepoint (`ratchet savepoint`): --state must be new or "
+        "empty; the savepoint's state is restored into it first",
+    )
     run.add_argument("--key", default="key", help="input field that holds the key (default: key)")
     run.add_argument("--follow", action="store_true", help="keep reading new lines (unbounded job)")
     run.add_argument(
@@ -76,7 +83,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sup.add_argument("--rest-host", default="127.0.0.1", help="default 127.0.0.1")
     run.set_defaults(func=cmd_run)
     _RUN_PARSER = run
-    _SUPERVISION_DESTS = frozenset(a.dest for a in sup._group_actions)
+    # A worker restarts on the state the first start restored: the savepoint is not its flag.
+    _SUPERVISION_DESTS = frozenset(a.dest for a in sup._group_actions) | {"from_savepoint"}
 
     status = sub.add_parser(
         "status", help="checkpoints, in-flight runs and queued inputs of a state"
@@ -98,6 +106,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
+
+    from ratchet.cli import _upgrade
+
+    _upgrade.register(sub)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -237,6 +249,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # Refused before anything is created (the supervisor creates the state directory).
     check_output_path(args.output)
+    if args.from_savepoint is not None:
+        from pathlib import Path
+
+        from ratchet.runtime._savepoints import restore_savepoint
+
+        restore_savepoint(Path(args.from_savepoint), Path(args.state))
+        print(
+            f"ratchet: restored savepoint {args.from_savepoint} into {args.state}",
+            file=sys.stderr,
+        )
     if args.supervise:
         if args.rest_port is not None:
             from ratchet.runtime._supervisor import require_rest_server

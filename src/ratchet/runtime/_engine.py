@@ -323,7 +323,7 @@ class Engine:
 
     def _restore(self) -> None:
         b = self.binding
-        adopted = self.store.adopt(b.version)
+        adopted = self.store.adopt(b.version, dry_run=True)
         loaded = self.store.load()
         memories = {}
         for k, nd, mem, version in loaded.keys:
@@ -344,9 +344,10 @@ class Engine:
             key, event = inputs[seq]
             entries = decoded("runs", f"input {seq}", decode_journal, b, journal)
             run = RestoredRun(key, seq, event, base, entries)
-            table = adopted.pinned.get(seq)
-            if table is not None:
-                run.listeners, run.is_output = b.pinned(table)
+            pinned = adopted.pinned.get(seq)
+            if pinned is not None:
+                run.listeners, run.is_output = b.pinned(pinned.table)
+                run.memory_version = pinned.memory_version
             runs.append(run)
         for rec in loaded.calls:
             self._calls.add(rec)
@@ -357,6 +358,8 @@ class Engine:
             if adopted.upgraded_from is None and not adopted.pinned:
                 raise
             raise IncompatibleChangeError(f"{exc}. {UPGRADE_FIXES}") from exc
+        # The runs in flight replay under this agent (and keys starting now migrated): adopt.
+        self.store.adopt(b.version)
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record

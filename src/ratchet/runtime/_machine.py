@@ -93,6 +93,7 @@ class Run:
     skipped: int = 0
     dropped: int = 0  # dispatches refused once the run used up its task budget
     retired: int = 0  # dispatches to actions the agent no longer has (a pinned run's)
+    memory_version: int = 1  # the layout of the memory this run reads and writes
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,9 +126,11 @@ class RestoredRun:
     input_event: Any
     base_dispatch: int
     journal: list[JournalEntry]
-    # Set for a run that started under an earlier agent version: that version's dispatch.
+    # Set for a run that started under an earlier agent version: that version's dispatch,
+    # and the memory layout it started on (a key with no committed memory yet gets it).
     listeners: Callable[[Any], Sequence[str]] | None = None
     is_output: Callable[[Any], bool] | None = None
+    memory_version: int | None = None
 
 
 @dataclass(slots=True)
@@ -244,13 +247,14 @@ class Machine:
         """
         if self.keys:
             raise InternalError("restore() on a machine that already has state")
-        for key, (memory, next_dispatch, *version) in memories.items():
-            v = version[0] if version else self.memory_version
+        for key, (memory, next_dispatch, *stored) in memories.items():
+            v = stored[0] if stored else self.memory_version
             self.keys[key] = KeyState(memory=memory, next_dispatch=next_dispatch, version=v)
         restored = sorted(runs, key=lambda r: (r.base_dispatch, r.seq))
         in_flight = {r.seq for r in restored}
         for r in restored:
-            ks = self.keys.setdefault(r.key, KeyState(memory={}, version=self.memory_version))
+            v = r.memory_version if r.memory_version is not None else self.memory_version
+            ks = self.keys.setdefault(r.key, KeyState(memory={}, version=v))
             if ks.run is not None or ks.queue:
                 raise InternalError(f"two in-flight runs for key {r.key!r} in one checkpoint")
             ks.queue.append((r.seq, r.input_event))
@@ -399,6 +403,7 @@ class Machine:
             self._delta.keys[key] = (ks.memory, ks.next_dispatch, ks.version)
         seq, event = ks.queue[0]
         run = Run(key, seq, event, base, base, ks.memory)
+        run.memory_version = ks.version
         if pinned is not None:
             run.listeners, run.is_output = pinned.listeners, pinned.is_output
         if journal:

@@ -87,13 +87,52 @@ class AgentVersion:
 
 
 @dataclass
-class Adopted:
-    """What `adopt` found: runs in flight that started under another dispatch table."""
+class Pinned:
+    """The agent version a run in flight started under, as far as its replay needs it."""
 
-    # input seq -> the dispatch table its run started with (runs of the current table absent)
-    pinned: dict[int, DispatchTable] = field(default_factory=dict)
+    table: DispatchTable
+    memory_version: int
+
+
+@dataclass
+class Adopted:
+    """What `adopt` found: runs in flight that started under another agent version."""
+
+    # input seq -> the version its run started with (runs of the current version absent)
+    pinned: dict[int, Pinned] = field(default_factory=dict)
     # the previous agent's fingerprint when this adoption changed it, else None
     upgraded_from: str | None = None
+
+
+def version_id(fingerprint: str, memory_version: int) -> str:
+    """What a run in flight is pinned to: the dispatch table and the memory layout."""
+    return f"{fingerprint}.m{memory_version}"
+
+
+def adopt_pins(
+    pins: dict[int, str],
+    live: set[int],
+    previous: str | None,
+    current: str,
+    versions: dict[str, Pinned],
+) -> tuple[dict[int, str], Adopted]:
+    """The adoption rule both stores follow: runs in flight (`live`) when the version changes
+    from `previous` to `current` are pinned to `previous`; pins of completed runs and of the
+    current version go. Returns the pins to keep and what `adopt` reports."""
+    pins = {s: v for s, v in pins.items() if s in live}
+    upgraded_from = None
+    if previous is not None and previous != current:
+        upgraded_from = previous
+        for seq in live:
+            pins.setdefault(seq, previous)
+    pins = {s: v for s, v in pins.items() if v != current}
+    missing = sorted({v for v in pins.values() if v not in versions})
+    if missing:
+        raise StateError(
+            f"runs in flight started under agent version(s) {missing}, which the state does "
+            f"not describe; it was left untouched; restore it from a backup or use a new --state"
+        )
+    return pins, Adopted({s: versions[v] for s, v in pins.items()}, upgraded_from)
 
 
 def check_adoption(
@@ -104,7 +143,7 @@ def check_adoption(
     highest_memory_version: int,
 ) -> None:
     """Refuse what no upgrade rule covers: another agent's state, or a memory downgrade."""
-    if stored_name is not None and stored_name != agent.name and stored_table is not None:
+    if stored_name and stored_name != agent.name and stored_table:
         shared = {n for n, _ in stored_table} & {n for n, _ in agent.table}
         if not shared:
             raise StateError(
@@ -126,12 +165,14 @@ def check_adoption(
 class CheckpointStore(Protocol):
     """What an engine needs from durable state. Called from one thread at a time."""
 
-    def adopt(self, agent: AgentVersion) -> Adopted:
+    def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         """Record `agent` as the one running on this state, before `load`.
 
-        When its dispatch table differs from the stored one, runs in flight keep the table
-        they started with (returned in `pinned`, and kept until they complete). Refuses
-        another agent's state and memory newer than `agent.memory_version`. Atomic."""
+        When its dispatch table or memory version differs from the stored one, runs in flight
+        keep the version they started with (returned in `pinned`, kept until they complete). Refuses
+        another agent's state and memory newer than `agent.memory_version`. Atomic.
+        `dry_run`: report (and refuse) the same, recording nothing: an engine adopts for real
+        only once the runs in flight restored under the new agent."""
         ...
 
     def load(self) -> Loaded:

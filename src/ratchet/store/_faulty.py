@@ -202,8 +202,8 @@ class FaultyStore:
 
     # -- the store protocol -----------------------------------------------------------------
 
-    def adopt(self, agent: AgentVersion) -> Adopted:
-        return self._call("adopt", lambda: self.inner.adopt(agent))
+    def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
+        return self._call("adopt", lambda: self.inner.adopt(agent, dry_run))
 
     def load(self) -> Loaded:
         return self._call("load", self.inner.load)

@@ -20,7 +20,10 @@ from ratchet.store._base import (
     CheckpointRows,
     DispatchTable,
     Loaded,
+    Pinned,
+    adopt_pins,
     check_adoption,
+    version_id,
 )
 
 _KEEP_CHECKPOINT_STATS = 100
@@ -48,28 +51,25 @@ class MemoryStore:
         self.table: DispatchTable | None = None
         self.memory_version = 1
         self.pins: dict[int, str] = {}
-        self.versions: dict[str, DispatchTable] = {}
+        self.versions: dict[str, Pinned] = {}
 
-    def adopt(self, agent: AgentVersion) -> Adopted:
+    def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         highest = max((v for *_rest, v in self.keys.values()), default=0)
         check_adoption("the state", self.agent_name, self.table, agent, highest)
-        pins = {s: fp for s, fp in self.pins.items() if s in self.runs}
         versions = dict(self.versions)
-        upgraded_from = None
-        if self.fingerprint is not None and self.fingerprint != agent.fingerprint:
-            upgraded_from = self.fingerprint
-            if self.table is not None:
-                versions.setdefault(self.fingerprint, self.table)
-            for seq in self.runs:
-                pins.setdefault(seq, self.fingerprint)
-        pins = {s: fp for s, fp in pins.items() if fp != agent.fingerprint}
-        self.versions = {fp: t for fp, t in versions.items() if fp in set(pins.values())}
+        previous = None
+        if self.fingerprint is not None and self.table is not None:
+            previous = version_id(self.fingerprint, self.memory_version)
+            versions.setdefault(previous, Pinned(copy.deepcopy(self.table), self.memory_version))
+        current = version_id(agent.fingerprint, agent.memory_version)
+        pins, adopted = adopt_pins(self.pins, set(self.runs), previous, current, versions)
+        if dry_run:
+            return copy.deepcopy(adopted)
         self.pins = pins
+        self.versions = {v: p for v, p in versions.items() if v in set(pins.values())}
         self.agent_name, self.fingerprint = agent.name, agent.fingerprint
         self.table, self.memory_version = copy.deepcopy(agent.table), agent.memory_version
-        return Adopted(
-            {s: copy.deepcopy(self.versions[fp]) for s, fp in pins.items()}, upgraded_from
-        )
+        return copy.deepcopy(adopted)
 
     def load(self) -> Loaded:
         return Loaded(

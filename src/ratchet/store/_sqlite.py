@@ -30,7 +30,10 @@ from ratchet.store._base import (
     CheckpointRows,
     DispatchTable,
     Loaded,
+    Pinned,
+    adopt_pins,
     check_adoption,
+    version_id,
 )
 from ratchet.store._files import fsync_dir
 
@@ -205,13 +208,14 @@ class SqliteStore:
         return conn
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: committed if the block returns, rolled back if it raises."""
+    def _transaction(self, commit: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed if the block returns (rolled back instead with
+        `commit=False`), rolled back if it raises."""
         c = self.conn
         c.execute("BEGIN IMMEDIATE")
         try:
             yield c
-            c.execute("COMMIT")
+            c.execute("COMMIT" if commit else "ROLLBACK")
         except BaseException:
             # A failed COMMIT (or an I/O error) may have rolled back already.
             if c.in_transaction:
@@ -375,57 +379,55 @@ class SqliteStore:
             out.append((name, sorted(events)))
         return out
 
-    def adopt(self, agent: AgentVersion) -> Adopted:
-        """Record `agent` as this state's agent; pin runs in flight to the table they started
-        with when it changes. One transaction (see `CheckpointStore.adopt`)."""
+    def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
+        """Record `agent` as this state's agent; pin runs in flight to the version they started
+        under when it changes. One transaction (see `CheckpointStore.adopt`)."""
         try:
-            with self._transaction() as c:
+            with self._transaction(commit=not dry_run) as c:
                 name = self._meta_or("agent_name", None)
                 fingerprint = self._meta_or("agent_fingerprint", None)
                 table = self.stored_table()
+                memory_version = self._meta_or("memory_version", 1)
                 highest = c.execute("SELECT MAX(memory_version) FROM keys").fetchone()[0] or 0
                 check_adoption(str(self.path), name, table, agent, highest)
-                versions: dict[str, DispatchTable] = {
-                    fp: [(n, list(e)) for n, e in t]
-                    for fp, t in self._meta_or("agent_versions", {}).items()
+                versions = {
+                    vid: Pinned([(n, list(e)) for n, e in v["table"]], v["memory_version"])
+                    for vid, v in self._meta_or("agent_versions", {}).items()
                 }
-                pins: dict[int, str] = {
-                    int(s): fp for s, fp in self._meta_or("pinned_runs", {}).items()
-                }
-                live = {row[0] for row in c.execute("SELECT seq FROM runs")}
-                pins = {s: fp for s, fp in pins.items() if s in live}
-                upgraded_from = None
-                if fingerprint is not None and fingerprint != agent.fingerprint:
-                    upgraded_from = fingerprint
-                    if table is not None:
-                        versions.setdefault(fingerprint, table)
-                    for s in live:
-                        pins.setdefault(s, fingerprint)
+                previous = None
+                if fingerprint is not None and table is not None:
+                    previous = version_id(fingerprint, memory_version)
+                    versions.setdefault(previous, Pinned(table, memory_version))
+                current = version_id(agent.fingerprint, agent.memory_version)
+                pins, adopted = adopt_pins(
+                    {int(s): v for s, v in self._meta_or("pinned_runs", {}).items()},
+                    {row[0] for row in c.execute("SELECT seq FROM runs")},
+                    previous,
+                    current,
+                    versions,
+                )
+                if adopted.upgraded_from is not None:
                     history = list(self._meta_or("upgrades", []))[-19:]
-                    history.append(
-                        {"from": fingerprint, "to": agent.fingerprint, "at": self.clock.now()}
-                    )
+                    history.append({"from": previous, "to": current, "at": self.clock.now()})
                     self._set_meta("upgrades", history)
-                pins = {s: fp for s, fp in pins.items() if fp != agent.fingerprint}
-                missing = sorted({fp for fp in pins.values() if fp not in versions})
-                if missing:
-                    raise StateError(
-                        f"{self.path}: runs in flight started under agent version(s) {missing}, "
-                        f"whose dispatch tables the state does not hold; it was left untouched; "
-                        f"restore the state from a backup or use a new --state"
-                    )
-                versions = {fp: t for fp, t in versions.items() if fp in set(pins.values())}
-                versions[agent.fingerprint] = agent.table
                 self._set_meta("agent_name", agent.name)
                 self._set_meta("agent_fingerprint", agent.fingerprint)
                 self._set_meta("actions", describe_table(agent.table))
                 self._set_meta("dispatch_table", agent.table)
                 self._set_meta("memory_version", agent.memory_version)
-                self._set_meta("agent_versions", versions)
-                self._set_meta("pinned_runs", {str(s): fp for s, fp in pins.items()})
+                used = set(pins.values())
+                self._set_meta(
+                    "agent_versions",
+                    {
+                        vid: {"table": p.table, "memory_version": p.memory_version}
+                        for vid, p in versions.items()
+                        if vid in used
+                    },
+                )
+                self._set_meta("pinned_runs", {str(s): v for s, v in pins.items()})
         except sqlite3.DatabaseError as exc:
             raise StateError(f"{self.path} could not be updated ({exc})") from exc
-        return Adopted({s: versions[fp] for s, fp in pins.items()}, upgraded_from)
+        return adopted
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -623,6 +625,123 @@ class SqliteStore:
             self._set_meta("counts", counts)
             self._set_meta("latest_restored", restored)
         return restored
+
+    # -- operations on a stopped job (`ratchet runs`, `ratchet migrate`) ---------------------
+
+    def runs_in_flight(self) -> list[dict[str, Any]]:
+        """Runs the state holds in flight: key, input seq, journaled tasks, call records, and
+        the agent version they run under (None: the current one)."""
+        pins = {int(s): fp for s, fp in self._meta_or("pinned_runs", {}).items()}
+        out = []
+        rows = self.conn.execute("SELECT seq, key, journal FROM runs ORDER BY seq").fetchall()
+        for seq, key, journal in rows:
+            calls = self.conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(status != 'intent'), 0) FROM calls WHERE seq = ?",
+                (seq,),
+            ).fetchone()
+            try:
+                tasks = len(codec.decode(journal, unknown="generic"))
+            except (codec.CorruptDataError, TypeError):
+                tasks = None
+            out.append(
+                {
+                    "key": codec.decode(key, unknown="generic"),
+                    "seq": seq,
+                    "journaled_tasks": tasks,
+                    "call_records": calls[0],
+                    "calls_returned": calls[1],
+                    "agent_version": pins.get(seq),
+                }
+            )
+        return out
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        exists = self.conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE name = 'dead_letters'"
+        ).fetchone()
+        if exists is None:  # a state from before schema 3, read without migrating it
+            return []
+        rows = self.conn.execute(
+            "SELECT id, key_text, seq, reason, at FROM dead_letters ORDER BY id"
+        ).fetchall()
+        return [
+            {"id": i, "key": k, "seq": seq, "reason": reason, "at": at}
+            for i, k, seq, reason, at in rows
+        ]
+
+    def discard_run(self, seq: int, dead_letter_reason: str | None) -> dict[str, int]:
+        """Forget the in-flight run of input `seq`: its journal, call records and unreleased
+        outputs. Without a reason its input stays queued (the run starts again from it); with
+        one the input moves to the dead letters. One transaction."""
+        with self._transaction() as c:
+            row = c.execute("SELECT key, journal FROM runs WHERE seq = ?", (seq,)).fetchone()
+            if row is None:
+                raise StateError(f"{self.path} has no run in flight for input {seq}")
+            key, journal = row
+            counts = {
+                "journaled_tasks": len(codec.decode(journal, unknown="generic")),
+                "call_records": c.execute(
+                    "SELECT COUNT(*) FROM calls WHERE seq = ?", (seq,)
+                ).fetchone()[0],
+                "calls_returned": c.execute(
+                    "SELECT COUNT(*) FROM calls WHERE seq = ? AND status != 'intent'", (seq,)
+                ).fetchone()[0],
+                "unreleased_outputs": c.execute(
+                    "DELETE FROM outbox WHERE seq = ?", (seq,)
+                ).rowcount,
+            }
+            c.execute("DELETE FROM runs WHERE seq = ?", (seq,))
+            c.execute("DELETE FROM calls WHERE seq = ?", (seq,))
+            if dead_letter_reason is not None:
+                event = c.execute("SELECT event FROM inputs WHERE seq = ?", (seq,)).fetchone()
+                if event is None:
+                    raise StateError(f"{self.path}: the run of input {seq} has no input row")
+                c.execute(
+                    "INSERT INTO dead_letters(key, key_text, seq, event, reason, at) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        key,
+                        str(codec.decode(key, unknown="generic")),
+                        seq,
+                        event[0],
+                        dead_letter_reason,
+                        self.clock.now(),
+                    ),
+                )
+                c.execute("DELETE FROM inputs WHERE seq = ?", (seq,))
+            pins = dict(self._meta_or("pinned_runs", {}))
+            if pins.pop(str(seq), None) is not None:
+                self._set_meta("pinned_runs", pins)
+        return counts
+
+    def keys_to_migrate(self, below: int) -> tuple[int, set[bytes]]:
+        """How many keys have memory older than `below`, and the keys with a run in flight
+        (their memory is migrated when their next run starts: the run resumes on the old)."""
+        n = self.conn.execute(
+            "SELECT COUNT(*) FROM keys WHERE memory_version < ?", (below,)
+        ).fetchone()[0]
+        busy = {row[0] for row in self.conn.execute("SELECT DISTINCT key FROM runs")}
+        return n, busy
+
+    def old_memories(
+        self, below: int, after: bytes | None, limit: int
+    ) -> list[tuple[bytes, int, bytes, int]]:
+        """Up to `limit` keys (in key order, after `after`) with memory older than `below`."""
+        return self.conn.execute(
+            "SELECT key, next_dispatch, memory, memory_version FROM keys "
+            "WHERE memory_version < ? AND key > ? ORDER BY key LIMIT ?",
+            (below, after if after is not None else b"", limit),
+        ).fetchall()
+
+    def put_migrated(self, rows: list[tuple[bytes, int, bytes, int]]) -> None:
+        """Write migrated memories (key, old version, memory, new version) in one transaction;
+        a row whose version moved meanwhile is left alone."""
+        with self._transaction() as c:
+            c.executemany(
+                "UPDATE keys SET memory = ?, memory_version = ? WHERE key = ? AND "
+                "memory_version = ?",
+                [(mem, new, key, old) for key, old, mem, new in rows],
+            )
 
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         """Write durable-call records through at once, in one transaction (a group commit)."""

@@ -1,0 +1,139 @@
+"""Operations on a stopped job's state for upgrades: `ratchet migrate` and `ratchet runs`.
+
+Each takes the state lock (a running job holds it, so they refuse to run beside one) and
+changes the state in transactions that are whole or absent after a kill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._errors import StateError
+from ratchet.runtime._dispatch import Binding
+from ratchet.runtime._journal import decode_memory, decoded, encode_memory
+from ratchet.store import codec
+from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+
+MIGRATE_BATCH = 256
+
+
+@contextlib.contextmanager
+def stopped_state(
+    state_dir: str | os.PathLike[str], clock: Clock = SYSTEM_CLOCK
+) -> Iterator[SqliteStore]:
+    """The state of a job that is not running, locked for as long as the block runs."""
+    sdir = Path(state_dir)
+    if not (sdir / DB_NAME).exists():
+        raise StateError(f"no ratchet state in {sdir} ({sdir / DB_NAME} does not exist)")
+    lock = StateLock(sdir)
+    lock.acquire()  # a running job holds it: refused, naming its pid
+    try:
+        store = SqliteStore.open(sdir, "", "", [], clock=clock)
+        try:
+            yield store
+        finally:
+            store.close()
+    finally:
+        lock.release()
+
+
+@dataclass
+class MigrateResult:
+    migrated: int = 0
+    to_version: int = 1
+    waiting: list[str] = field(default_factory=list)  # keys with a run in flight: lazily
+    upgraded_from: str | None = None
+
+
+def migrate_state(
+    state_dir: str | os.PathLike[str],
+    binding: Binding,
+    *,
+    on_progress: Callable[[int, int], None] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    batch: int = MIGRATE_BATCH,
+) -> MigrateResult:
+    """Bring every key's memory to the agent's `memory_version` now, instead of lazily.
+
+    The agent is adopted first (as `ratchet run` would). Keys are migrated in batches, each
+    written in one transaction: a kill loses at most the batch in progress, which the next
+    `migrate` (or run) does again from the old memory; no key is migrated twice or half.
+    Keys with a run in flight keep their memory until that run completes (it resumes on it).
+    A migration that raises stops here: the batches before it are kept, its batch is not.
+    """
+    target = binding.memory_version
+    result = MigrateResult(to_version=target)
+    with stopped_state(state_dir, clock) as store:
+        result.upgraded_from = store.adopt(binding.version).upgraded_from
+        total, busy = store.keys_to_migrate(target)
+        done = 0
+        after: bytes | None = None
+        if on_progress is not None:
+            on_progress(0, total)
+        while True:
+            rows = store.old_memories(target, after, batch)
+            if not rows:
+                break
+            after = rows[-1][0]
+            out = []
+            for k, _nd, mem, version in rows:
+                done += 1
+                key = decoded("keys", k, codec.decode, k)
+                if k in busy:
+                    result.waiting.append(str(key))
+                    continue
+                memory = decoded("keys", key, decode_memory, mem)
+                new = binding.migrate(key, memory, version)
+                out.append((k, version, encode_memory(new), target))
+            if out:
+                store.put_migrated(out)
+                result.migrated += len(out)
+            if on_progress is not None:
+                on_progress(done, total)
+    return result
+
+
+def find_run(store: SqliteStore, key: str, seq: int | None) -> dict[str, Any]:
+    """The in-flight run of `key` (by its text), or of input `seq` of that key."""
+    runs = store.runs_in_flight()
+    mine = [r for r in runs if str(r["key"]) == key]
+    if seq is not None:
+        mine = [r for r in mine if r["seq"] == seq]
+    if not mine:
+        held = ", ".join(f"{r['key']!s} (input {r['seq']})" for r in runs[:10]) or "none"
+        what = f"key {key!r}" + (f" input {seq}" if seq is not None else "")
+        raise StateError(
+            f"{store.path.parent} has no run in flight for {what}; runs in flight: {held} "
+            f"(`ratchet runs list --state {store.path.parent}` lists them all)"
+        )
+    return mine[0]
+
+
+def discard_run(
+    state_dir: str | os.PathLike[str],
+    key: str,
+    seq: int | None,
+    *,
+    dead_letter_reason: str | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> dict[str, Any]:
+    """`runs restart` (no reason) or `runs abandon` (a reason): what was discarded."""
+    with stopped_state(state_dir, clock) as store:
+        run = find_run(store, key, seq)
+        counts = store.discard_run(run["seq"], dead_letter_reason)
+    return {"key": str(run["key"]), "seq": run["seq"], **counts}
+
+
+def list_runs(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Runs in flight and dead letters; read-only, so it works while the job runs."""
+    store = SqliteStore.open_readonly(state_dir)
+    try:
+        return {"in_flight": store.runs_in_flight(), "dead_letters": store.dead_letters()}
+    finally:
+        store.close()

@@ -1,0 +1,289 @@
+"""Upgrading an agent across SIGKILL, with real `ratchet` processes (docs/runtime.md,
+"Upgrading an agent"):
+
+- v1 is killed with runs in flight (two of them parked after their durable call returned);
+  v2 (an action added before another, one removed, a body changed, a memory migration)
+  continues on the same state: every input's output exactly once, the returned calls not
+  made again, every key migrated exactly once (counted in a file outside the state), v2's
+  new action only in runs that started under v2, the removed one in none;
+- a change a recorded run cannot replay is refused with the documented error, and
+  `ratchet runs restart` resolves it; the same change behind `ctx.patched` needs nothing;
+- `ratchet migrate` killed at seeded moments migrates every key exactly once; a migration
+  that raises stops with the key and version named and that key untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.kill
+
+AGENTS = Path(__file__).with_name("upgrade_agents.py")
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+
+
+def agent(name: str) -> str:
+    return f"{AGENTS}:{name}"
+
+
+class World:
+    """One test's files: the input, output, state, and the logs the agents write."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.input = tmp / "in.jsonl"
+        self.output = tmp / "out.jsonl"
+        self.state = tmp / "state"
+        self.log = tmp / "log.jsonl"
+        self.migrations = tmp / "migrations.jsonl"
+        self.stuck = tmp / "stuck.txt"
+
+    def env(self, phase: str) -> dict[str, str]:
+        return dict(
+            os.environ,
+            UPGRADE_LOG=str(self.log),
+            UPGRADE_MIGRATIONS=str(self.migrations),
+            UPGRADE_STUCK=str(self.stuck),
+            UPGRADE_PHASE=phase,
+        )
+
+    def start(self, name: str, phase: str, *extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                *RATCHET, "run", agent(name), "--input", str(self.input), "--output",
+                str(self.output), "--state", str(self.state), "--checkpoint-interval", "20",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env(phase),
+        )  # fmt: skip
+
+    def cli(self, *args: str, phase: str = "cli") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*RATCHET, *args], capture_output=True, text=True, env=self.env(phase), timeout=120
+        )
+
+    def lines(self, path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+    def memory(self) -> dict[str, Any]:
+        done = self.cli("inspect", "--state", str(self.state), "--json")
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout))
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        done = self.cli("runs", "list", "--state", str(self.state), "--json")
+        assert done.returncode == 0, done.stderr
+        return list(json.loads(done.stdout)["in_flight"])
+
+
+def wait_for(proc: subprocess.Popen[str], until: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert proc.poll() is None, f"exited before {what}: {proc.communicate()[1]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)  # reaps it and closes its pipes
+
+
+def test_v2_continues_v1s_killed_stream_exactly_once(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    keys = [f"k{i}" for i in range(12)]
+    rows = [{"key": keys[i % 12], "n": i} for i in range(96)]
+    w.input.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    w.stuck.write_text("k0 k1")
+    v1 = w.start("V1", "v1")
+    paid = lambda k: any(e["what"] == "pay" and e["key"] == k for e in w.lines(w.log))  # noqa: E731
+    wait_for(v1, lambda: paid("k0") and paid("k1") and len(w.lines(w.output)) >= 40, "v1")
+    time.sleep(0.2)  # a few checkpoints with the parked runs in flight
+    kill(v1)
+    w.stuck.unlink()
+
+    flying = w.in_flight()
+    flying_n = {r["seq"] for r in flying}  # seq == n: one input per line, in order
+    assert {str(r["key"]) for r in flying} >= {"k0", "k1"}, flying
+    parked = {r["seq"]: r for r in flying if str(r["key"]) in ("k0", "k1")}
+    assert all(r["calls_returned"] >= 1 for r in parked.values()), parked
+
+    v2 = w.start("V2", "v2")
+    out, err = v2.communicate(timeout=120)
+    assert v2.returncode == 0, err
+
+    outputs = w.lines(w.output)
+    assert Counter(o["output"]["n"] for o in outputs) == Counter(range(96)), "each output once"
+    by = {o["output"]["n"]: o["output"]["by"] for o in outputs}
+    log = w.lines(w.log)
+    # The parked runs finished under v2's code, on v1's recorded payment: not paid again.
+    for n in parked:
+        assert by[n] == 2
+        pays = [e for e in log if e["what"] == "pay" and e["n"] == n]
+        assert [e["phase"] for e in pays] == ["v1"], pays
+    # v2's new action ran in exactly the runs that started under v2; the removed one in none.
+    tagged = [e["n"] for e in log if e["what"] == "tag"]
+    assert len(tagged) == len(set(tagged)), "tag ran once per run"
+    started_under_v2 = {n for n, v in by.items() if v == 2} - flying_n
+    assert set(tagged) == started_under_v2 and started_under_v2, (tagged, flying_n)
+    assert not [e for e in log if e["what"] == "audit" and e["phase"] == "v2"]
+    # Keys v2 touched were migrated once each; `ratchet migrate` does the rest, once.
+    touched = len(w.lines(w.migrations))
+    done = w.cli("migrate", "--state", str(w.state), "--agent", agent("V2"), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["migrated"] == 12 - touched
+    assert len(w.lines(w.migrations)) == 12
+    memory = w.memory()
+    assert memory == {k: {"stats": {"total": 8}} for k in keys}, memory
+
+
+def killed_v1_with_a_parked_call(w: World) -> int:
+    """Run V1 until k0's run parks after its payment returned; kill it; the parked n."""
+    rows = [{"key": f"k{i % 4}", "n": i} for i in range(12)]
+    w.input.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    w.stuck.write_text("k0")
+    v1 = w.start("V1", "v1")
+    wait_for(
+        v1,
+        lambda: (
+            any(e["what"] == "pay" and e["key"] == "k0" for e in w.lines(w.log))
+            and len(w.lines(w.output)) >= 9
+        ),
+        "v1",
+    )
+    time.sleep(0.2)
+    kill(v1)
+    w.stuck.unlink()
+    (parked,) = [r for r in w.in_flight() if str(r["key"]) == "k0"]
+    return int(parked["seq"])
+
+
+def test_an_unreplayable_change_is_refused_and_runs_restart_resolves_it(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    parked = killed_v1_with_a_parked_call(w)
+    patched = World(tmp_path / "patched")
+    patched.tmp.mkdir()
+    for name in ("in.jsonl", "out.jsonl", "log.jsonl"):
+        shutil.copy(tmp_path / name, patched.tmp / name)
+    shutil.copytree(w.state, patched.state)  # the job is dead: its files are at rest
+
+    # Removing an action whose task had made a call: refused before anything runs.
+    before = w.in_flight()
+    proc = w.start("V2NoSlow", "v2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert "IncompatibleChange" not in err and "Traceback" not in err
+    assert f"key 'k0', run of input {parked}" in err and "'slow' was removed" in err, err
+    assert "ratchet runs restart" in err
+    assert w.in_flight() == before
+
+    # Paying in another currency: the recorded USD call is not made again; refused.
+    proc = w.start("V2Euro", "v2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert f"key 'k0' input {parked}, task r>ingest.0>slow" in err, err
+    assert "pay (argument digest" in err and "ratchet runs restart" in err, err
+
+    done = w.cli("runs", "restart", "--state", str(w.state), "--key", "k0")
+    assert done.returncode == 0, done.stderr
+    assert f"key k0 input {parked}" in done.stdout and "may be made again" in done.stdout
+    proc = w.start("V2Euro", "v2-after-restart")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    outputs = w.lines(w.output)
+    assert Counter(o["output"]["n"] for o in outputs) == Counter(range(12))
+    (restarted,) = [o["output"] for o in outputs if o["output"]["n"] == parked]
+    assert restarted["paid"]["currency"] == "EUR"
+
+    # The same change behind ctx.patched: the recorded run keeps its USD payment, new runs
+    # pay in EUR, nothing is paid twice, nothing needs an operator.
+    proc = patched.start("V2EuroPatched", "v2-patched")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    outputs = patched.lines(patched.output)
+    assert Counter(o["output"]["n"] for o in outputs) == Counter(range(12))
+    currency = {o["output"]["n"]: o["output"]["paid"]["currency"] for o in outputs}
+    assert currency[parked] == "USD"
+    later = [
+        o["output"]["n"] for o in outputs if o["output"]["by"] == 2 and o["output"]["n"] != parked
+    ]
+    assert later and all(currency[n] == "EUR" for n in later)
+    pays = [e for e in patched.lines(patched.log) if e["what"] == "pay" and e["n"] == parked]
+    assert [e["phase"] for e in pays] == ["v1"], pays
+
+
+def test_ratchet_migrate_killed_at_seeded_moments_migrates_each_key_once(tmp_path: Path) -> None:
+    seed = 1201
+    rng = random.Random(seed)
+    w = World(tmp_path)
+    n_keys = 700
+    w.input.write_text("".join(json.dumps({"key": f"k{i}"}) + "\n" for i in range(n_keys)))
+    proc = w.start("Counter", "v1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    kills = 0
+    for _ in range(3):
+        mig = subprocess.Popen(
+            [*RATCHET, "migrate", "--state", str(w.state), "--agent", agent("CounterV2")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=w.env("migrate"),
+        )
+        time.sleep(rng.uniform(0.3, 1.2))
+        if mig.poll() is None:
+            kill(mig)
+            kills += 1
+        else:
+            _, err = mig.communicate()
+            assert mig.returncode == 0, err
+    done = w.cli("migrate", "--state", str(w.state), "--agent", agent("CounterV2"), "--json")
+    assert done.returncode == 0, done.stderr
+    memory = w.memory()
+    assert len(memory) == n_keys
+    wrong = {k: v for k, v in memory.items() if v != {"total": 1, "migrations": 1}}
+    assert not wrong, f"seed {seed}: {list(wrong.items())[:5]}"
+    ran = len(w.lines(w.migrations))
+    # A killed batch runs again from the old memory: the function may repeat, its effect not.
+    assert n_keys <= ran <= n_keys + kills * 256, f"seed {seed}: {ran} runs, {kills} kills"
+    again = w.cli("migrate", "--state", str(w.state), "--agent", agent("CounterV2"), "--json")
+    assert json.loads(again.stdout)["migrated"] == 0
+
+
+def test_a_migration_that_raises_names_the_key_and_leaves_it_untouched(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    rows = [{"key": "a"}, {"key": "b"}, {"key": "b"}, {"key": "b"}, {"key": "c"}]
+    w.input.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = w.start("Counter", "v1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    done = w.cli("migrate", "--state", str(w.state), "--agent", agent("CounterV2Broken"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "key 'b' from memory version 1" in done.stderr, done.stderr
+    assert "cannot migrate a count of 3" in done.stderr
+    assert w.memory()["b"] == {"count": 3}  # its batch was not written
+    # Lazily, in `ratchet run`, the same: the job stops naming the key, nothing of it written.
+    with w.input.open("a") as fh:
+        fh.write(json.dumps({"key": "b"}) + "\n")
+    proc = w.start("CounterV2Broken", "v2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err
+    assert "key 'b' from memory version 1" in err, err
+    assert w.memory()["b"] == {"count": 3}

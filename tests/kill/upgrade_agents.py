@@ -1,0 +1,175 @@
+"""Versions of one agent, run by `ratchet run` subprocesses in tests/kill/test_upgrade.py.
+
+Side effects go to files named by environment variables (outside the state), so a test can
+count what really ran: UPGRADE_LOG (one JSON line per action run or call made),
+UPGRADE_MIGRATIONS (one line per migration run), UPGRADE_STUCK (while this file exists, the
+`slow` action of a key listed in it parks after its durable call returned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ratchet import Agent, Event, InputEvent, OutputEvent, action, migration
+
+
+class Mid(Event):
+    n: int
+
+
+def log(**fields: Any) -> None:
+    path = os.environ.get("UPGRADE_LOG")
+    if path:
+        fields["phase"] = os.environ.get("UPGRADE_PHASE")
+        with open(path, "a") as fh:
+            fh.write(json.dumps(fields) + "\n")
+
+
+def stuck(key: str) -> bool:
+    path = os.environ.get("UPGRADE_STUCK")
+    return bool(path) and Path(path).exists() and key in Path(path).read_text().split()
+
+
+async def pay(key: str, n: int, currency: str = "USD") -> dict[str, Any]:
+    log(what="pay", key=key, n=n, currency=currency)
+    await asyncio.sleep(0.01)
+    return {"paid": n, "currency": currency}
+
+
+class V1(Agent):
+    """ingest counts inputs per key in `count` and emits Mid; slow pays and outputs; audit notes."""
+
+    @action(InputEvent)
+    async def ingest(self, event: InputEvent, ctx: Any) -> None:
+        m = ctx.short_term_memory
+        m.set("count", m.get("count", 0) + 1)
+        ctx.send_event(Mid(n=event.input["n"]))
+
+    @action(Mid)
+    async def slow(self, event: Mid, ctx: Any) -> None:
+        receipt = await ctx.durable_execute_async(pay, str(ctx.key), event.n)
+        if stuck(str(ctx.key)):
+            await asyncio.sleep(3600)  # parked with its call returned, until the kill
+        log(what="slow", version=1, key=str(ctx.key), n=event.n)
+        ctx.send_event(OutputEvent(output={"n": event.n, "paid": receipt, "by": 1}))
+
+    @action(Mid)
+    async def audit(self, event: Mid, ctx: Any) -> None:
+        log(what="audit", key=str(ctx.key), n=event.n)
+        ctx.short_term_memory.set("audited", event.n)
+
+
+def count_of(ctx: Any) -> str:
+    """Where the input count lives in the memory this task sees."""
+    return "count" if ctx.memory_version == 1 else "stats.total"
+
+
+class V2(Agent):
+    """Version 2: `count` moved to `stats.total` (a migration), `audit` removed, `tag` added
+    before `slow`, and `slow`'s body changed (it labels its output)."""
+
+    memory_version = 2
+
+    @migration(1)
+    def nest_the_count(self, memory: Any) -> None:
+        with open(os.environ["UPGRADE_MIGRATIONS"], "a") as fh:
+            fh.write(json.dumps({"count": memory.get("count")}) + "\n")
+        stats = memory.new_object("stats")
+        stats.set("total", memory.get("count", 0))
+        memory.delete("count")
+        memory.delete("audited")
+
+    @action(InputEvent)
+    async def ingest(self, event: InputEvent, ctx: Any) -> None:
+        m = ctx.short_term_memory
+        path = count_of(ctx)
+        m.set(path, m.get(path, 0) + 1)
+        ctx.send_event(Mid(n=event.input["n"]))
+
+    @action(Mid)
+    async def tag(self, event: Mid, ctx: Any) -> None:
+        log(what="tag", key=str(ctx.key), n=event.n)
+
+    @action(Mid)
+    async def slow(self, event: Mid, ctx: Any) -> None:
+        receipt = await ctx.durable_execute_async(pay, str(ctx.key), event.n)
+        log(what="slow", version=2, key=str(ctx.key), n=event.n)
+        ctx.send_event(OutputEvent(output={"n": event.n, "paid": receipt, "by": 2}))
+
+
+class V2Euro(V1):
+    """A body change a recorded call cannot replay: `slow` now pays in EUR (other arguments)."""
+
+    @action(Mid)
+    async def slow(self, event: Mid, ctx: Any) -> None:
+        receipt = await ctx.durable_execute_async(pay, str(ctx.key), event.n, "EUR")
+        log(what="slow", version=2, key=str(ctx.key), n=event.n)
+        ctx.send_event(OutputEvent(output={"n": event.n, "paid": receipt, "by": 2}))
+
+
+class V2EuroPatched(V1):
+    """The same change behind `ctx.patched`: recorded runs keep paying in USD."""
+
+    @action(Mid)
+    async def slow(self, event: Mid, ctx: Any) -> None:
+        if ctx.patched("pay-in-euro"):
+            receipt = await ctx.durable_execute_async(pay, str(ctx.key), event.n, "EUR")
+        else:
+            receipt = await ctx.durable_execute_async(pay, str(ctx.key), event.n)
+        log(what="slow", version=2, key=str(ctx.key), n=event.n)
+        ctx.send_event(OutputEvent(output={"n": event.n, "paid": receipt, "by": 2}))
+
+
+class V2NoSlow(Agent):
+    """`slow` removed while a task of it had made its call: refused at start."""
+
+    @action(InputEvent)
+    async def ingest(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("count", ctx.short_term_memory.get("count", 0) + 1)
+        ctx.send_event(OutputEvent(output={"n": event.input["n"], "by": 2}))
+
+    @action(Mid)
+    async def audit(self, event: Mid, ctx: Any) -> None:
+        ctx.short_term_memory.set("audited", event.n)
+
+
+class Counter(Agent):
+    """For `ratchet migrate` under kills: one memory field per key."""
+
+    @action(InputEvent)
+    def count(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("count", ctx.short_term_memory.get("count", 0) + 1)
+
+
+class CounterV2(Counter):
+    memory_version = 2
+
+    @migration(1)
+    def rename(self, memory: Any) -> None:
+        import time
+
+        with open(os.environ["UPGRADE_MIGRATIONS"], "a") as fh:
+            fh.write(json.dumps({"count": memory.get("count")}) + "\n")
+        time.sleep(0.002)  # slow enough that a kill lands in the middle
+        memory.set("total", memory.get("count"))
+        memory.set("migrations", memory.get("migrations", 0) + 1)
+        memory.delete("count")
+
+    @action(InputEvent)
+    def count(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("total", ctx.short_term_memory.get("total", 0) + 1)
+
+
+class CounterV2Broken(Counter):
+    memory_version = 2
+
+    @migration(1)
+    def rename(self, memory: Any) -> None:
+        if memory.get("count") == 3:
+            raise ValueError("cannot migrate a count of 3")
+        memory.set("total", memory.get("count"))
+        memory.delete("count")

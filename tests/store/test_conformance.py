@@ -22,7 +22,16 @@ from hypothesis.stateful import (
 )
 from store_backends import FAKE_START, Stores
 
-from ratchet.store._base import CallRecord, CheckpointRows, CheckpointStore, Loaded
+from ratchet._errors import StateError
+from ratchet.store._base import (
+    Adopted,
+    AgentVersion,
+    CallRecord,
+    CheckpointRows,
+    CheckpointStore,
+    Loaded,
+    Pinned,
+)
 from ratchet.testing import FakeClock
 
 
@@ -435,3 +444,48 @@ def test_backends_agree_with_the_model_in_lockstep(
         lambda: Lockstep(all_stores, clock),  # type: ignore[arg-type]  # a factory is allowed
         settings=settings(max_examples=80, stateful_step_count=30, deadline=None),
     )
+
+
+# -- adopting an agent version -------------------------------------------------------------------
+
+V1 = AgentVersion("conformance.Agent", "0123456789abcdef", [("act", ["ratchet.InputEvent"])])
+V2 = AgentVersion(
+    "conformance.Agent", "fedcba9876543210", [("new", ["x.E"]), ("act", ["ratchet.InputEvent"])], 2
+)
+
+
+def test_adopting_a_new_version_pins_the_runs_in_flight_until_they_complete(stores: Stores) -> None:
+    store = stores.open()
+    assert store.adopt(V1) == Adopted({}, None)
+    store.write_checkpoint(
+        rows(new_inputs=[(3, b"k", b"e3"), (4, b"j", b"e4")], runs=[(3, b"k", 0, b"j3")]), 1.0
+    )
+    pinned_v1 = Adopted({3: Pinned(V1.table, 1)}, "0123456789abcdef.m1")
+    assert store.adopt(V2, dry_run=True) == pinned_v1
+    store = stores.reopen(store)
+    assert store.adopt(V2, dry_run=True) == pinned_v1, "a dry run records nothing"
+    assert store.adopt(V2) == pinned_v1
+    store = stores.reopen(store)
+    # Still pinned after a restart; a run that starts under v2 is not.
+    store.write_checkpoint(rows(runs=[(4, b"j", 0, b"j4")]), 2.0)
+    assert store.adopt(V2) == Adopted({3: Pinned(V1.table, 1)}, None)
+    store.write_checkpoint(rows(done_inputs=[3], completed=[3]), 3.0)
+    store = stores.reopen(store)
+    assert store.adopt(V2) == Adopted({}, None), "a completed run's pin goes"
+    # Back to v1 while v2's run 4 is in flight: that run keeps v2.
+    assert store.adopt(V1) == Adopted({4: Pinned(V2.table, 2)}, "fedcba9876543210.m2")
+
+
+def test_adoption_refuses_memory_newer_than_the_agent_and_another_agent(stores: Stores) -> None:
+    store = stores.open()
+    store.adopt(V2)
+    store.write_checkpoint(rows(keys=[(b"k", "k", 1, b"m", 2)]), 1.0)
+    with pytest.raises(StateError, match="memory_version 2.*declares memory_version 1"):
+        store.adopt(V1)
+    other = AgentVersion(
+        "other.Agent", "1111111111111111", [("unrelated", ["ratchet.InputEvent"])], 2
+    )
+    with pytest.raises(StateError, match="has none of those actions"):
+        store.adopt(other)
+    store = stores.reopen(store)
+    assert store.adopt(V2) == Adopted({}, None), "the refusals changed nothing"

@@ -369,6 +369,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     table.add_row("in-flight runs", str(summary["in_flight_runs"]))
     table.add_row("queued inputs", str(summary["queued_inputs"]))
     table.add_row("unreleased outputs", str(summary["unreleased_outputs"]))
+    table.add_row("memory version", str(summary["memory_version"]))
+    if summary["runs_on_earlier_versions"]:
+        table.add_row(
+            "runs on earlier versions",
+            f"{summary['runs_on_earlier_versions']} (finishing as they started; `ratchet runs "
+            f"list`)",
+        )
+    if summary["dead_letters"]:
+        table.add_row("dead letters", str(summary["dead_letters"]))
     table.add_row("source", json.dumps(summary["source"]))
     Console().print(table)
     return EXIT_OK

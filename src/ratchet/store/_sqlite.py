@@ -505,6 +505,10 @@ class SqliteStore:
             ).fetchone()[0],
             "unreleased_outputs": c.execute("SELECT COUNT(*) FROM outbox").fetchone()[0],
             "source": self.meta("source"),
+            "memory_version": self._meta_or("memory_version", 1),
+            "runs_on_earlier_versions": len(self._meta_or("pinned_runs", {})),
+            "dead_letters": len(self.dead_letters()),
+            "upgrades": self._meta_or("upgrades", []),
         }
 
     def memories(self, key_text: str | None = None) -> list[tuple[bytes, bytes]]:

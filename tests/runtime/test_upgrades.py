@@ -388,3 +388,11 @@ def test_runs_abandon_moves_the_input_to_the_dead_letters(tmp_path: Path) -> Non
     )
     assert listed["in_flight"] == []
     assert [(d["key"], d["seq"], d["reason"]) for d in listed["dead_letters"]] == [("k1", 1, "bad")]
+
+
+def test_the_flink_core_refuses_a_versioned_memory_it_cannot_migrate() -> None:
+    from ratchet.agents._context import AgentBinding
+    from ratchet.runtime._flink_core import AgentCore
+
+    with pytest.raises(ConfigError, match="Flink engine does not version keyed memory"):
+        AgentCore(AgentBinding(CountV3()))

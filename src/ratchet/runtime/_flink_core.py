@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import InternalError, RatchetError
+from ratchet._errors import ConfigError, InternalError, RatchetError
 from ratchet.agents._context import install_task_factory
 from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome
 from ratchet.runtime._io import json_line_or_error
@@ -124,6 +124,15 @@ class AgentCore:
     def __init__(
         self, binding: Binding, config: CoreConfig | None = None, clock: Clock = SYSTEM_CLOCK
     ) -> None:
+        if binding.memory_version != 1:
+            # Keyed state holds memory without a layout version: a migration could not tell
+            # migrated keys from old ones, so it is not attempted.
+            raise ConfigError(
+                f"{binding.name} declares memory_version {binding.memory_version}; the Flink "
+                f"engine does not version keyed memory (memory migrations run on the embedded "
+                f"engine: `ratchet migrate`, or lazily in `ratchet run`). Keep memory_version = "
+                f"1 for an agent that runs on Flink"
+            )
         self.binding = binding
         self.config = config or CoreConfig()
         self.clock = clock

@@ -28,9 +28,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine activity")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from ratchet.cli import _agents
+    from ratchet.cli import _agents, _state
 
     _agents.register(sub)
+    _state.register(sub)
     for group, help_text in _GROUPS.items():
         if command is not None and command != group:
             sub.add_parser(group, help=help_text)

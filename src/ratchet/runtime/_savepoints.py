@@ -1,0 +1,886 @@
+"""Savepoints and forks: consistent copies of an embedded job's state, taken while it runs.
+
+The engine updates its one SQLite database in place, so only the latest completed checkpoint
+can be restored; a savepoint keeps a point to come back to. Every copy here is made with
+SQLite's online backup API from a read-only connection, in one read transaction: it holds
+exactly what a crash at that instant would have left (the latest completed checkpoint, plus
+the durable-call records written through since), and the job's writer carries on meanwhile
+(in WAL mode a reader never blocks it). A live database is never copied as files.
+
+Every copy is built beside its destination under a name only that attempt uses, locked
+(flock) while it is built, and moved into place only once it is complete, verified and
+fsynced: a kill at any moment leaves no copy or a complete one. A staging file or directory
+that nobody holds locked is a killed attempt's leftover; the next attempt removes it.
+
+- `take_savepoint`: the state as one self-contained SQLite file with a `savepoint` meta record
+  (job id, checkpoint id, agent fingerprint, ...); listed in the state's `savepoints.jsonl`.
+- `read_savepoint`: a savepoint file's record, after checking it is whole and a savepoint.
+- `restore_savepoint`: a new state directory holding a savepoint's state and its job id (the
+  same job, continued: its outputs dedupe by id against that job's output file).
+- `fork_state`: a new job (a new id) from all of a state's keys, or only some of them.
+- `list_checkpoints`: a state's checkpoint history and its savepoints.
+
+Tables added by later schema versions are found through `sqlite_master`, never assumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import shutil
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._errors import (
+    CodecError,
+    ConfigError,
+    CorruptDataError,
+    InternalError,
+    StateError,
+)
+from ratchet.runtime._io import JOB_FILE, job_identity
+from ratchet.store import codec
+from ratchet.store._files import atomic_json, fsync_dir
+from ratchet.store._sqlite import DB_NAME, LOCK_NAME, SCHEMA_VERSION, SqliteStore
+
+SAVEPOINT_META = "savepoint"  # the meta record that makes a database file a savepoint
+SAVEPOINT_FORMAT = 1
+SAVEPOINTS_LOG = "savepoints.jsonl"  # in the state directory: one line per savepoint taken
+FORK_META = "forked_from"  # the meta record a fork gets: where it came from
+_JOB_FORMAT = 1  # of job.json; a file written here is read back through `job_identity`
+_SIDECARS = ("-journal", "-wal", "-shm")
+
+# How a fork of some keys treats each table. Rows of a per-key table belong to the key in
+# their `key` column; `calls` rows to the input (seq) whose run made them; outbox rows to the
+# key inside their record. Tables in _WHOLE hold nothing per key and are copied whole. Any
+# other table with a key or seq column is refused: splitting state this code does not know
+# could leave a fork with rows of keys it does not have, or without rows it needs.
+_PER_KEY = ("keys", "inputs", "runs", "dead_letters")
+_PER_INPUT = ("calls",)
+_WHOLE = ("meta", "checkpoints", "agent_versions")
+_KEYED_COLUMNS = frozenset({"key", "key_text", "seq"})
+
+RESTORABLE_NOTE = (
+    "the state is updated in place: only the latest completed checkpoint is restorable (it is "
+    "what `ratchet run --state {state}` resumes from); earlier rows are history, statistics of "
+    "checkpoints whose state has since been overwritten. To keep a point you can go back to, "
+    "take a savepoint: ratchet savepoint --state {state} PATH"
+)
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+
+
+def iso_utc(timestamp: float | None) -> str | None:
+    """A stored wall-clock timestamp as ISO-8601 UTC ending in Z (as `_clock.utc_iso` writes
+    the clock's current time)."""
+    if timestamp is None:
+        return None
+    stamp = _dt.datetime.fromtimestamp(timestamp, _dt.UTC)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _q(name: str) -> str:
+    """An SQL identifier, quoted (table names come from the database's own catalogue)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _open_ro(path: Path) -> sqlite3.Connection:
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    return sqlite3.connect(uri, uri=True, isolation_level=None)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tables(conn: sqlite3.Connection) -> dict[str, list[str]]:
+    """Every table of the main database and its columns."""
+    names = [
+        row[0]
+        for row in conn.execute(
+            "SELECT name FROM main.sqlite_master WHERE type = 'table' AND substr(name, 1, 7) != 'sqlite_'"
+        )
+    ]
+    return {n: [c[1] for c in conn.execute(f"PRAGMA main.table_info({_q(n)})")] for n in names}
+
+
+def _check(conn: sqlite3.Connection, what: str, full: bool) -> None:
+    """SQLite's integrity check (or the quicker one) of `what`; StateError unless it is ok."""
+    pragma = "integrity_check" if full else "quick_check"
+    found = [" ".join(str(row[0]).split()) for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
+    if found != ["ok"]:
+        shown = "; ".join(found[:5]) + ("; ..." if len(found) > 5 else "")
+        raise StateError(f"{what} failed SQLite's integrity check ({shown})")
+
+
+def _copy_damaged(db: Path, target: Path) -> str:
+    return (
+        f"the copy of {db}; nothing was written at {target}: the state itself may be damaged; "
+        f"see `sqlite3 {db} 'PRAGMA integrity_check'`"
+    )
+
+
+def _meta(conn: sqlite3.Connection, path: Path) -> dict[str, Any]:
+    """Every meta record of a ratchet database, decoded; StateError if it is not one, or one
+    of a newer schema than this ratchet reads."""
+    try:
+        rows = conn.execute("SELECT name, value FROM meta").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise StateError(f"{path} is not a ratchet state database ({exc})") from exc
+    meta: dict[str, Any] = {}
+    for name, value in rows:
+        try:
+            meta[str(name)] = codec.decode(bytes(value), unknown="generic")
+        except (CorruptDataError, CodecError) as exc:
+            raise StateError(
+                f"{path}: the meta record {name!r} cannot be decoded ({exc}); it is damaged"
+            ) from exc
+    version = meta.get("schema_version")
+    if type(version) is not int or version < 1:
+        raise StateError(
+            f"{path} has no valid schema_version record ({version!r}); it is not a ratchet "
+            f"state database"
+        )
+    if version > SCHEMA_VERSION:
+        raise StateError(
+            f"{path} was written with state schema {version}; this ratchet reads schema "
+            f"{SCHEMA_VERSION} and older; upgrade ratchet to read it"
+        )
+    return meta
+
+
+def _latest_checkpoint(conn: sqlite3.Connection) -> int | None:
+    row = conn.execute("SELECT MAX(id) FROM checkpoints").fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def _describe(conn: sqlite3.Connection) -> dict[str, int]:
+    """What a state holds, counted."""
+
+    def count(sql: str) -> int:
+        return int(conn.execute(sql).fetchone()[0])
+
+    counts = {
+        "keys": count("SELECT COUNT(*) FROM keys"),
+        "in_flight_runs": count("SELECT COUNT(*) FROM runs"),
+        "queued_inputs": count(
+            "SELECT COUNT(*) FROM inputs WHERE seq NOT IN (SELECT seq FROM runs)"
+        ),
+        "unreleased_outputs": count("SELECT COUNT(*) FROM outbox"),
+    }
+    if "dead_letters" in _tables(conn):
+        counts["dead_letters"] = count("SELECT COUNT(*) FROM dead_letters")
+    return counts
+
+
+def _set_meta(conn: sqlite3.Connection, name: str, value: Any) -> None:
+    conn.execute(
+        "INSERT INTO meta(name, value) VALUES (?, ?) "
+        "ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+        (name, codec.encode(value)),
+    )
+
+
+def _read_job(state_dir: Path) -> tuple[str | None, bool]:
+    """The job id in `state_dir`'s job file and whether its outputs predate job ids; (None,
+    False) for a state without a job file (made by a ratchet older than job ids). Unlike
+    `job_identity` it never writes one: the source of a copy is only read."""
+    path = state_dir / JOB_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, False
+    except (OSError, ValueError) as exc:
+        raise StateError(
+            f'{path} is not a ratchet job file ({exc}); restore it (its job id is the "job" field '
+            f"of this job's output lines) before copying this state"
+        ) from exc
+    job = data.get("job") if isinstance(data, dict) else None
+    legacy = data.get("legacy_outputs") if isinstance(data, dict) else None
+    if not isinstance(job, str) or not job or not isinstance(legacy, bool):
+        raise StateError(
+            f'{path} is not a ratchet job file (a "job" id and "legacy_outputs"); restore it '
+            f"before copying this state"
+        )
+    return job, legacy
+
+
+def _require_state(state_dir: Path) -> None:
+    if not (state_dir / DB_NAME).is_file():
+        raise StateError(
+            f"no ratchet state in {state_dir} ({state_dir / DB_NAME} does not exist); pass the "
+            f"--state directory of a job that has run"
+        )
+
+
+def _require_empty(target: Path, what: str) -> None:
+    """A state directory to create must not exist yet, or be an empty directory."""
+    if target.is_dir() and not target.is_symlink():
+        if any(target.iterdir()):
+            raise StateError(
+                f"{target} is not empty; {what} a new directory (one that does not exist yet, "
+                f"or an empty one), or empty {target} first"
+            )
+    elif target.exists() or target.is_symlink():
+        raise StateError(f"{target} exists and is not a plain directory; {what} a new directory")
+
+
+def _free_name(path: Path) -> Path:
+    """A name beside `path` that is not taken: `name-2.ext`, `name-3.ext`, ..."""
+    n = 2
+    while True:
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+        if not candidate.exists():
+            return candidate
+        n += 1
+
+
+# -- staging: build beside the target, then move into place ---------------------------------------
+
+
+def _try_lock(path: Path, create: bool) -> int | None:
+    """A descriptor holding an exclusive flock on `path`; None if someone holds it or it is gone."""
+    try:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    try:
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:  # removed (or replaced) between the open and the lock
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_file(path: Path) -> None:
+    for sidecar in _SIDECARS:  # the journals first: a database without them is just stale
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{path}{sidecar}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class _Staging:
+    """A file or directory built beside `target` under a name only this attempt uses.
+
+    It is locked (flock; the OS drops the lock when the process dies) for as long as it is
+    built, so one that nobody holds is a killed attempt's leftover: entering removes those
+    first. A directory is locked through its `ratchet.lock`, the lock file a state directory
+    has anyway. `place()` moves the finished copy onto `target`; leaving without placing
+    removes it.
+    """
+
+    def __init__(self, target: Path, kind: str, directory: bool) -> None:
+        self.target = target
+        self.parent = target.parent
+        self.prefix = f".{target.name}.{kind}-"
+        self.suffix = ".tmp"
+        self.directory = directory
+        self._path: Path | None = None
+        self._fd: int | None = None
+        self._placed = False
+
+    @property
+    def path(self) -> Path:
+        assert self._path is not None, "entered first"
+        return self._path
+
+    def _lock_path(self, path: Path) -> Path:
+        return path / LOCK_NAME if self.directory else path
+
+    def _ours(self, name: str) -> bool:
+        return name.startswith(self.prefix) and self.suffix in name[len(self.prefix) :]
+
+    def _clean_leftovers(self) -> None:
+        try:
+            names = os.listdir(self.parent)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if not self._ours(name):
+                continue
+            path = self.parent / name
+            if not self.directory and not name.endswith(self.suffix):
+                # A journal of a staging file: it goes with its database, or alone if that is gone.
+                base = next((name[: -len(s)] for s in _SIDECARS if name.endswith(s)), None)
+                if base is not None and not (self.parent / base).exists():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                continue
+            fd = _try_lock(self._lock_path(path), create=self.directory)
+            if fd is None:
+                continue  # another attempt is building it
+            try:
+                if self.directory:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    _remove_file(path)
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> _Staging:
+        self.parent.mkdir(parents=True, exist_ok=True)
+        self._clean_leftovers()
+        for _attempt in range(8):
+            path = self.parent / f"{self.prefix}{os.urandom(8).hex()}{self.suffix}"
+            try:
+                if self.directory:
+                    os.mkdir(path)  # as any new directory (mkdtemp's would be private)
+                else:
+                    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+            except FileExistsError:
+                continue
+            fd = _try_lock(self._lock_path(path), create=self.directory)
+            if fd is not None:
+                self._path, self._fd = path, fd
+                return self
+            # Another attempt's clean-up took it for a leftover and holds or removed it: anew.
+        raise StateError(
+            f"could not make a staging {'directory' if self.directory else 'file'} in "
+            f"{self.parent} (other processes kept removing it); run again"
+        )
+
+    def sync(self) -> None:
+        """Make the finished copy durable before it is moved into place."""
+        if self.directory:
+            for child in self.path.iterdir():
+                if child.is_file():
+                    _fsync_file(child)
+            fsync_dir(self.path)
+        else:
+            assert self._fd is not None
+            os.fsync(self._fd)
+
+    def place(self) -> None:
+        """Move the finished copy onto the target, which must not exist (a file) or be an
+        empty directory (a directory); StateError otherwise."""
+        self.sync()
+        path = self.path
+        if self.directory:
+            try:
+                os.rename(path, self.target)  # replaces an empty directory, nothing else
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise StateError(
+                        f"{self.target} was filled while the copy was made; nothing was written "
+                        f"to it; choose a new directory"
+                    ) from exc
+                raise
+        else:
+            try:
+                os.link(path, self.target)  # fails if the target exists: never replaces one
+            except FileExistsError:
+                raise StateError(
+                    f"{self.target} was created while the savepoint was taken; it was left "
+                    f"as it is; choose a new path, e.g. {_free_name(self.target)}"
+                ) from None
+            except OSError:
+                # A file system without hard links: check, then rename (a narrow race).
+                if self.target.exists():
+                    raise StateError(
+                        f"{self.target} was created while the savepoint was taken; choose a "
+                        f"new path, e.g. {_free_name(self.target)}"
+                    ) from None
+                os.rename(path, self.target)
+            else:
+                os.unlink(path)
+        fsync_dir(self.parent)
+        self._placed = True
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if not self._placed and self._path is not None:
+                if self.directory:
+                    shutil.rmtree(self._path, ignore_errors=True)
+                else:
+                    _remove_file(self._path)
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _copy_into(source: sqlite3.Connection, dest_path: Path) -> sqlite3.Connection:
+    """A consistent copy of `source` (one read transaction) at `dest_path`, a new or empty
+    file, as a rollback-journal database (one self-contained file, written with full fsyncs);
+    the open connection to the copy."""
+    dest = sqlite3.connect(dest_path, isolation_level=None)
+    try:
+        source.backup(dest)
+        # The copy inherits its source's WAL mode; a copy is one file, so switch back.
+        mode = str(dest.execute("PRAGMA journal_mode=DELETE").fetchone()[0])
+        if mode.lower() != "delete":
+            raise StateError(f"{dest_path}: could not leave WAL mode (got {mode})")
+        dest.execute("PRAGMA synchronous=FULL")
+    except BaseException:
+        dest.close()
+        raise
+    return dest
+
+
+def _copy_failed(what: str, exc: BaseException) -> StateError:
+    return StateError(
+        f"{what} failed ({type(exc).__name__}: {exc}); nothing was written; fix the cause (disk "
+        f"space, permissions) and run again"
+    )
+
+
+# -- savepoints ------------------------------------------------------------------------------------
+
+
+def take_savepoint(
+    state_dir: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    clock: Clock = SYSTEM_CLOCK,
+) -> dict[str, Any]:
+    """Write a consistent, self-contained copy of the state in `state_dir` to the file `path`.
+
+    Works while a job owns the state (and writes it) or while it is stopped. `path` must not
+    exist; it appears only once the copy is complete, verified (SQLite's integrity check, meta
+    records readable) and fsynced. The copy carries a `savepoint` meta record; the savepoint is
+    also appended to `state_dir/savepoints.jsonl` (best effort: `logged` says whether it was).
+    Returns what was written: path, job, checkpoint id, size, counts.
+    """
+    sdir = Path(state_dir)
+    target = Path(path)
+    _require_state(sdir)
+    if target.exists() or target.is_symlink():
+        raise StateError(
+            f"{target} exists; a savepoint never replaces a file; choose a new path, e.g. "
+            f"{_free_name(target)}"
+        )
+    job, legacy = _read_job(sdir)
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        with _Staging(target, "savepoint", directory=False) as staging:
+            try:
+                dest = _copy_into(store.conn, staging.path)
+            finally:
+                store.close()  # ends the read transaction: the writer may checkpoint its WAL
+            try:
+                meta = _meta(dest, sdir / DB_NAME)
+                record = {
+                    "format": SAVEPOINT_FORMAT,
+                    "taken_at": clock.now(),
+                    "state_dir": str(sdir.resolve()),
+                    "job": job,
+                    "legacy_outputs": legacy,
+                    "checkpoint_id": _latest_checkpoint(dest),
+                    "agent_fingerprint": meta.get("agent_fingerprint"),
+                    "agent_name": meta.get("agent_name"),
+                    "memory_version": meta.get("memory_version", 1),
+                    "schema_version": meta["schema_version"],
+                }
+                _set_meta(dest, SAVEPOINT_META, record)
+                _check(dest, _copy_damaged(sdir / DB_NAME, target), full=True)
+                if _meta(dest, staging.path).get(SAVEPOINT_META) != record:
+                    raise InternalError(f"{staging.path}: the savepoint record did not read back")
+                counts = _describe(dest)
+            finally:
+                dest.close()
+            staging.place()
+    except (sqlite3.Error, OSError) as exc:
+        raise _copy_failed(f"copying the state of {sdir} to {target}", exc) from exc
+    finally:
+        store.close()
+    size = target.stat().st_size
+    result: dict[str, Any] = {
+        "path": str(target.resolve()),
+        **record,
+        "size_bytes": size,
+        **counts,
+    }
+    result["logged"], result["log_error"] = _log_savepoint(sdir, result)
+    return result
+
+
+def _log_savepoint(state_dir: Path, result: dict[str, Any]) -> tuple[bool, str | None]:
+    """Append one line for the savepoint to `savepoints.jsonl`; best effort (the savepoint is
+    complete without it): (whether it was written, why not)."""
+    entry = {
+        k: result[k]
+        for k in (
+            "path",
+            "taken_at",
+            "checkpoint_id",
+            "job",
+            "size_bytes",
+            "keys",
+            "schema_version",
+        )
+    }
+    line = json.dumps(entry, sort_keys=True) + "\n"
+    log_path = state_dir / SAVEPOINTS_LOG
+    try:
+        fd = os.open(log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = "\n" + line  # the end of a line cut by a kill: start a new one
+            os.write(fd, line.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return False, f"{log_path} could not be written: {exc}"
+    return True, None
+
+
+def read_savepoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The `savepoint` record of the savepoint file at `path`, with what it holds (`counts`)
+    and its size, after checking that it is whole (SQLite's integrity check) and a ratchet
+    savepoint; StateError naming what is wrong otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        what = "does not exist" if not p.exists() else "is not a file"
+        raise StateError(f"savepoint {p} {what}; pass a file written by `ratchet savepoint`")
+    try:
+        conn = _open_ro(p)
+    except sqlite3.Error as exc:
+        raise StateError(f"{p} cannot be opened as a ratchet savepoint ({exc})") from exc
+    fix = "pass a file written by `ratchet savepoint`"
+    try:
+        try:
+            _check(conn, str(p), full=True)
+            meta = _meta(conn, p)
+            counts = _describe(conn)
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{p} is not a ratchet savepoint ({exc}); {fix}") from exc
+        except StateError as exc:
+            raise StateError(f"{exc}; it is not a usable savepoint; {fix}") from exc
+    finally:
+        conn.close()
+    record = meta.get(SAVEPOINT_META)
+    if not isinstance(record, dict):
+        raise StateError(
+            f"{p} is a ratchet state database but not a savepoint (it has no "
+            f"{SAVEPOINT_META!r} record); {fix}"
+        )
+    if record.get("format") != SAVEPOINT_FORMAT:
+        raise StateError(
+            f"{p} is a savepoint of format {record.get('format')!r}; this ratchet reads format "
+            f"{SAVEPOINT_FORMAT}; use the ratchet version that wrote it"
+        )
+    return dict(record, counts=counts, size_bytes=p.stat().st_size, path=str(p.resolve()))
+
+
+def restore_savepoint(
+    savepoint: str | os.PathLike[str],
+    state_dir: str | os.PathLike[str],
+    clock: Clock = SYSTEM_CLOCK,
+) -> dict[str, Any]:
+    """Make `state_dir` (which must not exist, or be empty) hold the savepoint's state.
+
+    The state gets the savepoint's job id: the restored job is the same job, continued, so
+    outputs it writes again dedupe by id against that job's output file. Built beside
+    `state_dir` and renamed onto it once complete and fsynced: a kill leaves no state there or
+    a whole one. Returns the savepoint's record with `state_dir`.
+    """
+    sp = Path(savepoint)
+    target = Path(state_dir)
+    record = read_savepoint(sp)
+    _require_empty(target, "restore the savepoint into")
+    job = record.get("job")
+    if job is not None and not isinstance(job, str):
+        raise StateError(f"{sp}: the savepoint names the job {job!r}, which is not a job id")
+    try:
+        with _Staging(target, "restore", directory=True) as staging:
+            db = staging.path / DB_NAME
+            source = _open_ro(sp)
+            try:
+                dest = _copy_into(source, db)
+            finally:
+                source.close()
+            try:
+                _check(dest, f"the copy of {sp}; nothing was restored", full=False)
+                _meta(dest, db)
+            finally:
+                dest.close()
+            if job is not None:
+                atomic_json(
+                    staging.path / JOB_FILE,
+                    {
+                        "format": _JOB_FORMAT,
+                        "job": job,
+                        "created": clock.now(),
+                        "legacy_outputs": bool(record.get("legacy_outputs", False)),
+                    },
+                )
+                # Read back as the engine will read it: a format drift fails here, not later.
+                if job_identity(staging.path, has_history=True, clock=clock).id != job:
+                    raise InternalError(f"{staging.path / JOB_FILE} did not read back as job {job}")
+            staging.place()
+    except (sqlite3.Error, OSError) as exc:
+        raise _copy_failed(f"restoring {sp} into {target}", exc) from exc
+    return dict(record, state_dir=str(target.resolve()), savepoint=str(sp.resolve()))
+
+
+# -- forks -----------------------------------------------------------------------------------------
+
+
+def _key_text(blob: bytes, where: str) -> str:
+    """A stored key as the engine writes its text (`str(key)`)."""
+    try:
+        return str(codec.decode(blob, unknown="generic"))
+    except (CorruptDataError, CodecError) as exc:
+        raise StateError(f"{where}: a stored key cannot be decoded ({exc}); it is damaged") from exc
+
+
+def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> dict[str, int]:
+    """Delete, in one transaction, every row that belongs to a key not in `selected` (keys by
+    their text, as `ratchet inspect` shows them); the rows removed per table. ConfigError
+    naming the keys the state does not hold."""
+    tables = _tables(conn)
+    unknown_tables = sorted(
+        name
+        for name, cols in tables.items()
+        if name not in (*_PER_KEY, *_PER_INPUT, *_WHOLE, "outbox") and _KEYED_COLUMNS & set(cols)
+    )
+    if unknown_tables:
+        raise StateError(
+            f"{where} has table(s) {', '.join(unknown_tables)} that this ratchet cannot split by "
+            f"key; fork all keys (without --key), or use the ratchet version that wrote the state"
+        )
+    texts: dict[bytes, str] = {}
+    for name in _PER_KEY:
+        cols = tables.get(name)
+        if cols is None:
+            continue
+        if "key_text" in cols:
+            for blob, text in conn.execute(f"SELECT DISTINCT key, key_text FROM {_q(name)}"):
+                texts.setdefault(bytes(blob), str(text))
+        else:
+            for (blob,) in conn.execute(f"SELECT DISTINCT key FROM {_q(name)}"):
+                if bytes(blob) not in texts:
+                    texts[bytes(blob)] = _key_text(bytes(blob), f"{where} table {name}")
+    known = set(texts.values())
+    unknown = [k for k in selected if k not in known]
+    if unknown:
+        listed = sorted(known)
+        shown = ", ".join(repr(k) for k in listed[:20]) + (", ..." if len(listed) > 20 else "")
+        raise ConfigError(
+            f"--key {', '.join(repr(k) for k in unknown)}: no such key in the state of "
+            f"{where.parent} (as of its latest checkpoint); it holds {len(listed)} key(s): "
+            f"{shown or 'none'}; `ratchet inspect --state {where.parent}` lists them"
+        )
+    keep = [(blob,) for blob, text in texts.items() if text in selected]
+    wanted = set(selected)
+    removed: dict[str, int] = {}
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("CREATE TEMP TABLE keep_keys(key BLOB PRIMARY KEY)")
+        conn.executemany("INSERT INTO temp.keep_keys(key) VALUES (?)", keep)
+        for name in _PER_KEY:
+            if name in tables:
+                cur = conn.execute(
+                    f"DELETE FROM main.{_q(name)} WHERE key NOT IN (SELECT key FROM temp.keep_keys)"
+                )
+                removed[name] = max(cur.rowcount, 0)
+        # A call record belongs to the run of its input. One whose input is not in the state
+        # (admitted after the latest checkpoint) cannot be placed: it goes, so the fork makes
+        # that call again rather than trust a record that may be another key's.
+        for name in _PER_INPUT:
+            if name in tables:
+                cur = conn.execute(
+                    f"DELETE FROM main.{_q(name)} WHERE seq NOT IN (SELECT seq FROM main.inputs)"
+                )
+                removed[name] = max(cur.rowcount, 0)
+        if "outbox" in tables:
+            kept_seqs = {int(s) for (s,) in conn.execute("SELECT seq FROM main.inputs")}
+            gone = []
+            for out_id, seq, blob in conn.execute("SELECT id, seq, record FROM main.outbox"):
+                if int(seq) in kept_seqs:
+                    continue
+                try:
+                    rec = codec.decode(bytes(blob), unknown="generic")
+                except (CorruptDataError, CodecError) as exc:
+                    raise StateError(
+                        f"{where}: the unreleased output {out_id} cannot be decoded ({exc})"
+                    ) from exc
+                if not isinstance(rec, dict) or "key" not in rec:
+                    raise StateError(f"{where}: the unreleased output {out_id} names no key")
+                if str(rec["key"]) not in wanted:
+                    gone.append((out_id,))
+            conn.executemany("DELETE FROM main.outbox WHERE id = ?", gone)
+            removed["outbox"] = len(gone)
+        conn.execute("DROP TABLE temp.keep_keys")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return removed
+
+
+def fork_state(
+    state_dir: str | os.PathLike[str],
+    to: str | os.PathLike[str],
+    keys: Sequence[str] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> dict[str, Any]:
+    """Copy the state in `state_dir` into a new job at `to` (which must not exist, or be empty).
+
+    All keys, or only those whose text (as `ratchet inspect` shows keys) is in `keys`: every
+    row of the other keys is left out (memory, queued and in-flight inputs, their call records
+    and unreleased outputs, dead letters). The fork gets a new job id: it is a different job,
+    so its outputs go to a new output file (or are appended with --append-output). Its source
+    position is the original's: it reads on from the same input; inputs of keys it does not
+    hold start those keys anew. Works while a job owns `state_dir`. Returns what was copied.
+    """
+    sdir = Path(state_dir)
+    target = Path(to)
+    _require_state(sdir)
+    _require_empty(target, "fork into")
+    selected = None if keys is None else list(dict.fromkeys(str(k) for k in keys))
+    source_job, _legacy = _read_job(sdir)
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        with _Staging(target, "fork", directory=True) as staging:
+            db = staging.path / DB_NAME
+            try:
+                dest = _copy_into(store.conn, db)
+            finally:
+                store.close()
+            try:
+                _meta(dest, sdir / DB_NAME)
+                before = _describe(dest)
+                checkpoint_id = _latest_checkpoint(dest)
+                removed = {} if selected is None else _keep_only(dest, selected, sdir / DB_NAME)
+                _set_meta(
+                    dest,
+                    FORK_META,
+                    {
+                        "format": 1,
+                        "at": clock.now(),
+                        "state_dir": str(sdir.resolve()),
+                        "job": source_job,
+                        "checkpoint_id": checkpoint_id,
+                        "keys": selected,
+                    },
+                )
+                if any(removed.values()):
+                    dest.execute("VACUUM")  # a fork of a few keys should not keep all the pages
+                _check(dest, _copy_damaged(sdir / DB_NAME, target), full=False)
+                after = _describe(dest)
+                kept = sorted(str(t) for (t,) in dest.execute("SELECT key_text FROM keys"))
+            finally:
+                dest.close()
+            job = job_identity(staging.path, has_history=False, clock=clock)
+            staging.place()
+    except (sqlite3.Error, OSError) as exc:
+        raise _copy_failed(f"forking {sdir} into {target}", exc) from exc
+    finally:
+        store.close()
+    return {
+        "from": str(sdir.resolve()),
+        "from_job": source_job,
+        "to": str(target.resolve()),
+        "job": job.id,
+        "checkpoint_id": checkpoint_id,
+        "selected_keys": selected,
+        "keys_with_memory": kept,
+        "source_counts": before,
+        **after,
+        "removed_rows": removed,
+    }
+
+
+# -- listing ---------------------------------------------------------------------------------------
+
+
+def _read_log(state_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """The savepoints listed in `savepoints.jsonl` (with whether each file still exists) and
+    how many lines could not be read (e.g. one cut by a kill)."""
+    try:
+        text = (state_dir / SAVEPOINTS_LOG).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], 0
+    entries: list[dict[str, Any]] = []
+    bad = 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            bad += 1
+            continue
+        taken = entry.get("taken_at")
+        entry["taken_at_iso"] = iso_utc(taken) if isinstance(taken, int | float) else None
+        entry["exists"] = Path(entry["path"]).is_file()
+        entries.append(entry)
+    return entries, bad
+
+
+def list_checkpoints(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoints a state retains (statistics of the latest ones; only the latest is
+    restorable) and the savepoints taken of it. Read-only; works while a job runs."""
+    sdir = Path(state_dir)
+    _require_state(sdir)
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        conn = store.conn
+        try:
+            conn.execute("BEGIN")  # one read transaction: rows and counts of one moment
+            rows = conn.execute(
+                "SELECT id, triggered_at, duration_ms, size_bytes FROM checkpoints ORDER BY id"
+            ).fetchall()
+            meta = _meta(conn, store.path)
+            conn.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{store.path} could not be read ({exc})") from exc
+    finally:
+        store.close()
+    latest = int(rows[-1][0]) if rows else None
+    job, _legacy = _read_job(sdir)
+    savepoints, bad = _read_log(sdir)
+    return {
+        "state_dir": str(sdir.resolve()),
+        "agent": meta.get("agent_name"),
+        "job": job,
+        "counts": meta.get("counts"),
+        "latest_restored": meta.get("latest_restored"),
+        "restorable_checkpoint": latest,
+        "note": RESTORABLE_NOTE.format(state=sdir),
+        "checkpoints": [
+            {
+                "id": int(cid),
+                "triggered_at": triggered,
+                "time": iso_utc(triggered),
+                "duration_ms": duration,
+                "size_bytes": size,
+                "restorable": int(cid) == latest,
+            }
+            for cid, triggered, duration, size in rows
+        ],
+        "savepoints": savepoints,
+        "unreadable_savepoint_lines": bad,
+    }

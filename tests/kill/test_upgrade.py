@@ -118,6 +118,11 @@ def test_v2_continues_v1s_killed_stream_exactly_once(tmp_path: Path) -> None:
     time.sleep(0.2)  # a few checkpoints with the parked runs in flight
     kill(v1)
     w.stuck.unlink()
+    # A savepoint of v1's state, to start v2 from in a new directory too (below).
+    savepoint = tmp_path / "v1.savepoint"
+    done = w.cli("savepoint", "--state", str(w.state), str(savepoint))
+    assert done.returncode == 0, done.stderr
+    shutil.copy(w.output, tmp_path / "out-at-kill.jsonl")
 
     flying = w.in_flight()
     flying_n = {r["seq"] for r in flying}  # seq == n: one input per line, in order
@@ -152,6 +157,20 @@ def test_v2_continues_v1s_killed_stream_exactly_once(tmp_path: Path) -> None:
     assert len(w.lines(w.migrations)) == 12
     memory = w.memory()
     assert memory == {k: {"stats": {"total": 8}} for k in keys}, memory
+
+    # v2 started from the savepoint goes through the same adoption, pins and migrations.
+    restored = World(tmp_path / "restored")
+    restored.tmp.mkdir()
+    restored.input = w.input
+    shutil.copy(tmp_path / "out-at-kill.jsonl", restored.output)
+    proc = restored.start("V2", "v2-restored", "--from-savepoint", str(savepoint))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    outputs = restored.lines(restored.output)
+    assert Counter(o["output"]["n"] for o in outputs) == Counter(range(96))
+    done = restored.cli("migrate", "--state", str(restored.state), "--agent", agent("V2"))
+    assert done.returncode == 0, done.stderr
+    assert restored.memory() == memory
 
 
 def killed_v1_with_a_parked_call(w: World) -> int:

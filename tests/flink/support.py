@@ -88,7 +88,7 @@ def embedded_memory(state: Path) -> dict[Any, dict[str, Any]]:
         loaded = store.load()
     finally:
         store.close()
-    return {codec.decode(k): from_wire(codec.decode(mem)) for k, _nd, mem in loaded.keys}
+    return {codec.decode(k): from_wire(codec.decode(mem)) for k, _nd, mem, _v in loaded.keys}
 
 
 def flink_memory(directory: Path) -> dict[Any, dict[str, Any]]:

@@ -135,7 +135,10 @@ def test_a_seed_is_drawn_when_none_is_given() -> None:
 @pytest.mark.parametrize(
     ("configure", "message"),
     [
-        (lambda s: s.fail("write", calls=[1]), r"cannot inject into 'write'; it wraps adopt, load, "),
+        (
+            lambda s: s.fail("write", calls=[1]),
+            r"cannot inject into 'write'; it wraps adopt, load, ",
+        ),
         (lambda s: s.fail("load", rate=1.5), r"rate must be between 0 and 1, not 1.5"),
         (lambda s: s.fail("load", calls=[0, 2]), r"call numbers count from 1, got \[0, 2\]"),
         (lambda s: s.delay("load", (2.0, 1.0)), r"seconds must be >= 0 and low <= high"),

@@ -26,6 +26,7 @@ from ratchet._errors import (
     ReceiptError,
     ReplayedCallError,
     ResumeRefusedError,
+    SignalTimeout,
     StageTimeoutError,
     StateError,
     StructuredOutputError,
@@ -48,6 +49,7 @@ from ratchet.agents import (
 )
 from ratchet.agents._exceptions import register_type
 from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._signals import send_signal
 
 __version__ = "0.1.0"
 
@@ -108,6 +110,7 @@ __all__ = [
     "RetryPolicy",
     "RunnerContext",
     "ScriptedChatModel",
+    "SignalTimeout",
     "StageTimeoutError",
     "StateError",
     "StructuredOutputError",
@@ -129,6 +132,7 @@ __all__ = [
     "prompt",
     "register_type",
     "run",
+    "send_signal",
     "tool",
 ]
 

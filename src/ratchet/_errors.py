@@ -14,6 +14,7 @@
     ├── NonDeterminismError           replay met a different call than the journal recorded
     │   └── IncompatibleChangeError   a run in flight cannot be replayed by the new agent; exit 2
     ├── MigrationError                a memory migration is missing or raised; exit 2
+    ├── SignalTimeout                 (also TimeoutError) ctx.wait_for_signal timed out
     ├── CheckpointError               checkpoints failed more times in a row than tolerated
     ├── CodecError                    (also TypeError) a value cannot be stored
     │   └── UnknownTypeError          stored data names a class this process has not registered
@@ -101,6 +102,13 @@ class IncompatibleChangeError(NonDeterminismError):
 class MigrationError(RatchetError):
     """A key's memory cannot be brought to the agent's `memory_version`: a migration is
     missing or raised. Nothing of that key was written; the message names the key and version."""
+
+
+class SignalTimeout(RatchetError, TimeoutError):
+    """`ctx.wait_for_signal(name, timeout=...)` reached its timeout without the signal.
+
+    Raised into the waiting action (catch it there); an uncaught one fails the action like
+    any exception. After a crash the same wait times out at the same recorded deadline."""
 
 
 class CheckpointError(RatchetError):

@@ -85,6 +85,7 @@ def test_public_names_are_pinned() -> None:
         "RetryPolicy",
         "RunnerContext",
         "ScriptedChatModel",
+        "SignalTimeout",
         "StageTimeoutError",
         "StateError",
         "StructuredOutputError",
@@ -106,6 +107,7 @@ def test_public_names_are_pinned() -> None:
         "prompt",
         "register_type",
         "run",
+        "send_signal",
         "tool",
     ]
 

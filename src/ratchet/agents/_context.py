@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import datetime
 import inspect
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
@@ -13,15 +15,19 @@ from ratchet._errors import (
     UPGRADE_FIXES,
     CheckpointError,
     CodecError,
+    ConfigError,
     IncompatibleChangeError,
     InternalError,
+    InvalidArgumentError,
     InvalidTypeError,
     MigrationError,
     NonDeterminismError,
     RatchetError,
+    SignalTimeout,
 )
 from ratchet.agents._agent import Agent, AgentSpec
 from ratchet.agents._events import (
+    DelayedEvent,
     Emitted,
     ErrorEvent,
     Event,
@@ -32,7 +38,7 @@ from ratchet.agents._events import (
 )
 from ratchet.agents._exceptions import encode_error, rebuild_error
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
-from ratchet.runtime._dispatch import TaskCalls
+from ratchet.runtime._dispatch import SIGNAL_FN, SLEEP_FN, TaskCalls, Waits
 from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.runtime._metrics import KeyMetrics, Metrics
 from ratchet.store import codec
@@ -137,14 +143,99 @@ class RunnerContext:
             raise InvalidTypeError(f"ctx.patched() takes a non-empty str id, got {change_id!r}")
         return self._calls.patched(change_id)
 
-    def send_event(self, event: Event) -> None:
-        """Emit an event; it is delivered (or output) when this task commits."""
+    def send_event(
+        self,
+        event: Event,
+        *,
+        delay: float | datetime.timedelta | None = None,
+        at: datetime.datetime | None = None,
+    ) -> None:
+        """Emit an event; it is delivered (or output) when this task commits.
+
+        `delay` (seconds or a timedelta) or `at` (an aware datetime) deliver it to this run
+        later instead: a durable timer, kept across restarts (due at once if it fell due while
+        the job was down). The run stays in flight, holding no slot, until it is delivered.
+        """
         if not isinstance(event, Event):
             raise InvalidTypeError(
                 f"send_event() takes a ratchet Event, got {type(event).__name__}; wrap the value, "
                 f"e.g. OutputEvent(output=...)"
             )
-        self.events.append(freeze(event))
+        frozen = freeze(event)
+        if delay is None and at is None:
+            self.events.append(frozen)
+            return
+        if delay is not None and at is not None:
+            raise InvalidArgumentError("send_event() takes delay= or at=, not both")
+        if at is not None:
+            if not isinstance(at, datetime.datetime) or at.tzinfo is None:
+                raise InvalidArgumentError(
+                    f"send_event(at=) takes an aware datetime (with tzinfo, e.g. "
+                    f"datetime.now(timezone.utc) + timedelta(hours=1)), got {at!r}"
+                )
+            due = at.timestamp()
+        else:
+            due = self._waits("send_event(delay=)").now() + _seconds("delay", delay)
+        self.events.append(Emitted(DelayedEvent, {"due": float(due), "event": frozen.wire()}))
+
+    # -- durable waits ------------------------------------------------------------------------
+
+    def _waits(self, what: str) -> Waits:
+        waits = self._calls.waits
+        if waits is None:
+            raise ConfigError(
+                f"{what} needs an engine with durable timers and signals: the embedded engine "
+                f"(`ratchet run`) has them; the Flink engine does not yet (docs/flink.md)"
+            )
+        return waits
+
+    async def sleep(self, seconds: float | datetime.timedelta) -> None:
+        """A durable timer: after a crash the task resumes at this point when it is due (at
+        once if it fell due while the job was down). The run holds no slot meanwhile."""
+        waits = self._waits("ctx.sleep")
+        secs = _seconds("ctx.sleep", seconds)
+        digest = repr(secs)
+        idx, rec = self._calls.claim(SLEEP_FN, digest)
+        if rec is not None and rec.status == "ok":
+            until = float(codec.decode(rec.payload or b"")["until"])
+        else:
+            now = waits.now()
+            until = now + secs
+            payload = codec.encode({"since": now, "until": until})
+            await asyncio.wrap_future(self._calls.write(idx, SLEEP_FN, digest, "ok", payload))
+        await waits.until(self._task, until)
+
+    async def wait_for_signal(
+        self,
+        name: str,
+        timeout: float | datetime.timedelta | None = None,  # noqa: ASYNC109 - durable: recorded
+    ) -> Any:
+        """The value sent for `name` to this key (`ratchet signal`, REST, `send_signal`).
+
+        Signals of a key and name are delivered in the order sent, each exactly once; one sent
+        before anybody waits is kept until a run of the key waits for it. With `timeout`,
+        raises `ratchet.SignalTimeout` when it passes; the deadline is recorded, so after a
+        crash the wait resumes with the time it had left."""
+        if not isinstance(name, str) or not name:
+            raise InvalidTypeError(f"wait_for_signal() takes a non-empty str name, got {name!r}")
+        waits = self._waits("ctx.wait_for_signal")
+        secs = None if timeout is None else _seconds("wait_for_signal(timeout=)", timeout)
+        idx, rec = self._calls.claim(SIGNAL_FN, name)
+        if rec is not None and rec.status == "ok":
+            return codec.decode(rec.payload or b"")
+        if rec is not None and rec.status == "error":
+            raise _timed_out(self.key, name, codec.decode(rec.payload or b""))
+        if rec is not None:  # an intent: the wait began before a crash
+            until = codec.decode(rec.payload or b"").get("until")
+        else:
+            now = waits.now()
+            until = None if secs is None else now + secs
+            payload = codec.encode({"since": now, "until": until})
+            await asyncio.wrap_future(self._calls.write(idx, SIGNAL_FN, name, "intent", payload))
+        value = await waits.signal(self._task, self._calls, idx, name, until)
+        if value is None:
+            raise _timed_out(self.key, name, {"until": until})
+        return codec.decode(value)
 
     # -- durable calls ----------------------------------------------------------------------
 
@@ -274,6 +365,24 @@ class RunnerContext:
         return TaskResult(self._stm.ops, self._sensory.ops, list(self.events))
 
 
+def _seconds(what: str, value: Any) -> float:
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise InvalidArgumentError(
+            f"{what} takes seconds >= 0 (an int, a float or a timedelta), got {value!r}"
+        )
+    return float(value)
+
+
+def _timed_out(key: Any, name: str, record: Any) -> SignalTimeout:
+    until = record.get("until") if isinstance(record, dict) else None
+    when = (
+        f" at {datetime.datetime.fromtimestamp(until, datetime.UTC).isoformat()}" if until else ""
+    )
+    return SignalTimeout(f"no signal {name!r} for key {key!r} before the timeout{when}")
+
+
 # Per thread / asyncio task, so concurrent calls of one action do not overwrite each other.
 _last_replayed: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "ratchet_replayed", default=False
@@ -320,6 +429,13 @@ class AgentBinding:
 
     def known_actions(self) -> list[str]:
         return [a.name for a in self.spec.actions]
+
+    def delayed(self, event: Emitted) -> tuple[float, Emitted] | None:
+        """(due time, event) of an event sent with a delay; None for any other."""
+        if event.cls is not DelayedEvent:
+            return None
+        name, fields = event.fields["event"]
+        return float(event.fields["due"]), emitted_from_wire(name, fields)
 
     def pinned(
         self, table: DispatchTable

@@ -94,6 +94,16 @@ def event_from_wire(name: str, fields: dict[str, Any]) -> Event:
     return event_class(name).model_validate(fields)
 
 
+class DelayedEvent(Event):
+    """An event to deliver at `due` (`send_event(..., delay=)`): the run holds it until then.
+
+    Internal: the run machine takes it out of the event flow; no action hears it."""
+
+    event_name: ClassVar[str] = "ratchet.Delayed"
+    due: float
+    event: tuple[str, dict[str, Any]]
+
+
 class Emitted:
     """An event as it was emitted, frozen in its wire form; what the engines pass around.
 

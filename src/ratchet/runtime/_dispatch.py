@@ -29,6 +29,27 @@ Outcome = TaskResult | RatchetError
 
 # The function name of a `ctx.patched` marker among a task's call records (digest: the id).
 PATCH_FN = "ratchet.patched"
+# Durable waits among a task's call records: a sleep ("ok", {since, until}) and a signal wait
+# ("intent" {since, until} while waiting; "ok" with the value, or "error" {timeout} after).
+SLEEP_FN = "ratchet.sleep"
+SIGNAL_FN = "ratchet.signal"
+
+
+class Waits(Protocol):
+    """How an engine parks a task in a durable wait (`ctx.sleep`, `ctx.wait_for_signal`)."""
+
+    def now(self) -> float: ...
+
+    async def until(self, task: Task, deadline: float) -> None:
+        """Return at `deadline` on the engine's clock; the task holds no slot meanwhile."""
+        ...
+
+    async def signal(
+        self, task: Task, calls: TaskCalls, idx: int, name: str, deadline: float | None
+    ) -> bytes | None:
+        """The signal's encoded value once delivered (its record written), or None at the
+        deadline (the timeout recorded)."""
+        ...
 
 
 class Binding(Protocol):
@@ -46,6 +67,7 @@ class Binding(Protocol):
         self, table: DispatchTable
     ) -> tuple[Callable[[Any], list[str]], Callable[[Any], bool]]: ...
     def migrate(self, key: Any, memory: dict[str, Any], version: int) -> dict[str, Any]: ...
+    def delayed(self, event: Any) -> tuple[float, Any] | None: ...
     def is_output(self, event: Any) -> bool: ...
     def action_mode(self, action: str) -> str: ...
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult: ...
@@ -84,6 +106,7 @@ class TaskCalls:
         "_lock",
         "_pending",
         "_patches",
+        "waits",
     )
 
     def __init__(
@@ -107,6 +130,7 @@ class TaskCalls:
         self._lock: threading.Lock | None = None
         self._pending: list[CallRecord] = []  # patch markers, written with the next record
         self._patches: dict[str, bool] = {}
+        self.waits: Waits | None = None  # set by an engine that supports durable waits
         if recorded:  # a replayed task: match calls to records (most tasks have none)
             self._lock = threading.Lock()
             self._by_call = {}
@@ -196,9 +220,11 @@ class CallJournal:
     def add(self, record: CallRecord) -> None:
         self._by_task.setdefault((record.seq, record.task_id), {})[record.idx] = record
 
-    def calls_for(self, task: Task, writer: CallWriter) -> TaskCalls:
+    def calls_for(self, task: Task, writer: CallWriter, waits: Waits | None = None) -> TaskCalls:
         recorded = self._by_task.pop((task.run.seq, task.task_id), None) or {}
-        return TaskCalls(task.run.seq, task.task_id, task.run.key, recorded, writer)
+        calls = TaskCalls(task.run.seq, task.task_id, task.run.key, recorded, writer)
+        calls.waits = waits
+        return calls
 
     def clear(self) -> None:
         self._by_task.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextvars
 import logging
 import queue
 import threading
@@ -28,7 +29,14 @@ from ratchet._errors import (
     RatchetError,
     StateError,
 )
-from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome, TaskCalls
+from ratchet.runtime._dispatch import (
+    SIGNAL_FN,
+    Binding,
+    CallJournal,
+    Dispatcher,
+    Outcome,
+    TaskCalls,
+)
 from ratchet.runtime._io import Sink, Source, writable
 from ratchet.runtime._journal import (
     decode_event,
@@ -255,6 +263,204 @@ class EngineResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
+class _SignalWait:
+    task: Task
+    calls: TaskCalls
+    idx: int
+    name: str
+    since: float
+    until: float | None
+    done: asyncio.Future[bytes | None]
+    closing: bool = False  # a delivery or a timeout is being written
+    parked: bool = True  # still waiting on the outside world (not on our own write)
+
+
+class _EngineWaits:
+    """The embedded engine's durable waits: sleeps and delayed events on the engine's clock,
+    signals from the store's `signals` table. Everything here runs on the engine's loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.sleeping: dict[Task, float] = {}  # task -> deadline
+        self.timers = 0  # delayed events scheduled and not delivered
+        self.cursor = 0  # the highest signal id read from the store
+        # (key text, name) -> signals not consumed, in the order sent: (id, value, sent at)
+        self.signals: dict[tuple[str, str], collections.deque[tuple[int, bytes, float]]] = {}
+        self.waiters: dict[tuple[str, str], collections.deque[_SignalWait]] = {}
+
+    def now(self) -> float:
+        return self.engine.clock.now()
+
+    def _parked(self, task: Task, waiting: bool) -> None:
+        engine = self.engine
+        engine.machine.wait(task, waiting)
+        # Runs that start now must not become the waiting action's asyncio children (which
+        # are cancelled when it returns): the engine performs them outside its context.
+        self._outside(engine._pump_and_poke)
+
+    @staticmethod
+    def _outside(fn: Callable[..., Any], *args: Any) -> None:
+        asyncio.get_running_loop().call_soon(fn, *args, context=contextvars.Context())
+
+    async def until(self, task: Task, deadline: float) -> None:
+        clock = self.engine.clock
+        self.sleeping[task] = deadline
+        self._parked(task, True)
+        try:
+            left = deadline - clock.now()
+            if left > 0:
+                await clock.sleep(left)
+        finally:
+            del self.sleeping[task]
+            self._parked(task, False)
+
+    async def deliver_at(self, run: Any, event_id: str, due: float) -> None:
+        engine = self.engine
+        self.timers += 1
+        try:
+            left = due - engine.clock.now()
+            if left > 0:
+                await engine.clock.sleep(left)
+        finally:
+            self.timers -= 1
+        try:
+            engine.machine.fire(run, event_id)
+            engine._pump()
+        except RatchetError as exc:
+            engine._fail(exc)
+        engine._poke()
+
+    async def signal(
+        self, task: Task, calls: TaskCalls, idx: int, name: str, deadline: float | None
+    ) -> bytes | None:
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        wait = _SignalWait(task, calls, idx, name, self.now(), deadline, loop.create_future())
+        where = (str(task.run.key), name)
+        self.waiters.setdefault(where, collections.deque()).append(wait)
+        self._parked(task, True)
+        timer: asyncio.Task[None] | None = None
+        if deadline is not None:
+            timer = asyncio.get_running_loop().create_task(
+                self._time_out(wait, deadline), context=contextvars.Context()
+            )
+        try:
+            self._match(where)
+            return await wait.done
+        finally:
+            if timer is not None:
+                timer.cancel()
+            waits = self.waiters.get(where)
+            if waits is not None and wait in waits:
+                waits.remove(wait)
+            self._resume(wait)
+            engine._poke()
+
+    def _resume(self, wait: _SignalWait) -> None:
+        """The wait is over (its outcome is being written, or it was cancelled): the run
+        counts as working again, so neither the bounded job's end nor a test clock skips it."""
+        if wait.parked:
+            wait.parked = False
+            self._parked(wait.task, False)
+
+    async def _time_out(self, wait: _SignalWait, deadline: float) -> None:
+        clock = self.engine.clock
+        left = deadline - clock.now()
+        if left > 0:
+            await clock.sleep(left)
+        if wait.closing or wait.done.done():
+            return
+        wait.closing = True
+        self._resume(wait)
+        record = codec.encode({"timeout": True, "since": wait.since, "until": deadline})
+        try:
+            await asyncio.wrap_future(
+                wait.calls.write(wait.idx, SIGNAL_FN, wait.name, "error", record)
+            )
+        except Exception as exc:  # noqa: BLE001 - a storage fault stops the job
+            self.engine._fail(exc)
+            return
+        if not wait.done.done():
+            wait.done.set_result(None)
+
+    def add_signals(self, rows: list[tuple[int, str, str, bytes, float]]) -> None:
+        touched = set()
+        for sid, key_text, name, value, sent_at in rows:
+            if sid <= self.cursor:
+                continue
+            self.cursor = sid
+            where = (key_text, name)
+            self.signals.setdefault(where, collections.deque()).append((sid, value, sent_at))
+            touched.add(where)
+        for where in touched:
+            self._match(where)
+
+    async def poll_signals(self) -> None:
+        """Read signals sent since the last look (another process writes them)."""
+        engine = self.engine
+        rows = await asyncio.wrap_future(
+            engine._writer.submit(lambda: engine.store.signals_after(self.cursor))
+        )
+        self.add_signals(rows)
+
+    def _match(self, where: tuple[str, str]) -> None:
+        """Hand the oldest signal to the oldest waiter of a key and name, in a group."""
+        pending = self.signals.get(where)
+        waiters = self.waiters.get(where)
+        while pending and waiters:
+            wait = next((w for w in waiters if not w.closing and not w.done.done()), None)
+            if wait is None:
+                return
+            sid, value, _sent_at = pending.popleft()
+            wait.closing = True
+            self._resume(wait)
+            self._outside(self.engine._spawn, self._consume(wait, sid, value))
+        if not pending:
+            self.signals.pop(where, None)
+
+    async def _consume(self, wait: _SignalWait, sid: int, value: bytes) -> None:
+        engine = self.engine
+        c = wait.calls
+        record = CallRecord(c.seq, c.task_id, wait.idx, SIGNAL_FN, wait.name, "ok", value)
+        try:
+            await asyncio.wrap_future(
+                engine._writer.submit(lambda: engine.store.consume_signal(sid, record))
+            )
+        except Exception as exc:  # noqa: BLE001 - a storage fault stops the job
+            engine._fail(exc)
+            return
+        if not wait.done.done():
+            wait.done.set_result(value)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What parked runs wait on, for `status` and the REST API."""
+        out: list[dict[str, Any]] = []
+        for task, until in self.sleeping.items():
+            out.append(
+                {"key": task.run.key, "seq": task.run.seq, "task": task.task_id, "on": "sleep",
+                 "until": until}
+            )  # fmt: skip
+        for waits in self.waiters.values():
+            for w in waits:
+                out.append(
+                    {"key": w.task.run.key, "seq": w.task.run.seq, "task": w.task.task_id,
+                     "on": f"signal {w.name}", "since": w.since, "until": w.until}
+                )  # fmt: skip
+        for run in self.engine.machine.waiting_runs():
+            for due, _event in run.timers.values():
+                out.append(
+                    {"key": run.key, "seq": run.seq, "task": None, "on": "delayed event",
+                     "until": due}
+                )  # fmt: skip
+        return out
+
+
+def expire_memory(memory: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """Placeholder until memory TTLs: nothing expires."""
+    return None
+
+
 class Engine:
     """Drive one agent over one source into one sink, checkpointing to one store."""
 
@@ -285,6 +491,9 @@ class Engine:
             memory_version=binding.memory_version,
             migrate=binding.migrate,
             known_actions=binding.known_actions(),
+            delayed=binding.delayed,
+            now=clock.now,
+            expire=expire_memory,
         )
         self.stats = CheckpointStats()
         self.result = EngineResult()
@@ -309,6 +518,7 @@ class Engine:
         self._work_lock = threading.Lock()
         self._work_scheduled = False
         self._async_tasks: set[asyncio.Task[Any]] = set()
+        self._waits = _EngineWaits(self)
         self._dispatcher = Dispatcher(
             binding,
             spawn=self._spawn,
@@ -360,6 +570,7 @@ class Engine:
             raise IncompatibleChangeError(f"{exc}. {UPGRADE_FIXES}") from exc
         # The runs in flight replay under this agent (and keys starting now migrated): adopt.
         self.store.adopt(b.version)
+        self._waits.add_signals(self.store.signals_after(0))
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
@@ -397,7 +608,14 @@ class Engine:
             try:
                 await self._source_loop()
                 while not self._stop and not self.machine.idle():
-                    await self._wait_wake()
+                    if not self.source.follow and await self._only_signal_waits_left():
+                        # Nothing can move without a signal: the runs stay parked in the state,
+                        # and the next start (or `ratchet signal` meanwhile) picks them up.
+                        self._stop_reason = (
+                            f"{len(self.machine.waiting_runs())} run(s) waiting for signals"
+                        )
+                        break
+                    await self._wait_wake(self.config.checkpoint_interval or 0.05)
             finally:
                 # Never cancel a checkpoint half-way: let the loop finish the one it is in.
                 self._cp_stop.set()
@@ -510,6 +728,9 @@ class Engine:
         """Perform what the machine asked for until it asks for nothing more right now."""
         m = self.machine
         dispatcher = self._dispatcher
+        if m.timers:
+            for run, event_id, due in m.take_timers():
+                self._spawn(self._waits.deliver_at(run, event_id, due))
         while True:
             dispatched, _outputs, completed = m.take_effects()
             if completed:
@@ -518,12 +739,20 @@ class Engine:
             if not dispatched:
                 return
             for task in dispatched:
-                outcome = dispatcher.dispatch(task, self._calls.calls_for(task, self._writer))
+                calls = self._calls.calls_for(task, self._writer, self._waits)
+                outcome = dispatcher.dispatch(task, calls)
                 if outcome is None:
                     continue
                 if isinstance(outcome, RatchetError):
                     raise outcome
                 m.finish(task, outcome)
+
+    def _pump_and_poke(self) -> None:
+        try:
+            self._pump()
+        except RatchetError as exc:
+            self._fail(exc)
+        self._poke()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.ensure_future(coro)
@@ -584,9 +813,18 @@ class Engine:
                 return
             try:
                 await self.checkpoint()
+                await self._waits.poll_signals()
             except CheckpointError as exc:
                 self._fail(exc)
                 return
+
+    async def _only_signal_waits_left(self) -> bool:
+        """True when every run left waits for a signal (none runs, sleeps or has a timer)."""
+        m = self.machine
+        if m.active_runs or self._waits.sleeping or self._waits.timers:
+            return False
+        await self._waits.poll_signals()  # one sent just now is delivered, not left behind
+        return not (m.active_runs or self._waits.sleeping or self._waits.timers)
 
     async def checkpoint(self) -> dict[str, Any] | None:
         """Capture synchronously, write in the writer thread, then release outputs to the sink."""
@@ -736,6 +974,7 @@ class Engine:
             "checkpoints": self.stats.as_dict(),
             "source": self.source.position(),
             "metrics": self.metrics_totals(),
+            "waiting": self._waits.describe(),
         }
 
     def metrics_totals(self) -> dict[str, float]:

@@ -32,7 +32,10 @@ def journal_to_wire(events: EventCodec, journal: list[JournalEntry]) -> list[Any
             e.dispatch_index,
             list(e.stm_ops),
             list(e.sensory_ops),
-            [events.event_to_wire(ev) for ev in e.events],
+            # An annotation (`!...`, not a task) holds plain values, not events.
+            list(e.events)
+            if e.task_id[:1] == "!"
+            else [events.event_to_wire(ev) for ev in e.events],
         )
         for e in journal
     ]
@@ -40,7 +43,13 @@ def journal_to_wire(events: EventCodec, journal: list[JournalEntry]) -> list[Any
 
 def journal_from_wire(events: EventCodec, wire: list[Any]) -> list[JournalEntry]:
     return [
-        JournalEntry(tid, di, tuple(so), tuple(se), tuple(events.event_from_wire(e) for e in evs))
+        JournalEntry(
+            tid,
+            di,
+            tuple(so),
+            tuple(se),
+            tuple(evs) if tid[:1] == "!" else tuple(events.event_from_wire(e) for e in evs),
+        )
         for tid, di, so, se, evs in wire
     ]
 

@@ -29,6 +29,12 @@ ROOT_EVENT_ID = "r"
 # by its digest, so ids stay bounded however deep a chain of events goes.
 MAX_TASK_ID = 200
 BUDGET_TASK_ID = "r!budget"
+# Journal entries that are not tasks start with "!" (a task id starts with "r" or "~"):
+# `!fire <event id>` records where in the run's dispatch order a delayed event was delivered
+# (its dispatch index is the next index at that moment); `!start` the time the run observed
+# when it started (its events hold the time), for memory that expires.
+FIRE_NOTE = "!fire "
+START_NOTE = "!start"
 
 
 @dataclass(slots=True)
@@ -94,6 +100,15 @@ class Run:
     dropped: int = 0  # dispatches refused once the run used up its task budget
     retired: int = 0  # dispatches to actions the agent no longer has (a pinned run's)
     memory_version: int = 1  # the layout of the memory this run reads and writes
+    started_at: float | None = None  # the time the run observed at its start (memory TTLs)
+    pending: int = 0  # tasks dispatched to execute and not finished
+    waiting: int = 0  # of those, tasks parked in a durable wait (sleep, signal)
+    parked: bool = False  # holds no run slot: everything left of it is waiting on time/signals
+    # delayed events not delivered yet: event id -> (due time, event)
+    timers: dict[str, tuple[float, Any]] = field(default_factory=dict)
+    # replay: delayed events delivered at a recorded dispatch index, index -> (event id, event)
+    fires: dict[int, tuple[str, Any]] = field(default_factory=dict)
+    notes: dict[str, JournalEntry] = field(default_factory=dict)  # replayed annotations
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,6 +203,9 @@ class Machine:
         memory_version: int = 1,
         migrate: Callable[[Any, dict[str, Any], int], dict[str, Any]] | None = None,
         known_actions: Iterable[str] | None = None,
+        delayed: Callable[[Any], tuple[float, Any] | None] | None = None,
+        now: Callable[[], float] | None = None,
+        expire: Callable[[dict[str, Any], float], dict[str, Any] | None] | None = None,
     ) -> None:
         if max_concurrent_runs < 1:
             raise InvalidArgumentError(
@@ -202,6 +220,10 @@ class Machine:
         self.memory_version = memory_version
         self._migrate = migrate
         self._known = frozenset(known_actions) if known_actions is not None else None
+        self._delayed = delayed
+        self._now = now
+        self._expire = expire
+        self.timers: list[tuple[Run, str, float]] = []  # effects: delayed events to schedule
         self._listeners = listeners
         self._is_output = is_output
         self.max_concurrent_runs = max_concurrent_runs
@@ -289,14 +311,58 @@ class Machine:
             raise InternalError(f"task {task.task_id} finished twice")
         task.state = FINISHED
         task.result = result
-        self._drain(task.run)
+        run = task.run
+        run.pending -= 1
+        self._drain(run)
+        if run.pending or run.timers:
+            self._settle_parking(run)
 
     def _drain(self, run: Run) -> None:
         fifo = run.fifo
         while fifo and fifo[0].state == FINISHED:
             self._commit(fifo.popleft())
-        if not fifo:
+        if not fifo and not run.timers:
             self._complete(run)
+
+    # -- durable waits ----------------------------------------------------------------------
+
+    def wait(self, task: Task, waiting: bool) -> None:
+        """A task entered (True) or left (False) a durable wait: a sleep or a signal."""
+        run = task.run
+        run.waiting += 1 if waiting else -1
+        if self.keys.get(run.key) is not None and self.keys[run.key].run is run:
+            self._settle_parking(run)
+
+    def _settle_parking(self, run: Run) -> None:
+        """Park a run whose every unfinished task waits (and that has no other work), or
+        unpark it: a parked run holds no run slot, so other keys' runs start meanwhile."""
+        parked = run.pending == run.waiting and (run.pending > 0 or bool(run.timers))
+        if parked == run.parked:
+            return
+        run.parked = parked
+        if parked:
+            self.active_runs -= 1
+            self._fill_slots()
+        else:
+            self.active_runs += 1  # past the cap if need be: it held the slot before
+
+    def fire(self, run: Run, event_id: str) -> bool:
+        """Deliver a delayed event that fell due (the engine calls this at its time)."""
+        ks = self.keys.get(run.key)
+        if ks is None or ks.run is not run or event_id not in run.timers:
+            return False
+        _due, event = run.timers.pop(event_id)
+        note = JournalEntry(f"{FIRE_NOTE}{event_id}", run.next_dispatch, (), (), ())
+        run.journal.append(note)
+        self._dirty_runs.add(run.seq)
+        self._deliver(run, event_id, event)
+        self._drain(run)  # completes the run if the event started nothing and nothing is left
+        if ks.run is run:
+            self._settle_parking(run)
+        return True
+
+    def waiting_runs(self) -> list[Run]:
+        return [ks.run for ks in self.keys.values() if ks.run is not None and ks.run.parked]
 
     def _commit(self, task: Task) -> None:
         run = task.run
@@ -321,8 +387,13 @@ class Machine:
         run.journal.append(entry)
         self._dirty_runs.add(run.seq)
         is_output = run.is_output or self._is_output
+        delayed = self._delayed
         for index, event in enumerate(res.events):
             event_id = f"{task.task_id}.{index}"
+            timed = delayed(event) if delayed is not None else None
+            if timed is not None:
+                self._schedule(run, event_id, *timed)
+                continue
             if is_output(event):
                 if not task.replayed:
                     out = Output(
@@ -336,7 +407,29 @@ class Machine:
                     self.outputs.append(out)
                     self._delta.outputs[out.id] = out
                 continue
-            self._dispatch_event(run, event_id, event)
+            self._deliver(run, event_id, event)
+
+    def _schedule(self, run: Run, event_id: str, due: float, event: Any) -> None:
+        note = run.notes.pop(f"{FIRE_NOTE}{event_id}", None)
+        if note is not None:
+            # Replay: it was delivered when the run's next dispatch index was this one.
+            run.journal.append(note)
+            if note.dispatch_index <= run.next_dispatch:
+                self._deliver(run, event_id, event)
+            else:
+                run.fires[note.dispatch_index] = (event_id, event)
+            return
+        run.timers[event_id] = (due, event)
+        self.timers.append((run, event_id, due))
+
+    def _deliver(self, run: Run, event_id: str, event: Any) -> None:
+        """Dispatch an event, then any delayed event the journal says came next."""
+        self._dispatch_event(run, event_id, event)
+        while run.fires:
+            nxt = run.fires.pop(run.next_dispatch, None)
+            if nxt is None:
+                break
+            self._dispatch_event(run, *nxt)
 
     def _dispatch_event(self, run: Run, event_id: str, event: Any) -> None:
         if len(event_id) > MAX_TASK_ID:
@@ -375,6 +468,7 @@ class Machine:
                 self.tasks_replayed += 1
             else:
                 run.executed += 1
+                run.pending += 1
                 self.tasks_executed += 1
                 self.dispatched.append(task)
 
@@ -402,20 +496,45 @@ class Machine:
             ks.version = self.memory_version
             self._delta.keys[key] = (ks.memory, ks.next_dispatch, ks.version)
         seq, event = ks.queue[0]
-        run = Run(key, seq, event, base, base, ks.memory)
+        notes = {e.task_id: e for e in journal if e.task_id[:1] == "!"} if journal else {}
+        started = notes.pop(START_NOTE, None)
+        memory = ks.memory
+        run = Run(key, seq, event, base, base, memory)
+        if self._expire is not None and self._now is not None:
+            # Memory that expired before the run started is gone for it. The time is recorded
+            # (when anything could expire) so a replay drops exactly what the run did not see.
+            now = started.events[0] if started is not None else self._now()
+            view = self._expire(memory, now)
+            if view is not None:
+                run.stm = view
+                run.started_at = now
+                run.journal.append(JournalEntry(START_NOTE, -1, (), (), (now,)))
         run.memory_version = ks.version
+        run.notes = notes
         if pinned is not None:
             run.listeners, run.is_output = pinned.listeners, pinned.is_output
         if journal:
-            run.replay = {e.task_id: e for e in journal}
+            tasks = [e for e in journal if e.task_id[:1] != "!"]
+            run.replay = {e.task_id: e for e in tasks} if tasks else None
         ks.run = run
         self.active_runs += 1
         self._dirty_runs.add(seq)
-        self._dispatch_event(run, ROOT_EVENT_ID, event)
+        self._deliver(run, ROOT_EVENT_ID, event)
         if run.replay is not None or not run.fifo:
             self._drain(run)
+        if run.notes:
+            leftover = sorted(run.notes)
+            raise NonDeterminismError(
+                f"replay of key {key!r} input {seq}: the journal records {leftover}, which the "
+                f"replayed run did not reach; the agent's actions changed since the checkpoint"
+            )
+        if ks.run is run and (run.pending or run.timers):
+            self._settle_parking(run)
 
     def _complete(self, run: Run) -> None:
+        if run.parked:  # a run completes from a fire or a finish: it holds its slot again
+            run.parked = False
+            self.active_runs += 1
         if run.replay:
             missing = sorted(run.replay)
             raise NonDeterminismError(
@@ -475,6 +594,11 @@ class Machine:
                         run.is_output,
                     )
         return d
+
+    def take_timers(self) -> list[tuple[Run, str, float]]:
+        """Delayed events to deliver at their due time (`fire`), scheduled since last asked."""
+        timers, self.timers = self.timers, []
+        return timers
 
     def take_effects(self) -> tuple[list[Task], list[Output], list[Run]]:
         dispatched, outputs, completed = self.dispatched, self.outputs, self.completed

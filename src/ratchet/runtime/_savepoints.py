@@ -65,6 +65,7 @@ _SIDECARS = ("-journal", "-wal", "-shm")
 # could leave a fork with rows of keys it does not have, or without rows it needs.
 _PER_KEY = ("keys", "inputs", "runs", "dead_letters")
 _PER_INPUT = ("calls",)
+_PER_KEY_TEXT = ("signals",)  # rows that name their key by its text only (signals not consumed)
 _WHOLE = ("meta", "checkpoints", "agent_versions")
 _KEYED_COLUMNS = frozenset({"key", "key_text", "seq"})
 
@@ -659,7 +660,8 @@ def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> di
     unknown_tables = sorted(
         name
         for name, cols in tables.items()
-        if name not in (*_PER_KEY, *_PER_INPUT, *_WHOLE, "outbox") and _KEYED_COLUMNS & set(cols)
+        if name not in (*_PER_KEY, *_PER_INPUT, *_PER_KEY_TEXT, *_WHOLE, "outbox")
+        and _KEYED_COLUMNS & set(cols)
     )
     if unknown_tables:
         raise StateError(
@@ -699,6 +701,13 @@ def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> di
             if name in tables:
                 cur = conn.execute(
                     f"DELETE FROM main.{_q(name)} WHERE key NOT IN (SELECT key FROM temp.keep_keys)"
+                )
+                removed[name] = max(cur.rowcount, 0)
+        for name in _PER_KEY_TEXT:
+            if name in tables:
+                marks = ", ".join("?" for _ in wanted) or "NULL"
+                cur = conn.execute(
+                    f"DELETE FROM main.{_q(name)} WHERE key_text NOT IN ({marks})", sorted(wanted)
                 )
                 removed[name] = max(cur.rowcount, 0)
         # A call record belongs to the run of its input. One whose input is not in the state

@@ -188,6 +188,16 @@ class CheckpointStore(Protocol):
         """Make durable-call records durable now, all or none (a group commit)."""
         ...
 
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+        """Signals not consumed with an id above `signal_id`, in the order sent:
+        (id, key as text, name, encoded value, sent at). Senders may be other processes."""
+        ...
+
+    def consume_signal(self, signal_id: int, record: CallRecord) -> None:
+        """Deliver a signal: write `record` (the waiting task's call record, holding the value)
+        and remove the signal, in one transaction, so it is delivered exactly once."""
+        ...
+
     def forget_outputs(self, ids: list[str]) -> None:
         """Drop outbox rows of outputs the sink holds (they are never needed again)."""
         ...

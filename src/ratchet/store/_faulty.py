@@ -54,6 +54,8 @@ METHODS = (
     "count_failed_checkpoint",
     "record_restore",
     "stats",
+    "signals_after",
+    "consume_signal",
 )
 
 
@@ -216,6 +218,12 @@ class FaultyStore:
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         records = list(records)
         self._call("put_calls", lambda: self.inner.put_calls(records))
+
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+        return self._call("signals_after", lambda: self.inner.signals_after(signal_id))
+
+    def consume_signal(self, signal_id: int, record: CallRecord) -> None:
+        self._call("consume_signal", lambda: self.inner.consume_signal(signal_id, record))
 
     def forget_outputs(self, ids: list[str]) -> None:
         self._call("forget_outputs", lambda: self.inner.forget_outputs(ids))

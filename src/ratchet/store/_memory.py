@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._errors import StateError
 from ratchet.store import codec
 from ratchet.store._base import (
     Adopted,
@@ -52,6 +53,8 @@ class MemoryStore:
         self.memory_version = 1
         self.pins: dict[int, str] = {}
         self.versions: dict[str, Pinned] = {}
+        self.signals: dict[int, tuple[str, str, bytes, float]] = {}
+        self.next_signal_id = 1
 
     def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         highest = max((v for *_rest, v in self.keys.values()), default=0)
@@ -125,6 +128,22 @@ class MemoryStore:
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         new = {(r.seq, r.task_id, r.idx): copy.copy(r) for r in records}  # all or none
         self.calls.update(new)
+
+    def add_signal(self, key: Any, name: str, value: Any) -> int:
+        """Send a signal (what `ratchet.send_signal` does to a SQLite state)."""
+        sid = self.next_signal_id
+        self.next_signal_id += 1
+        self.signals[sid] = (str(key), name, codec.encode(value), self.clock.now())
+        return sid
+
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+        return [(i, *row) for i, row in sorted(self.signals.items()) if i > signal_id]
+
+    def consume_signal(self, signal_id: int, record: CallRecord) -> None:
+        if signal_id not in self.signals:
+            raise StateError(f"signal {signal_id} was consumed already")
+        del self.signals[signal_id]
+        self.calls[(record.seq, record.task_id, record.idx)] = copy.copy(record)
 
     def forget_outputs(self, ids: list[str]) -> None:
         for out_id in ids:

@@ -70,6 +70,11 @@ _MIGRATIONS: list[tuple[str, ...]] = [
             id INTEGER PRIMARY KEY, key BLOB NOT NULL, key_text TEXT NOT NULL,
             seq INTEGER NOT NULL, event BLOB NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL)""",
     ),
+    (  # 4: signals for runs that wait (`ratchet signal`, REST, `ratchet.send_signal`)
+        """CREATE TABLE signals(
+            id INTEGER PRIMARY KEY AUTOINCREMENT, key_text TEXT NOT NULL, name TEXT NOT NULL,
+            value BLOB NOT NULL, sent_at REAL NOT NULL)""",
+    ),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 _KEEP_CHECKPOINT_ROWS = 100
@@ -746,6 +751,36 @@ class SqliteStore:
                 "memory_version = ?",
                 [(mem, new, key, old) for key, old, mem, new in rows],
             )
+
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+        return self.conn.execute(
+            "SELECT id, key_text, name, value, sent_at FROM signals WHERE id > ? ORDER BY id",
+            (signal_id,),
+        ).fetchall()
+
+    def consume_signal(self, signal_id: int, record: CallRecord) -> None:
+        r = record
+        with self._transaction() as c:
+            gone = c.execute("DELETE FROM signals WHERE id = ?", (signal_id,)).rowcount
+            if not gone:
+                raise StateError(f"{self.path}: signal {signal_id} was consumed already")
+            c.execute(
+                "INSERT OR REPLACE INTO calls(seq, task_id, idx, fn, digest, status, payload) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload),
+            )
+
+    def pending_signals(self) -> list[dict[str, Any]]:
+        """Signals sent and not consumed yet (`ratchet status`)."""
+        exists = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'signals'").fetchone()
+        if exists is None:
+            return []
+        return [
+            {"id": i, "key": k, "name": n, "sent_at": t}
+            for i, k, n, t in self.conn.execute(
+                "SELECT id, key_text, name, sent_at FROM signals ORDER BY id"
+            )
+        ]
 
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         """Write durable-call records through at once, in one transaction (a group commit)."""

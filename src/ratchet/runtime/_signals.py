@@ -1,0 +1,104 @@
+"""Sending a signal to a job's state: `ratchet.send_signal`, `ratchet signal`, the REST API.
+
+A signal is one row in the state's `signals` table, committed by the sender in its own
+transaction (SQLite serialises it with the engine's writer), so it is durable when this
+returns, whether the job is running or stopped. A running engine reads new rows at every
+checkpoint tick; a stopped one at its next start. A waiting task consumes a signal in the
+same transaction that records its value as the task's call record: exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._errors import InvalidArgumentError, InvalidTypeError, StateError
+from ratchet.store import codec
+from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+
+SIGNALS_SCHEMA = 4  # the state schema that has the signals table
+
+
+def signal_key(key: Any) -> str:
+    """A key as signals name it: its text, as `ratchet inspect` and `runs list` show it."""
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise InvalidTypeError(f"a signal's key is a str or an int, got {key!r}")
+    text = str(key)
+    if not text:
+        raise InvalidArgumentError("a signal's key must not be empty")
+    return text
+
+
+def send_signal(
+    state_dir: str | os.PathLike[str],
+    key: Any,
+    name: str,
+    value: Any = None,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+) -> dict[str, Any]:
+    """Store a signal for `key` durably; a run of the key waiting for `name` gets `value`.
+
+    Works whether the job is running or stopped. Signals of one key and name are delivered in
+    the order they were stored, each exactly once; one that nobody waits for yet is kept until
+    a run of that key waits for it (`ratchet status` lists them). Returns what was stored.
+    """
+    key_text = signal_key(key)
+    if not isinstance(name, str) or not name:
+        raise InvalidTypeError(f"a signal's name is a non-empty str, got {name!r}")
+    try:
+        blob = codec.encode(value)
+    except TypeError as exc:
+        raise InvalidTypeError(
+            f"signal {name!r}: its value cannot be stored ({exc}); send plain data (JSON values)"
+        ) from None
+    sdir = Path(state_dir)
+    path = sdir / DB_NAME
+    if not path.exists():
+        raise StateError(
+            f"no ratchet state in {sdir} ({path} does not exist); a signal goes to the --state "
+            f"directory of the job whose run waits for it"
+        )
+    _ensure_schema(sdir)
+    sent_at = clock.now()
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        cur = conn.execute(
+            "INSERT INTO signals(key_text, name, value, sent_at) VALUES (?, ?, ?, ?)",
+            (key_text, name, blob, sent_at),
+        )
+        conn.execute("COMMIT")
+        sid = cur.lastrowid
+    except sqlite3.Error as exc:
+        raise StateError(f"could not store the signal in {path}: {exc}") from exc
+    finally:
+        conn.close()
+    return {"id": sid, "key": key_text, "name": name, "sent_at": sent_at, "state": str(sdir)}
+
+
+def _ensure_schema(sdir: Path) -> None:
+    """A state from before signals is brought up to date, if no job holds it."""
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        version = store.meta("schema_version")
+    finally:
+        store.close()
+    if version >= SIGNALS_SCHEMA:
+        return
+    lock = StateLock(sdir)
+    try:
+        lock.acquire()
+    except StateError as exc:
+        raise StateError(
+            f"{sdir} is at state schema {version}, before signals, and a job holds it ({exc}); "
+            f"that job runs an older ratchet: stop it and send the signal again (this ratchet "
+            f"upgrades the state first)"
+        ) from None
+    try:
+        SqliteStore.open(sdir, "", "", []).close()  # migrates the schema, nothing else
+    finally:
+        lock.release()

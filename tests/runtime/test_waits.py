@@ -1,0 +1,287 @@
+"""Durable waits on the fake clock: sleeps, delayed events and signals fire at exact virtual
+times, in order, across a restore; a waiting run holds no run slot; a bounded job leaves runs
+that wait for signals parked. (The SIGKILL versions: tests/kill/test_waits_kill.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from typing import Any
+
+import pytest
+
+from ratchet import (
+    Agent,
+    Event,
+    InputEvent,
+    InvalidArgumentError,
+    OutputEvent,
+    SignalTimeout,
+    action,
+)
+from ratchet.agents._context import AgentBinding, install_task_factory
+from ratchet.runtime._engine import Engine, EngineConfig, EngineResult
+from ratchet.runtime._io import CallbackSink, IterableSource
+from ratchet.store._memory import MemoryStore
+from ratchet.testing import FakeClock
+
+START = 1_800_000_000.0
+
+
+class Drive:
+    """Run an engine on a fake clock, moving time to the next deadline whenever the loop has
+    nothing else to do; `on_idle(engine)` may act (send a signal) before time moves."""
+
+    def __init__(self, agent: Agent, rows: list[dict[str, Any]], store: MemoryStore) -> None:
+        self.agent = agent
+        self.rows = rows
+        self.store = store
+        self.clock: FakeClock = store.clock  # type: ignore[assignment]
+        self.got: list[dict[str, Any]] = []
+        self.engine: Engine | None = None
+
+    def run(
+        self, *, stop_at: float | None = None, follow: bool = False, **config: Any
+    ) -> EngineResult:
+        source = IterableSource(list(self.rows))
+        source.follow = follow
+        engine = self.engine = Engine(
+            AgentBinding(self.agent),
+            self.store,
+            source,
+            CallbackSink(self.got.append),
+            EngineConfig(checkpoint_interval=0.5, **config),
+            clock=self.clock,
+        )
+
+        async def main() -> EngineResult:
+            nonlocal stop_at
+            install_task_factory(asyncio.get_running_loop())
+            job = asyncio.ensure_future(engine.run())
+            while not job.done():
+                for _ in range(20):  # let everything runnable run before time moves
+                    await asyncio.sleep(0)
+                if job.done():
+                    break
+                if stop_at is not None and self.clock.now() >= stop_at:
+                    engine.request_stop("test stop")
+                    stop_at = None
+                busy = any(r.pending > r.waiting for r in engine.machine.in_flight())
+                deadline = self.clock.next_deadline()
+                if deadline is not None and not busy:
+                    self.clock.jump_to(deadline)
+                else:  # a task is running (or writing its record): time stands still
+                    await asyncio.sleep(0.001)
+            return job.result()
+
+        return asyncio.run(main())
+
+    def outputs(self) -> list[Any]:
+        return [g["output"] for g in self.got]
+
+
+class Sleeper(Agent):
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    @action(InputEvent)
+    async def nap(self, event: InputEvent, ctx: Any) -> None:
+        await ctx.sleep(event.input["s"])
+        ctx.send_event(OutputEvent(output={"i": event.input["i"], "at": self.clock.now() - START}))
+
+
+def test_sleeps_end_at_exact_virtual_times_in_deadline_order_and_hold_no_slot() -> None:
+    store = MemoryStore(FakeClock(START))
+    rows = [{"key": f"k{i}", "i": i, "s": s} for i, s in enumerate([30, 10, 20, 10])]
+    d = Drive(Sleeper(store.clock), rows, store)  # type: ignore[arg-type]
+    result = d.run(max_concurrent_runs=1)
+    # One run slot, four sleeping runs at once: the sleepers did not hold it.
+    assert sorted((o["at"], o["i"]) for o in d.outputs()) == [(10, 1), (10, 3), (20, 2), (30, 0)]
+    assert [o["i"] for o in d.outputs()][:2] in ([1, 3], [3, 1])
+    assert result.runs_completed == 4
+
+
+def test_a_sleep_resumes_after_a_restore_with_the_time_it_had_left() -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    rows = [{"key": "a", "i": 0, "s": 100.0}, {"key": "b", "i": 1, "s": timedelta_s(40)}]
+    first = Drive(Sleeper(clock), rows, store)
+    first.run(stop_at=START + 25, follow=True)  # a clean stop after 25 s: both still asleep
+    assert first.outputs() == []
+    clock.advance(50)  # the job was down for 50 s: b's sleep fell due meanwhile
+    restart = clock.now() - START
+    again = Drive(Sleeper(clock), rows, store.reopen())
+    again.run()
+    # b ends at once on restart, a at its recorded deadline (100), not 100 s after the restart.
+    assert restart >= 75 and again.outputs() == [{"i": 1, "at": restart}, {"i": 0, "at": 100.0}]
+
+
+def timedelta_s(seconds: float) -> Any:
+    return datetime.timedelta(seconds=seconds)
+
+
+class Ping(Event):
+    n: int
+
+
+class Reminder(Agent):
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    @action(InputEvent)
+    async def start(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("started", True)
+        ctx.send_event(Ping(n=2), delay=20)
+        ctx.send_event(Ping(n=1), delay=datetime.timedelta(seconds=10))
+        due = datetime.datetime.fromtimestamp(START + 30, datetime.UTC)
+        ctx.send_event(Ping(n=3), at=due)
+
+    @action(Ping)
+    async def ping(self, event: Ping, ctx: Any) -> None:
+        seen = ctx.short_term_memory.get("seen", [])
+        ctx.short_term_memory.set("seen", [*seen, event.n])
+        ctx.send_event(OutputEvent(output={"n": event.n, "at": self.clock.now() - START}))
+
+
+def test_delayed_events_arrive_at_their_time_in_order_and_after_a_restore() -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    rows = [{"key": "a"}]
+    first = Drive(Reminder(clock), rows, store)
+    first.run(stop_at=START + 15, follow=True)
+    assert first.outputs() == [{"n": 1, "at": 10.0}]
+    again = Drive(Reminder(clock), rows, store.reopen())
+    again.run()
+    assert again.outputs() == [{"n": 2, "at": 20.0}, {"n": 3, "at": 30.0}]
+    assert again.store.load().runs == []  # the run completed
+
+
+def test_a_delay_is_checked() -> None:
+    class Bad(Agent):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            for kwargs in ({"delay": -1}, {"at": datetime.datetime(2030, 1, 1)}):
+                try:
+                    ctx.send_event(Ping(n=0), **kwargs)
+                except InvalidArgumentError as exc:
+                    ctx.send_event(OutputEvent(output=str(exc)))
+
+    store = MemoryStore(FakeClock(START))
+    d = Drive(Bad(), [{"key": "a"}], store)
+    d.run()
+    assert "seconds >= 0" in d.outputs()[0] and "aware datetime" in d.outputs()[1]
+
+
+class Approver(Agent):
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    @action(InputEvent)
+    async def ask(self, event: InputEvent, ctx: Any) -> None:
+        try:
+            first = await ctx.wait_for_signal("ok", timeout=event.input.get("timeout"))
+            second = await ctx.wait_for_signal("ok", timeout=event.input.get("timeout"))
+        except SignalTimeout as exc:
+            ctx.send_event(
+                OutputEvent(output={"timeout": str(exc), "at": self.clock.now() - START})
+            )
+            return
+        ctx.send_event(OutputEvent(output={"got": [first, second], "at": self.clock.now() - START}))
+
+
+def test_signals_are_delivered_once_in_order_sent_early_ones_kept() -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    store.add_signal("a", "ok", {"n": 1})  # sent before anybody waits: kept
+    rows = [{"key": "a"}, {"key": "b"}]
+    d = Drive(Approver(clock), rows, store)
+    result = d.run()
+    # A bounded job stops when every run left waits for a signal: a got one of two, b none.
+    assert result.stopped_by == "2 run(s) waiting for signals"
+    assert d.outputs() == []
+    store.add_signal("a", "ok", {"n": 2})
+    store.add_signal("a", "ok", {"n": 3})
+    store.add_signal("b", "ok", "x")
+    store.add_signal("b", "ok", "y")
+    again = Drive(Approver(clock), rows, store.reopen())
+    again.run()
+    assert sorted(again.outputs(), key=str) == sorted(
+        [{"got": [{"n": 1}, {"n": 2}], "at": 0.0}, {"got": ["x", "y"], "at": 0.0}], key=str
+    )
+    # The third signal of a waits for a later run of a; nothing was delivered twice.
+    assert [(k, n) for _i, (k, n, _v, _t) in sorted(again.store.signals.items())] == [("a", "ok")]
+
+
+def test_a_signal_wait_times_out_at_its_recorded_deadline_across_a_restart() -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    rows = [{"key": "a", "timeout": 60}]
+    first = Drive(Approver(clock), rows, store)
+    first.run(stop_at=START + 20, follow=True)
+    clock.advance(10)  # down for 10 s
+    again = Drive(Approver(clock), rows, store.reopen())
+    again.run(stop_at=START + 90, follow=True)  # a running job: the wait times out on time
+    (out,) = again.outputs()
+    assert out["at"] == 60.0 and "no signal 'ok' for key 'a'" in out["timeout"]
+    # A bounded job does not wait for timeouts: it leaves the run parked; the next start
+    # after the deadline times it out at once.
+    store = MemoryStore(clock)
+    first = Drive(Approver(clock), rows, store)
+    assert first.run().stopped_by == "1 run(s) waiting for signals"
+    clock.advance(120)
+    restart = clock.now() - START
+    again = Drive(Approver(clock), rows, store.reopen())
+    again.run()
+    assert [o["at"] for o in again.outputs()] == [restart]
+
+
+def test_a_signal_sent_while_the_job_runs_wakes_the_run() -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    d = Drive(Approver(clock), [{"key": "a"}], store)
+
+    async def sender() -> None:
+        pass
+
+    store.add_signal("a", "ok", 1)
+    # The second value arrives 5 s into the run, through the store, as another process would.
+    original = store.signals_after
+
+    def later(signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+        if clock.now() >= START + 5 and store.next_signal_id == 2:
+            store.add_signal("a", "ok", 2)
+        return original(signal_id)
+
+    store.signals_after = later  # type: ignore[method-assign]
+    d.run(stop_at=START + 60, follow=True)
+    (out,) = d.outputs()
+    assert out["got"] == [1, 2] and 5.0 <= out["at"] <= 5.5  # picked up at the next poll
+
+
+def test_waits_need_an_async_action_and_a_valid_argument() -> None:
+    class Wrong(Agent):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            try:
+                await ctx.sleep(-1)
+            except InvalidArgumentError as exc:
+                ctx.send_event(OutputEvent(output=str(exc)))
+
+    store = MemoryStore(FakeClock(START))
+    d = Drive(Wrong(), [{"key": "a"}], store)
+    d.run()
+    assert d.outputs() == ["ctx.sleep takes seconds >= 0 (an int, a float or a timedelta), got -1"]
+
+
+@pytest.mark.parametrize("n_keys", [3])
+def test_a_key_s_later_inputs_wait_behind_its_waiting_run(n_keys: int) -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    rows = [
+        {"key": "a", "i": 0, "s": 50},
+        {"key": "a", "i": 1, "s": 0},
+        {"key": "b", "i": 2, "s": 0},
+    ]
+    d = Drive(Sleeper(clock), rows, store)
+    d.run()
+    assert [(o["i"], o["at"]) for o in d.outputs()] == [(2, 0.0), (0, 50.0), (1, 50.0)]

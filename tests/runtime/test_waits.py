@@ -66,7 +66,12 @@ class Drive:
                 if stop_at is not None and self.clock.now() >= stop_at:
                     engine.request_stop("test stop")
                     stop_at = None
-                busy = any(r.pending > r.waiting for r in engine.machine.in_flight())
+                waits = engine._waits
+                busy = (
+                    any(r.pending > r.waiting for r in engine.machine.in_flight())
+                    or any(w.closing for ws in waits.waiters.values() for w in ws)
+                    or not engine._writer._q.empty()
+                )
                 deadline = self.clock.next_deadline()
                 if deadline is not None and not busy:
                     self.clock.jump_to(deadline)
@@ -285,3 +290,65 @@ def test_a_key_s_later_inputs_wait_behind_its_waiting_run(n_keys: int) -> None:
     d = Drive(Sleeper(clock), rows, store)
     d.run()
     assert [(o["i"], o["at"]) for o in d.outputs()] == [(2, 0.0), (0, 50.0), (1, 50.0)]
+
+
+class Mid(Event):
+    seen: Any = None
+
+
+class Ttl(Agent):
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    @action(InputEvent)
+    async def step(self, event: InputEvent, ctx: Any) -> None:
+        op = event.input["op"]
+        if op == "set":
+            ctx.short_term_memory.set("v", "secret", ttl=event.input["ttl"])
+        elif op == "nap":
+            await ctx.sleep(event.input["s"])
+        else:
+            ctx.send_event(Mid(seen=ctx.short_term_memory.get("v")))
+
+    @action(Mid)
+    async def later(self, event: Mid, ctx: Any) -> None:
+        await ctx.sleep(30)
+        seen = ctx.short_term_memory.get("v")
+        ctx.send_event(OutputEvent(output={"a": event.seen, "b": seen, "at": self.clock.now() - START}))
+
+
+def test_memory_expires_for_runs_that_start_after_its_ttl_and_replay_sees_what_the_run_saw() -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    rows = [
+        {"key": "k", "op": "set", "ttl": 10},
+        {"key": "k", "op": "nap", "s": 5},
+        {"key": "k", "op": "read"},  # starts at 5: sees the value; its second task reads at 35
+        {"key": "k", "op": "read"},  # starts at 35+: the value expired at 10
+    ]
+    first = Drive(Ttl(clock), rows, store)
+    first.run(stop_at=START + 20, follow=True)  # stopped while the first read's task sleeps
+    assert first.outputs() == []
+    clock.advance(20)
+    again = Drive(Ttl(clock), rows, store.reopen())
+    again.run()
+    assert [(o["a"], o["b"]) for o in again.outputs()] == [("secret", "secret"), (None, None)]
+    # The expired value is gone from the key's committed memory too.
+    (memory,) = [m for _k, (_t, _nd, m, _v) in again.store.keys.items()]
+    assert b"secret" not in memory
+
+
+def test_a_ttl_is_checked() -> None:
+    class Bad(Agent):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            for ttl in (0, -1, "1"):
+                try:
+                    ctx.short_term_memory.set("v", 1, ttl=ttl)
+                except InvalidArgumentError as exc:
+                    ctx.send_event(OutputEvent(output=str(exc).split(" (")[0]))
+
+    store = MemoryStore(FakeClock(START))
+    d = Drive(Bad(), [{"key": "a"}], store)
+    d.run()
+    assert d.outputs() == ["set('v', ttl=) takes seconds > 0"] * 3

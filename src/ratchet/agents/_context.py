@@ -97,7 +97,8 @@ class RunnerContext:
         self._task = task
         self._metrics = metrics or Metrics()
         self._calls = calls
-        self._stm = MemoryBuffer(task.stm, "short_term")
+        waits = calls.waits
+        self._stm = MemoryBuffer(task.stm, "short_term", waits.now if waits is not None else None)
         self._sensory = MemoryBuffer(task.sensory, "sensory")
         self.short_term_memory = MemoryObject(self._stm)
         self.sensory_memory = MemoryObject(self._sensory)

@@ -8,10 +8,13 @@ dispatch, a replayed task reads exactly what it read the first time.
 from __future__ import annotations
 
 import copy
+import datetime
+import math
+from collections.abc import Callable
 from typing import Any
 
 from ratchet._errors import CodecError, InvalidArgumentError, InvalidTypeError
-from ratchet.runtime._memops import DELETE, NEW_OBJECT, OBJECT, SET, apply_op, parents
+from ratchet.runtime._memops import DELETE, EXPIRE, NEW_OBJECT, OBJECT, SET, apply_op, parents
 from ratchet.store import codec
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
@@ -25,6 +28,10 @@ def _check_path(path: str) -> str:
         raise InvalidArgumentError(
             f"memory path {path!r} has an empty segment; use names like 'order.total'"
         )
+    if path[0] == "!":
+        raise InvalidArgumentError(
+            f"memory path {path!r} starts with '!', which ratchet reserves; use another name"
+        )
     return path
 
 
@@ -35,13 +42,16 @@ def _private_copy(value: Any) -> Any:
 class MemoryBuffer:
     """The memory one task sees: its dispatch-time snapshot plus its own buffered writes."""
 
-    __slots__ = ("_base", "_local", "ops", "kind")
+    __slots__ = ("_base", "_local", "ops", "kind", "now")
 
-    def __init__(self, base: dict[str, Any], kind: str) -> None:
+    def __init__(
+        self, base: dict[str, Any], kind: str, now: Callable[[], float] | None = None
+    ) -> None:
         self._base = base
         self._local: dict[str, Any] | None = None
         self.ops: list[tuple[Any, ...]] = []
         self.kind = kind
+        self.now = now  # the engine's clock, for ttl= (None: the engine has no timers)
 
     @property
     def data(self) -> dict[str, Any]:
@@ -80,8 +90,13 @@ class MemoryObject:
             return MemoryObject(self._buf, full)
         return _private_copy(value)
 
-    def set(self, path: str, value: Any) -> None:
+    def set(self, path: str, value: Any, *, ttl: float | datetime.timedelta | None = None) -> None:
+        """Write `value` at `path`. With `ttl` (seconds or a timedelta) it expires: runs that
+        start after `ttl` has passed do not see it (a run in progress keeps what it saw)."""
         full = self._full(path)
+        expires_at = None
+        if ttl is not None:
+            expires_at = self._expiry(full, ttl)
         if isinstance(value, MemoryObject):
             raise CodecError(
                 f"memory value at {full!r} is a MemoryObject; use new_object({path!r}) to create "
@@ -97,6 +112,28 @@ class MemoryObject:
                     f"({type(existing).__name__}), not an object; delete({parent!r}) first"
                 )
         self._buf.record((SET, full, _private_copy(value)))
+        if expires_at is not None:
+            self._buf.record((EXPIRE, full, expires_at))
+
+    def _expiry(self, full: str, ttl: Any) -> float:
+        if self._buf.kind != "short_term":
+            raise InvalidArgumentError(
+                f"ttl= applies to short-term memory; {full!r} is in {self._buf.kind} memory, "
+                f"which ends with its run anyway"
+            )
+        if isinstance(ttl, datetime.timedelta):
+            ttl = ttl.total_seconds()
+        if type(ttl) not in (int, float) or not math.isfinite(ttl) or ttl <= 0:
+            raise InvalidArgumentError(
+                f"set({full!r}, ttl=) takes seconds > 0 (an int, a float or a timedelta), got "
+                f"{ttl!r}"
+            )
+        if self._buf.now is None:
+            raise InvalidArgumentError(
+                "ttl= needs an engine with a clock for memory: the embedded engine has one; the "
+                "Flink engine does not yet (docs/flink.md)"
+            )
+        return self._buf.now() + float(ttl)
 
     def new_object(self, path: str, overwrite: bool = False) -> MemoryObject:
         full = self._full(path)
@@ -120,7 +157,7 @@ class MemoryObject:
         """Names of the direct children of this object, sorted."""
         data = self._buf.data
         if not self._prefix:
-            return sorted(k for k in data if "." not in k)
+            return sorted(k for k in data if "." not in k and k[:1] != "!")
         prefix = self._prefix + "."
         n = len(prefix)
         return sorted(k[n:] for k in data if k.startswith(prefix) and "." not in k[n:])

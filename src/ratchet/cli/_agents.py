@@ -107,9 +107,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
 
-    from ratchet.cli import _upgrade
+    from ratchet.cli import _signals, _upgrade
 
     _upgrade.register(sub)
+    _signals.register(sub)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -329,6 +330,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"from the journal" + (f", restored from checkpoint {restored}" if restored else ""),
             file=sys.stderr,
         )
+    if "waiting for signals" in result.stopped_by and not args.json:
+        print(
+            f"ratchet: {result.stopped_by}; they stay parked in {args.state} and go on when the "
+            f"job next runs after their signal is sent (`ratchet status --state {args.state}` "
+            f"lists them; `ratchet signal --state {args.state} --key KEY NAME --value JSON`)",
+            file=sys.stderr,
+        )
     return code
 
 
@@ -378,9 +386,31 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if summary["dead_letters"]:
         table.add_row("dead letters", str(summary["dead_letters"]))
+    if summary["waiting"]:
+        table.add_row(
+            "waiting",
+            "\n".join(
+                f"key {w['key']} input {w['seq']}: {w['on']}"
+                + (f" since {_when(w['since'])}" if w.get("since") else "")
+                + (f" until {_when(w['until'])}" if w.get("until") else "")
+                for w in summary["waiting"][:20]
+            )
+            + (
+                f"\n... {len(summary['waiting']) - 20} more" if len(summary["waiting"]) > 20 else ""
+            ),
+        )
+    if summary["pending_signals"]:
+        table.add_row(
+            "signals not taken yet",
+            ", ".join(f"{p['name']} for {p['key']}" for p in summary["pending_signals"][:20]),
+        )
     table.add_row("source", json.dumps(summary["source"]))
     Console().print(table)
     return EXIT_OK
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

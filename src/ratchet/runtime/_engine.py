@@ -48,6 +48,7 @@ from ratchet.runtime._journal import (
     encode_memory,
 )
 from ratchet.runtime._machine import Delta, Machine, Output, RestoredRun, Task
+from ratchet.runtime._memops import expire
 from ratchet.store import codec
 from ratchet.store._base import Adopted, CallRecord, CheckpointRows, CheckpointStore
 
@@ -456,11 +457,6 @@ class _EngineWaits:
         return out
 
 
-def expire_memory(memory: dict[str, Any], now: float) -> dict[str, Any] | None:
-    """Placeholder until memory TTLs: nothing expires."""
-    return None
-
-
 class Engine:
     """Drive one agent over one source into one sink, checkpointing to one store."""
 
@@ -493,7 +489,7 @@ class Engine:
             known_actions=binding.known_actions(),
             delayed=binding.delayed,
             now=clock.now,
-            expire=expire_memory,
+            expire=expire,
         )
         self.stats = CheckpointStats()
         self.result = EngineResult()

@@ -121,6 +121,13 @@ class _KeyWriter:
 class AgentCore:
     """One subtask's machine, event loop and thread pool; state per key through `KeyStore`."""
 
+    def _no_delays(self, event: Any) -> None:
+        if self.binding.delayed(event) is not None:
+            raise ConfigError(
+                "send_event(delay=/at=) needs durable timers, which the Flink engine does not "
+                "have yet (docs/flink.md); run the agent on the embedded engine"
+            )
+
     def __init__(
         self, binding: Binding, config: CoreConfig | None = None, clock: Clock = SYSTEM_CLOCK
     ) -> None:
@@ -142,6 +149,7 @@ class AgentCore:
             _UNBOUNDED,
             self.config.max_tasks_per_run,
             binding.budget_output,
+            delayed=self._no_delays,
         )
         self._keys: dict[Any, _Key] = {}
         self._lock = threading.Lock()

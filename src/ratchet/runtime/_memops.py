@@ -23,6 +23,11 @@ OBJECT = _ObjectNode()
 SET = "s"
 DELETE = "d"
 NEW_OBJECT = "o"
+EXPIRE = "e"  # (EXPIRE, path, expires_at or None): a time-to-live for a path (or none)
+
+# Where a memory map keeps the expiry times of paths set with a ttl: {path: expires_at}.
+# Not a path an action can name ("!" is reserved), so `keys()` and `get()` never see it.
+EXPIRES = "!expires"
 
 
 def parents(path: str) -> Iterator[str]:
@@ -35,6 +40,19 @@ def parents(path: str) -> Iterator[str]:
 def apply_op(data: dict[str, Any], op: tuple[Any, ...]) -> None:
     """Apply one recorded op to a flat map in place (used at commit and in replay)."""
     kind, path = op[0], op[1]
+    if kind == EXPIRE:
+        expires = dict(data.get(EXPIRES) or {})
+        if op[2] is None:
+            expires.pop(path, None)
+        else:
+            expires[path] = op[2]
+        if expires:
+            data[EXPIRES] = expires
+        else:
+            data.pop(EXPIRES, None)
+        return
+    if EXPIRES in data:
+        _forget_expiry(data, path)
     if kind == SET or kind == NEW_OBJECT:
         for parent in parents(path):
             if data.get(parent) is not OBJECT:
@@ -49,6 +67,33 @@ def apply_op(data: dict[str, Any], op: tuple[Any, ...]) -> None:
         raise CorruptDataError(
             f"unknown memory op {kind!r} in stored state; it was written by another program"
         )
+
+
+def _forget_expiry(data: dict[str, Any], path: str) -> None:
+    """A path written or deleted loses its ttl, and so do the paths under it."""
+    expires = data[EXPIRES]
+    prefix = path + "."
+    gone = [p for p in expires if p == path or p.startswith(prefix)]
+    if gone:
+        kept = {p: t for p, t in expires.items() if p not in gone}
+        if kept:
+            data[EXPIRES] = kept
+        else:
+            del data[EXPIRES]
+
+
+def expire(data: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """The memory a run starting at `now` sees: without the paths whose ttl ran out.
+
+    None when nothing in `data` has a ttl (then the time a run starts does not matter)."""
+    expires = data.get(EXPIRES)
+    if not expires:
+        return None
+    view = dict(data)
+    for path, at in sorted(expires.items()):
+        if at <= now:
+            apply_op(view, (DELETE, path))
+    return view
 
 
 def _drop_children(data: dict[str, Any], path: str) -> None:

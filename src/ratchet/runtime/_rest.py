@@ -14,6 +14,15 @@ from pydantic import BaseModel, Field
 API_VERSION = "v1"
 
 
+class WaitingRun(BaseModel):
+    key: Any
+    seq: int
+    task: str | None = Field(description="the waiting task (None: a delayed event)")
+    on: str = Field(description='"sleep", "signal NAME" or "delayed event"')
+    since: float | None = None
+    until: float | None = Field(None, description="when the wait ends or times out")
+
+
 class JobInfo(BaseModel):
     state: Literal["starting", "running", "restarting", "finished", "failed"]
     worker_pid: int | None = Field(description="pid of the current worker process")
@@ -26,6 +35,20 @@ class JobInfo(BaseModel):
         description="runs in flight at the worker's last report (after its latest checkpoint)"
     )
     queued_inputs: int | None = Field(description="inputs admitted and not finished, same time")
+    waiting: list[WaitingRun] | None = Field(
+        None, description="runs parked in a durable wait at the worker's last report"
+    )
+
+
+class SignalBody(BaseModel):
+    value: Any = Field(None, description="any JSON value; the waiting action receives it")
+
+
+class SignalSent(BaseModel):
+    id: int
+    key: str
+    name: str
+    sent_at: float
 
 
 class CheckpointRef(BaseModel):
@@ -94,6 +117,7 @@ def create_app(
     checkpoints: Callable[[], CheckpointStatistics | None],
     config: Callable[[], JobConfig | None],
     metrics: Callable[[], JobMetrics | None] | None = None,
+    signal: Callable[[str, str, Any], dict[str, Any]] | None = None,
 ) -> Any:
     """A FastAPI app that reads the supervisor's view through the three callables."""
     from fastapi import FastAPI
@@ -144,5 +168,23 @@ def create_app(
         if m is None:
             return JSONResponse({"detail": "no worker has reported yet"}, status_code=503)
         return m
+
+    if signal is not None:
+        send = signal
+
+        @app.post(
+            "/v1/keys/{key}/signals/{name}",
+            status_code=202,
+            response_model=SignalSent,
+            responses={400: {"model": Unavailable}},
+            summary="send a signal to a key: stored durably before the answer",
+        )
+        def post_signal(key: str, name: str, body: SignalBody) -> Any:
+            from ratchet._errors import RatchetError
+
+            try:
+                return send(key, name, body.value)
+            except RatchetError as exc:
+                return JSONResponse({"detail": str(exc)}, status_code=400)
 
     return app

@@ -114,7 +114,15 @@ class Supervisor:
                 last_exit=self.s.last_exit,
                 in_flight_runs=status.get("in_flight_runs"),
                 queued_inputs=status.get("buffered_inputs"),
+                waiting=status.get("waiting"),
             )
+
+    def send_signal(self, key: str, name: str, value: Any) -> dict[str, Any]:
+        """REST: store a signal in the job's state (picked up by the worker, or the next)."""
+        from ratchet.runtime._signals import send_signal
+
+        sent = send_signal(self.state_dir, key, name, value, clock=self.clock)
+        return {k: sent[k] for k in ("id", "key", "name", "sent_at")}
 
     def checkpoint_stats(self) -> Any:
         from ratchet.runtime._rest import CheckpointStatistics
@@ -159,7 +167,13 @@ class Supervisor:
 
         from ratchet.runtime._rest import create_app
 
-        app = create_app(self.job_info, self.checkpoint_stats, self.job_config, self.job_metrics)
+        app = create_app(
+            self.job_info,
+            self.checkpoint_stats,
+            self.job_config,
+            self.job_metrics,
+            self.send_signal,
+        )
         config = uvicorn.Config(app, host=self.rest_host, port=self.rest_port, log_level="warning")
         server = uvicorn.Server(config)
         # uvicorn installs signal handlers only from the main thread; this one is not, so the

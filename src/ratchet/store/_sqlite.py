@@ -513,6 +513,8 @@ class SqliteStore:
             "memory_version": self._meta_or("memory_version", 1),
             "runs_on_earlier_versions": len(self._meta_or("pinned_runs", {})),
             "dead_letters": len(self.dead_letters()),
+            "waiting": self.waits(),
+            "pending_signals": self.pending_signals(),
             "upgrades": self._meta_or("upgrades", []),
         }
 
@@ -769,6 +771,38 @@ class SqliteStore:
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload),
             )
+
+    def waits(self) -> list[dict[str, Any]]:
+        """Durable waits of runs in flight, from their call records: signal waits not answered
+        yet, and sleeps (`ratchet status` of a state, running or stopped)."""
+        out = []
+        rows = self.conn.execute(
+            "SELECT c.seq, r.key, c.task_id, c.fn, c.digest, c.status, c.payload FROM calls c "
+            "JOIN runs r ON r.seq = c.seq WHERE c.fn IN ('ratchet.sleep', 'ratchet.signal') "
+            "ORDER BY c.seq, c.task_id, c.idx"
+        ).fetchall()
+        for seq, key, task, fn, digest, status, payload in rows:
+            try:
+                when = codec.decode(payload or b"")
+            except (codec.CorruptDataError, TypeError):
+                when = {}
+            if fn == "ratchet.signal" and status != "intent":
+                continue
+            if fn == "ratchet.sleep" and isinstance(when, dict):
+                if (when.get("until") or 0) <= self.clock.now():
+                    continue  # over: the task went on (or goes on when it next runs)
+            on = "sleep" if fn == "ratchet.sleep" else f"signal {digest}"
+            out.append(
+                {
+                    "key": codec.decode(key, unknown="generic"),
+                    "seq": seq,
+                    "task": task,
+                    "on": on,
+                    "since": when.get("since") if isinstance(when, dict) else None,
+                    "until": when.get("until") if isinstance(when, dict) else None,
+                }
+            )
+        return out
 
     def pending_signals(self) -> list[dict[str, Any]]:
         """Signals sent and not consumed yet (`ratchet status`)."""

@@ -1,0 +1,50 @@
+"""`ratchet signal`: send a signal to a key of a job, running or stopped (docs/runtime.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ratchet._errors import EXIT_OK, BadInputError
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "signal",
+        help="send a signal to a key: a run waiting in ctx.wait_for_signal(NAME) gets the value",
+        description="Store a signal durably in the job's state. A run of KEY waiting for NAME "
+        "receives VALUE (at the running job's next checkpoint tick, or when a stopped job next "
+        "starts); one nobody waits for yet is kept until a run of KEY waits for it. Signals of "
+        "a key and name are delivered in the order sent, each exactly once.",
+    )
+    p.add_argument("--state", required=True, help="the job's state directory")
+    p.add_argument("--key", required=True, help="the key, as `ratchet runs list` shows it")
+    p.add_argument("name", metavar="NAME", help="the signal's name, e.g. approval:<call id>")
+    p.add_argument(
+        "--value", default="null", metavar="JSON", help="the value, as JSON (default: null)"
+    )
+    p.add_argument("--json", action="store_true", help="print what was stored as JSON")
+    p.set_defaults(func=cmd_signal)
+
+
+def cmd_signal(args: argparse.Namespace) -> int:
+    from ratchet.runtime._signals import send_signal
+
+    try:
+        value: Any = json.loads(args.value)
+    except ValueError as exc:
+        raise BadInputError(
+            f"--value {args.value!r} is not JSON ({exc}); quote it for the shell, e.g. "
+            f"--value '{{\"approved\": true}}' or --value '\"text\"'"
+        ) from None
+    sent = send_signal(args.state, args.key, args.name, value)
+    if args.json:
+        print(json.dumps(sent))
+    else:
+        print(
+            f"signal {sent['name']!r} for key {sent['key']} stored in {sent['state']} (id "
+            f"{sent['id']}); a run of the key waiting for it gets it at the job's next "
+            f"checkpoint tick, or when the job next starts"
+        )
+    return EXIT_OK

@@ -1,0 +1,226 @@
+"""Durable waits across SIGKILL, with real processes and real time (docs/runtime.md,
+"Durable time and signals"):
+
+- a run sleeping 2 s is killed and finishes once, at its recorded deadline, not 2 s after
+  the restart;
+- an approval flow: the job is killed while a run waits, the signal is sent with
+  `ratchet signal` while the job is down, the restarted job completes the run exactly once
+  (the refund is charged once); a malformed value is refused with exit 3;
+- the same through REST on a supervised job whose worker is killed while waiting;
+- memory with a ttl is gone for a run that starts after it expired, across a restart.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.kill
+
+AGENTS = Path(__file__).with_name("waits_agent.py")
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+
+
+class Job:
+    def __init__(self, tmp: Path, agent: str) -> None:
+        self.tmp = tmp
+        self.agent = f"{AGENTS}:{agent}"
+        self.input = tmp / "in.jsonl"
+        self.output = tmp / "out.jsonl"
+        self.state = tmp / "state"
+        self.log = tmp / "log.jsonl"
+        self.env = dict(os.environ, WAITS_LOG=str(self.log))
+
+    def write(self, *rows: dict[str, Any]) -> None:
+        with self.input.open("a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+
+    def start(self, *extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*RATCHET, "run", self.agent, "--input", str(self.input), "--output",
+             str(self.output), "--state", str(self.state), "--checkpoint-interval", "50", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
+        )  # fmt: skip
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*RATCHET, *args], capture_output=True, text=True, env=self.env, timeout=60
+        )
+
+    @staticmethod
+    def lines(path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+    def outputs(self) -> list[Any]:
+        return [r["output"] for r in self.lines(self.output)]
+
+    def waiting(self) -> list[dict[str, Any]]:
+        done = self.cli("status", "--state", str(self.state), "--json")
+        return list(json.loads(done.stdout)["waiting"]) if done.returncode == 0 else []
+
+
+def until(
+    what: str, check: Any, proc: subprocess.Popen[str] | None = None, limit: float = 60
+) -> Any:
+    deadline = time.monotonic() + limit
+    while True:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited before {what}: {proc.communicate()[1]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+
+
+def finish(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return err
+
+
+def test_a_sleeping_run_killed_finishes_once_at_its_recorded_deadline(tmp_path: Path) -> None:
+    job = Job(tmp_path, "Napper")
+    job.write({"key": "a", "s": 2.0})
+    first = job.start("--follow")
+    until("the sleep recorded", lambda: any(w["on"] == "sleep" for w in job.waiting()), first)
+    kill(first)
+    assert job.outputs() == []
+    finish(job.start())
+    (out,) = job.outputs()
+    log = job.lines(job.log)
+    begins = [e["t"] for e in log if e["what"] == "begin"]
+    assert len(begins) == 2 and len([e for e in log if e["what"] == "woke"]) == 1
+    # It slept the full 2 s from its first start, and not another 2 s from the restart.
+    assert begins[0] + 2.0 <= out["woke"] < begins[1] + 2.0, (begins, out)
+
+
+def test_an_approval_sent_while_the_job_is_down_completes_the_run_once(tmp_path: Path) -> None:
+    job = Job(tmp_path, "Refunds")
+    job.write({"key": "t-1", "amount": 30})
+    first = job.start("--follow")
+    until("the approval request", lambda: job.outputs(), first)
+    until("the wait recorded", lambda: any(w["on"] == "signal approve" for w in job.waiting()))
+    kill(first)
+
+    bad = job.cli("signal", "--state", str(job.state), "--key", "t-1", "approve", "--value", "{ok")
+    assert bad.returncode == 3 and "is not JSON" in bad.stderr and "Traceback" not in bad.stderr
+    sent = job.cli(
+        "signal", "--state", str(job.state), "--key", "t-1", "approve", "--value", '{"ok": true}'
+    )
+    assert sent.returncode == 0, sent.stderr
+    assert "signal 'approve' for key t-1 stored" in sent.stdout
+    status = job.cli("status", "--state", str(job.state), "--json")
+    assert [p["name"] for p in json.loads(status.stdout)["pending_signals"]] == ["approve"]
+
+    finish(job.start())
+    assert job.outputs() == [{"approval_requested": 30}, {"refunded": {"charged": 30}}]
+    assert [e["amount"] for e in job.lines(job.log) if e["what"] == "charge"] == [30]
+    status = json.loads(job.cli("status", "--state", str(job.state), "--json").stdout)
+    assert status["waiting"] == [] and status["pending_signals"] == []
+
+
+def test_a_bounded_job_leaves_a_waiting_run_parked_and_says_so(tmp_path: Path) -> None:
+    job = Job(tmp_path, "Refunds")
+    job.write({"key": "t-2", "amount": 5})
+    err = finish(job.start())
+    assert "1 run(s) waiting for signals" in err and "ratchet signal" in err
+    assert job.outputs() == [{"approval_requested": 5}]
+    job.cli(
+        "signal", "--state", str(job.state), "--key", "t-2", "approve", "--value", '{"ok": false}'
+    )
+    finish(job.start())
+    assert job.outputs() == [{"approval_requested": 5}, {"refused": 5}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(method: str, port: int, path: str, body: Any = None) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        data = None if body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_an_approval_through_rest_on_a_supervised_job_whose_worker_was_killed(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("fastapi", reason="the REST API needs ratchet[server] (fastapi, uvicorn)")
+    job = Job(tmp_path, "Refunds")
+    job.write({"key": "t-3", "amount": 12})
+    port = free_port()
+    sup = job.start("--follow", "--supervise", "--rest-port", str(port), "--restart-delay", "0.1")
+    try:
+
+        def waiting() -> Any:
+            try:
+                status, info = http_json("GET", port, "/v1/job")
+            except OSError:
+                return None
+            waits = (info or {}).get("waiting") or []
+            return (
+                info if status == 200 and any(w["on"] == "signal approve" for w in waits) else None
+            )
+
+        info = until("the worker to report the wait", waiting, sup)
+        os.kill(info["worker_pid"], signal.SIGKILL)  # the supervisor starts a new worker
+        until(
+            "a new worker waiting",
+            lambda: (w := waiting()) and w["worker_pid"] != info["worker_pid"],
+            sup,
+        )
+        status, api = http_json("GET", port, "/openapi.json")
+        assert "/v1/keys/{key}/signals/{name}" in api["paths"]
+        status, sent = http_json(
+            "POST", port, "/v1/keys/t-3/signals/approve", {"value": {"ok": True}}
+        )
+        assert status == 202 and sent["key"] == "t-3" and sent["name"] == "approve", sent
+        until("the refund", lambda: len(job.outputs()) == 2, sup)
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        sup.communicate(timeout=60)
+    assert job.outputs() == [{"approval_requested": 12}, {"refunded": {"charged": 12}}]
+    assert [e["amount"] for e in job.lines(job.log) if e["what"] == "charge"] == [12]
+
+
+def test_memory_with_a_ttl_is_gone_for_runs_after_it_expired_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    job = Job(tmp_path, "Remember")
+    job.write({"key": "k", "op": "set", "ttl": 0.6}, {"key": "k", "op": "read", "n": 1})
+    first = job.start("--follow")
+    until("the first read", lambda: job.outputs(), first)
+    set_at = time.time()  # an upper bound of when the value was set
+    kill(first)
+    until("the ttl to pass", lambda: time.time() > set_at + 0.6, limit=10)
+    job.write({"key": "k", "op": "read", "n": 2})
+    finish(job.start())
+    assert job.outputs() == [{"n": 1, "v": "secret"}, {"n": 2, "v": None}]
+    memory = json.loads(job.cli("inspect", "--state", str(job.state), "--json").stdout)
+    assert memory == {"k": {}}

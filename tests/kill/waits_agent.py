@@ -1,0 +1,70 @@
+"""Agents for tests/kill/test_waits_kill.py, run by real `ratchet run` processes. Side effects
+go to the file named by WAITS_LOG (outside the state), one JSON line each, with wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from ratchet import Agent, Event, InputEvent, OutputEvent, action
+
+
+def log(**fields: Any) -> None:
+    fields["t"] = time.time()  # the test's own witness of wall time
+    fields["pid"] = os.getpid()
+    with open(os.environ["WAITS_LOG"], "a") as fh:
+        fh.write(json.dumps(fields) + "\n")
+
+
+class Napper(Agent):
+    """Sleeps durably for the input's `s` seconds, then outputs."""
+
+    @action(InputEvent)
+    async def nap(self, event: InputEvent, ctx: Any) -> None:
+        log(what="begin", key=str(ctx.key))
+        await ctx.sleep(event.input["s"])
+        log(what="woke", key=str(ctx.key))
+        ctx.send_event(OutputEvent(output={"key": str(ctx.key), "woke": time.time()}))
+
+
+class Requested(Event):
+    amount: int
+
+
+def charge(key: str, amount: int) -> dict[str, Any]:
+    log(what="charge", key=key, amount=amount)
+    return {"charged": amount}
+
+
+class Refunds(Agent):
+    """Asks for approval (an output), waits for the signal `approve`, then charges once."""
+
+    @action(InputEvent)
+    async def ask(self, event: InputEvent, ctx: Any) -> None:
+        amount = int(event.input["amount"])
+        ctx.send_event(OutputEvent(output={"approval_requested": amount}))
+        ctx.send_event(Requested(amount=amount))
+
+    @action(Requested)
+    async def decide(self, event: Requested, ctx: Any) -> None:
+        decision = await ctx.wait_for_signal("approve")
+        if not decision.get("ok"):
+            ctx.send_event(OutputEvent(output={"refused": event.amount}))
+            return
+        receipt = await ctx.durable_execute_async(charge, str(ctx.key), event.amount)
+        ctx.send_event(OutputEvent(output={"refunded": receipt}))
+
+
+class Remember(Agent):
+    """`set` keeps a value for `ttl` seconds; `read` outputs what the run sees."""
+
+    @action(InputEvent)
+    async def step(self, event: InputEvent, ctx: Any) -> None:
+        if event.input["op"] == "set":
+            ctx.short_term_memory.set("v", "secret", ttl=event.input["ttl"])
+        else:
+            ctx.send_event(
+                OutputEvent(output={"n": event.input["n"], "v": ctx.short_term_memory.get("v")})
+            )

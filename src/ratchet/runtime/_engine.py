@@ -611,7 +611,7 @@ class Engine:
                             f"{len(self.machine.waiting_runs())} run(s) waiting for signals"
                         )
                         break
-                    await self._wait_wake(self.config.checkpoint_interval or 0.05)
+                    await self._wait_wake()  # poked when a run completes, parks or wakes
             finally:
                 # Never cancel a checkpoint half-way: let the loop finish the one it is in.
                 self._cp_stop.set()

@@ -82,6 +82,7 @@ def test_public_names_are_pinned() -> None:
         "ResourceDescriptor",
         "ResourceType",
         "ResumeRefusedError",
+        "Retry",
         "RetryPolicy",
         "RunnerContext",
         "ScriptedChatModel",

@@ -4,7 +4,6 @@ that wait for signals parked. (The SIGKILL versions: tests/kill/test_waits_kill.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 from typing import Any
 
@@ -19,70 +18,9 @@ from ratchet import (
     SignalTimeout,
     action,
 )
-from ratchet.agents._context import AgentBinding, install_task_factory
-from ratchet.runtime._engine import Engine, EngineConfig, EngineResult
-from ratchet.runtime._io import CallbackSink, IterableSource
 from ratchet.store._memory import MemoryStore
 from ratchet.testing import FakeClock
-
-START = 1_800_000_000.0
-
-
-class Drive:
-    """Run an engine on a fake clock, moving time to the next deadline whenever the loop has
-    nothing else to do; `on_idle(engine)` may act (send a signal) before time moves."""
-
-    def __init__(self, agent: Agent, rows: list[dict[str, Any]], store: MemoryStore) -> None:
-        self.agent = agent
-        self.rows = rows
-        self.store = store
-        self.clock: FakeClock = store.clock  # type: ignore[assignment]
-        self.got: list[dict[str, Any]] = []
-        self.engine: Engine | None = None
-
-    def run(
-        self, *, stop_at: float | None = None, follow: bool = False, **config: Any
-    ) -> EngineResult:
-        source = IterableSource(list(self.rows))
-        source.follow = follow
-        engine = self.engine = Engine(
-            AgentBinding(self.agent),
-            self.store,
-            source,
-            CallbackSink(self.got.append),
-            EngineConfig(checkpoint_interval=0.5, **config),
-            clock=self.clock,
-        )
-
-        async def main() -> EngineResult:
-            nonlocal stop_at
-            install_task_factory(asyncio.get_running_loop())
-            job = asyncio.ensure_future(engine.run())
-            while not job.done():
-                for _ in range(20):  # let everything runnable run before time moves
-                    await asyncio.sleep(0)
-                if job.done():
-                    break
-                if stop_at is not None and self.clock.now() >= stop_at:
-                    engine.request_stop("test stop")
-                    stop_at = None
-                waits = engine._waits
-                busy = (
-                    any(r.pending > r.waiting for r in engine.machine.in_flight())
-                    or any(w.closing for ws in waits.waiters.values() for w in ws)
-                    or not engine._writer._q.empty()
-                )
-                deadline = self.clock.next_deadline()
-                if deadline is not None and not busy:
-                    self.clock.jump_to(deadline)
-                else:  # a task is running (or writing its record): time stands still
-                    await asyncio.sleep(0.001)
-            return job.result()
-
-        return asyncio.run(main())
-
-    def outputs(self) -> list[Any]:
-        return [g["output"] for g in self.got]
+from support.fakeclock import START, Drive
 
 
 class Sleeper(Agent):
@@ -314,10 +252,14 @@ class Ttl(Agent):
     async def later(self, event: Mid, ctx: Any) -> None:
         await ctx.sleep(30)
         seen = ctx.short_term_memory.get("v")
-        ctx.send_event(OutputEvent(output={"a": event.seen, "b": seen, "at": self.clock.now() - START}))
+        ctx.send_event(
+            OutputEvent(output={"a": event.seen, "b": seen, "at": self.clock.now() - START})
+        )
 
 
-def test_memory_expires_for_runs_that_start_after_its_ttl_and_replay_sees_what_the_run_saw() -> None:
+def test_memory_expires_for_runs_that_start_after_its_ttl_and_replay_sees_what_the_run_saw() -> (
+    None
+):
     clock = FakeClock(START)
     store = MemoryStore(clock)
     rows = [

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, TypeVar
 
 from ratchet._errors import ConfigError
 from ratchet.agents._events import Event
+from ratchet.agents._retry import Retry
 from ratchet.store._base import DispatchTable
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -23,10 +24,14 @@ class _ActionMark:
     event_types: tuple[type[Event], ...]
     inline: bool
     name: str | None
+    retry: Retry | None = None
 
 
 def action(
-    *event_types: type[Event], inline: bool = False, name: str | None = None
+    *event_types: type[Event],
+    inline: bool = False,
+    name: str | None = None,
+    retry: Retry | None = None,
 ) -> Callable[[F], F]:
     """Mark a method (or staticmethod taking `(event, ctx)`) as an action on `event_types`.
 
@@ -34,7 +39,11 @@ def action(
     `inline=True` runs a CPU-trivial sync action on the engine's loop instead.
     `name` overrides the action's stored name (default: the function name); the name is
     part of every task id in the journal, so renaming an action invalidates state.
+    `retry`: a `ratchet.Retry` policy; a failed attempt is tried again from the memory the task
+    was dispatched with, after a durable wait (docs/runtime.md, "Retries").
     """
+    if retry is not None and not isinstance(retry, Retry):
+        raise ConfigError(f"@action(retry=) takes a ratchet.Retry(...), got {retry!r}")
     if not event_types:
         raise ConfigError("@action() needs at least one event type, e.g. @action(InputEvent)")
     for et in event_types:
@@ -43,7 +52,7 @@ def action(
 
     def mark(fn: F) -> F:
         target = fn.__func__ if isinstance(fn, staticmethod) else fn
-        setattr(target, _ACTION_ATTR, _ActionMark(tuple(event_types), inline, name))
+        setattr(target, _ACTION_ATTR, _ActionMark(tuple(event_types), inline, name, retry))
         return fn
 
     return mark
@@ -81,6 +90,7 @@ class ActionSpec:
     fn: Callable[..., Any]
     is_async: bool
     inline: bool
+    retry: Retry | None = None
 
 
 class Agent:
@@ -115,6 +125,11 @@ class AgentSpec:
                 if not isinstance(mark, _ActionMark):
                     continue
                 action_name = mark.name or attr
+                if not action_name or any(c in action_name for c in ">#!"):
+                    raise ConfigError(
+                        f"action name {action_name!r} of {self.agent_name}: use a non-empty name "
+                        f"without '>', '#' or '!' (task ids and journal entries use them)"
+                    )
                 if action_name in seen and seen[action_name] != attr:
                     raise ConfigError(f"two actions of {self.agent_name} are named {action_name!r}")
                 bound = getattr(agent, attr)
@@ -125,6 +140,7 @@ class AgentSpec:
                     fn=bound,
                     is_async=inspect.iscoroutinefunction(target),
                     inline=mark.inline,
+                    retry=mark.retry,
                 )
                 # An override in a subclass replaces the base's action in place.
                 actions = [a for a in actions if a.name != action_name]
@@ -135,7 +151,7 @@ class AgentSpec:
                 f"{self.agent_name} has no actions; decorate a method with @action(...)"
             )
         self.actions: tuple[ActionSpec, ...] = tuple(
-            ActionSpec(i, a.name, a.event_types, a.fn, a.is_async, a.inline)
+            ActionSpec(i, a.name, a.event_types, a.fn, a.is_async, a.inline, a.retry)
             for i, a in enumerate(actions)
         )
         self._by_type: dict[type[Event], tuple[ActionSpec, ...]] = {}

@@ -38,7 +38,8 @@ from ratchet.agents._events import (
 )
 from ratchet.agents._exceptions import encode_error, rebuild_error
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
-from ratchet.runtime._dispatch import SIGNAL_FN, SLEEP_FN, TaskCalls, Waits
+from ratchet.agents._retry import Retry
+from ratchet.runtime._dispatch import RETRY_FN, SIGNAL_FN, SLEEP_FN, TaskCalls, Waits
 from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.runtime._metrics import KeyMetrics, Metrics
 from ratchet.store import codec
@@ -266,11 +267,38 @@ class RunnerContext:
                 f"data (dict, list, str, bytes, a registered model) from the function"
             ) from None
 
+    def _retry_state(self, value: Any, retry: Retry | None) -> tuple[int, float | None]:
+        """(attempt to make, time it may start) for a claimed call: an intent record that a
+        failed attempt rewrote holds {attempt, until}; a plain intent or none starts at 1."""
+        if retry is not None and value is not None and value.payload:
+            state = codec.decode(value.payload)
+            if isinstance(state, dict) and "attempt" in state:
+                return int(state["attempt"]) + 1, float(state["until"])
+        return 1, None
+
+    def _failed_attempt(
+        self, retry: Retry | None, exc: Exception, attempt: int, name: str
+    ) -> tuple[float, bytes] | None:
+        """When `retry` tries again after `exc`: (until, the intent payload recording it)."""
+        if retry is None or not retry.retries(exc, attempt):
+            return None
+        waits = self._waits(f"durable call {name} with retry=")
+        now = waits.now()
+        until = now + retry.delay(attempt)
+        self._metrics.add(self.key, "durable_calls.retried")
+        log.warning(
+            "durable call %s failed (attempt %d of %d), trying again in %.3gs: %s: %s",
+            name, attempt, retry.max_attempts, until - now, type(exc).__name__, exc,
+        )  # fmt: skip
+        state = {"attempt": attempt, "until": until, "error": f"{type(exc).__name__}: {exc}"}
+        return until, codec.encode(state)
+
     def durable_execute(
         self,
         fn: Callable[..., T],
         *args: Any,
         reconciler: Callable[..., T] | None = None,
+        retry: Retry | None = None,
         **kwargs: Any,
     ) -> T:
         """Call `fn(*args, **kwargs)` at most once per completed call, across crashes.
@@ -278,26 +306,41 @@ class RunnerContext:
         If the process died after the intent was recorded but before the result was, the call
         may have happened: `reconciler(*args, **kwargs)` (if given) is asked for the result
         instead of calling again; without one, `fn` is called again (at-least-once).
+        `retry`: a `ratchet.Retry` policy for the call; between attempts the task waits
+        durably (a sync action's worker thread blocks meanwhile).
         """
         name = _fn_name(fn)
         digest = _args_digest(args, kwargs)
         idx, done, value = self._claim(name, digest)
         if done:
             return value  # type: ignore[no-any-return]
+        attempt, until = self._retry_state(value, retry)
         target = fn
-        if value is not None and reconciler is not None:
+        if until is None and value is not None and reconciler is not None:
             target = reconciler
-        else:
+        elif until is None:
             self._calls.write(idx, name, digest, "intent", None).result()
-        try:
-            result = target(*args, **kwargs)
-            if inspect.isawaitable(result):
-                raise InvalidTypeError(
-                    f"{name} is async; use `await ctx.durable_execute_async(...)`"
-                )
-        except Exception as exc:
-            self._calls.write(idx, name, digest, "error", encode_error(exc)).result()
-            raise
+        while True:
+            if until is not None:
+                left = until - self._waits("retry").now()
+                if left > 0:
+                    self._waits("retry").sleep_sync(left)
+            try:
+                result = target(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    raise InvalidTypeError(
+                        f"{name} is async; use `await ctx.durable_execute_async(...)`"
+                    )
+            except Exception as exc:
+                again = self._failed_attempt(retry, exc, attempt, name)
+                if again is not None:
+                    until, state = again
+                    self._calls.write(idx, name, digest, "intent", state).result()
+                    attempt, target = attempt + 1, fn
+                    continue
+                self._calls.write(idx, name, digest, "error", encode_error(exc)).result()
+                raise
+            break
         self._calls.write(idx, name, digest, "ok", self._result_payload(name, result)).result()
         return result
 
@@ -307,6 +350,7 @@ class RunnerContext:
         fn: Callable[..., Awaitable[T]],
         *args: Any,
         reconciler: Callable[..., Any] | None = None,
+        retry: Retry | None = None,
         **kwargs: Any,
     ) -> T: ...
 
@@ -316,6 +360,7 @@ class RunnerContext:
         fn: Callable[..., T],
         *args: Any,
         reconciler: Callable[..., Any] | None = None,
+        retry: Retry | None = None,
         **kwargs: Any,
     ) -> T: ...
 
@@ -324,31 +369,44 @@ class RunnerContext:
         fn: Callable[..., Awaitable[T]] | Callable[..., T],
         *args: Any,
         reconciler: Callable[..., Any] | None = None,
+        retry: Retry | None = None,
         **kwargs: Any,
     ) -> T:
-        """The async form of `durable_execute`; a sync `fn` runs in a thread, off the loop."""
+        """The async form of `durable_execute`; a sync `fn` runs in a thread, off the loop.
+        Between retries the task is parked (it holds no run slot)."""
         name = _fn_name(fn)
         digest = _args_digest(args, kwargs)
         idx, done, value = self._claim(name, digest)
         if done:
             return value  # type: ignore[no-any-return]
+        attempt, until = self._retry_state(value, retry)
         target: Callable[..., Any] = fn
-        if value is not None and reconciler is not None:
+        if until is None and value is not None and reconciler is not None:
             target = reconciler
-        else:
+        elif until is None:
             await asyncio.wrap_future(self._calls.write(idx, name, digest, "intent", None))
-        try:
-            if inspect.iscoroutinefunction(target):
-                result = await target(*args, **kwargs)
-            else:
-                result = await asyncio.to_thread(target, *args, **kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
-        except Exception as exc:
-            await asyncio.wrap_future(
-                self._calls.write(idx, name, digest, "error", encode_error(exc))
-            )
-            raise
+        while True:
+            if until is not None:
+                await self._waits("retry").until(self._task, until)
+            try:
+                if inspect.iscoroutinefunction(target):
+                    result = await target(*args, **kwargs)
+                else:
+                    result = await asyncio.to_thread(target, *args, **kwargs)
+                    if inspect.isawaitable(result):
+                        result = await result
+            except Exception as exc:
+                again = self._failed_attempt(retry, exc, attempt, name)
+                if again is not None:
+                    until, state = again
+                    await asyncio.wrap_future(self._calls.write(idx, name, digest, "intent", state))
+                    attempt, target = attempt + 1, fn
+                    continue
+                await asyncio.wrap_future(
+                    self._calls.write(idx, name, digest, "error", encode_error(exc))
+                )
+                raise
+            break
         payload = self._result_payload(name, result)
         await asyncio.wrap_future(self._calls.write(idx, name, digest, "ok", payload))
         return result  # type: ignore[no-any-return]
@@ -550,14 +608,17 @@ class AgentBinding:
             rec["output"] = ev.field("output")
         return rec
 
-    def _error_result(self, task: Task, exc: BaseException) -> TaskResult:
+    def _error_result(self, task: Task, exc: BaseException, attempts: int = 1) -> TaskResult:
         log.warning(
             "action %s failed on key %r: %s: %s", task.action, task.run.key, type(exc).__name__, exc
         )
+        message = str(exc)
+        if attempts > 1:
+            message = f"{message} (after {attempts} attempts)"
         fields = {
             "action": task.action,
             "error_type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-            "message": str(exc),
+            "message": message,
             "event_type": task.event.cls.event_name,
         }
         # A failed action commits nothing but its error event.
@@ -565,41 +626,117 @@ class AgentBinding:
 
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
-        ctx = RunnerContext(task, calls, self.config, self.metrics)
-        token = _current.set(ctx)
-        try:
-            out = spec.fn(task.event.thaw(), ctx)
-            if inspect.isawaitable(out):
-                close = getattr(out, "close", None)
-                if close is not None:
-                    close()
-                raise InvalidTypeError(
-                    f"sync action {task.action} returned an awaitable; declare it `async def`"
-                )
-        except ENGINE_FAULTS:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
-            return self._error_result(task, exc)
-        finally:
-            _current.reset(token)
-        return ctx._result()
+        attempt, until = self._resume_attempt(calls)
+        while True:
+            if until is not None:
+                # A blocking backoff: a sync action's retry holds its worker thread meanwhile.
+                self._backoff_sync(calls, until)
+            ctx = RunnerContext(task, calls.for_attempt(attempt), self.config, self.metrics)
+            token = _current.set(ctx)
+            try:
+                out = spec.fn(task.event.thaw(), ctx)
+                if inspect.isawaitable(out):
+                    close = getattr(out, "close", None)
+                    if close is not None:
+                        close()
+                    raise InvalidTypeError(
+                        f"sync action {task.action} returned an awaitable; declare it `async def`"
+                    )
+            except ENGINE_FAULTS:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+                until = self._record_failure(task, calls, spec.retry, exc, attempt)
+                if until is not None:
+                    attempt += 1
+                    continue
+                return self._error_result(task, exc, attempt)
+            finally:
+                _current.reset(token)
+            return ctx._result()
 
     async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
-        ctx = RunnerContext(task, calls, self.config, self.metrics)
-        children: set[asyncio.Task[Any]] = set()
-        token = _current.set(ctx)
-        _children.set(children)
-        try:
-            await spec.fn(task.event.thaw(), ctx)
-        except ENGINE_FAULTS:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
-            return self._error_result(task, exc)
-        finally:
-            _current.reset(token)
-            _cancel_leftovers(task, children)
-        return ctx._result()
+        attempt, until = self._resume_attempt(calls)
+        while True:
+            if until is not None:
+                assert calls.waits is not None
+                await calls.waits.until(task, until)
+            ctx = RunnerContext(task, calls.for_attempt(attempt), self.config, self.metrics)
+            children: set[asyncio.Task[Any]] = set()
+            token = _current.set(ctx)
+            _children.set(children)
+            try:
+                await spec.fn(task.event.thaw(), ctx)
+            except ENGINE_FAULTS:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+                until = await asyncio.to_thread(
+                    self._record_failure, task, calls, spec.retry, exc, attempt
+                )
+                if until is not None:
+                    attempt += 1
+                    continue
+                return self._error_result(task, exc, attempt)
+            finally:
+                _current.reset(token)
+                _cancel_leftovers(task, children)
+            return ctx._result()
+
+    # -- retries ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _resume_attempt(calls: TaskCalls) -> tuple[int, float | None]:
+        """The attempt a task (re)starts at, one after the failed attempts it recorded, and
+        the time it may start (None: now)."""
+        markers = calls.retry_markers()
+        if not markers:
+            return 1, None
+        last = markers[-1]
+        return int(last.digest) + 1, float(codec.decode(last.payload or b"")["until"])
+
+    def _record_failure(
+        self,
+        task: Task,
+        calls: TaskCalls,
+        retry: Retry | None,
+        exc: Exception,
+        attempt: int,
+    ) -> float | None:
+        """Record a failed attempt that will be tried again, durably, with the time the next
+        attempt may start (returned); None when the policy says the task fails now."""
+        if retry is None or not retry.retries(exc, attempt):
+            return None
+        waits = calls.waits
+        now = waits.now() if waits is not None else None
+        if now is None:
+            raise ConfigError(
+                f"action {task.action} has retry=, which needs an engine with durable timers: "
+                f"the embedded engine has them; the Flink engine does not yet (docs/flink.md)"
+            )
+        until = now + retry.delay(attempt)
+        payload = codec.encode(
+            {
+                "error": f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}",
+                "at": now,
+                "until": until,
+            }
+        )
+        idx, _ = calls.claim(RETRY_FN, str(attempt))
+        calls.write(idx, RETRY_FN, str(attempt), "ok", payload).result()
+        self.metrics.add(task.run.key, "actions.retried")
+        log.warning(
+            "action %s failed on key %r (attempt %d of %d), trying again in %.3gs: %s: %s",
+            task.action, task.run.key, attempt, retry.max_attempts, until - now,
+            type(exc).__name__, exc,
+        )  # fmt: skip
+        return until
+
+    @staticmethod
+    def _backoff_sync(calls: TaskCalls, until: float) -> None:
+        assert calls.waits is not None
+        left = until - calls.waits.now()
+        if left > 0:
+            calls.waits.sleep_sync(left)
 
 
 def _not_to_itself(event: Emitted, names: list[str]) -> list[str]:

@@ -33,12 +33,21 @@ PATCH_FN = "ratchet.patched"
 # ("intent" {since, until} while waiting; "ok" with the value, or "error" {timeout} after).
 SLEEP_FN = "ratchet.sleep"
 SIGNAL_FN = "ratchet.signal"
+# A failed attempt of a task with a retry policy ("ok", {error, until}; digest: the attempt
+# number). Attempt n > 1 records its durable calls under the task id `<task id>#<n>`, so a
+# retry calls again instead of being answered with the failed attempt's records.
+RETRY_FN = "ratchet.retry"
+ATTEMPT_SEP = "#"
 
 
 class Waits(Protocol):
     """How an engine parks a task in a durable wait (`ctx.sleep`, `ctx.wait_for_signal`)."""
 
     def now(self) -> float: ...
+
+    def sleep_sync(self, seconds: float) -> None:
+        """Block this (worker) thread for `seconds` on the engine's clock."""
+        ...
 
     async def until(self, task: Task, deadline: float) -> None:
         """Return at `deadline` on the engine's clock; the task holds no slot meanwhile."""
@@ -107,6 +116,7 @@ class TaskCalls:
         "_pending",
         "_patches",
         "waits",
+        "attempts",
     )
 
     def __init__(
@@ -131,6 +141,8 @@ class TaskCalls:
         self._pending: list[CallRecord] = []  # patch markers, written with the next record
         self._patches: dict[str, bool] = {}
         self.waits: Waits | None = None  # set by an engine that supports durable waits
+        # records of later attempts (retries) of this task, by attempt number
+        self.attempts: dict[int, dict[int, CallRecord]] = {}
         if recorded:  # a replayed task: match calls to records (most tasks have none)
             self._lock = threading.Lock()
             self._by_call = {}
@@ -160,8 +172,26 @@ class TaskCalls:
             return [
                 r
                 for idx, r in sorted(self._recorded.items())
-                if idx not in self._claimed and r.status in ("ok", "error") and r.fn != PATCH_FN
+                if idx not in self._claimed
+                and r.status in ("ok", "error")
+                and r.fn not in (PATCH_FN, RETRY_FN)
             ]
+
+    def retry_markers(self) -> list[CallRecord]:
+        """The failed attempts recorded for this task, in order."""
+        found = [r for r in self._recorded.values() if r.fn == RETRY_FN]
+        return sorted(found, key=lambda r: int(r.digest))
+
+    def for_attempt(self, n: int) -> TaskCalls:
+        """The durable-call journal of attempt `n` (1: this one)."""
+        if n == 1:
+            return self
+        sub = TaskCalls(
+            self.seq, f"{self.task_id}{ATTEMPT_SEP}{n}", self.key, self.attempts.get(n, {}),
+            self._writer,
+        )  # fmt: skip
+        sub.waits = self.waits
+        return sub
 
     def patched(self, change_id: str) -> bool:
         """Whether this execution takes the new branch of `change_id` (`ctx.patched`).
@@ -212,22 +242,33 @@ class TaskCalls:
 class CallJournal:
     """Durable-call records of restored runs, handed to the task they belong to exactly once."""
 
-    __slots__ = ("_by_task",)
+    __slots__ = ("_by_task", "_attempts")
 
     def __init__(self) -> None:
         self._by_task: dict[tuple[int, str], dict[int, CallRecord]] = {}
+        self._attempts: dict[tuple[int, str], dict[int, dict[int, CallRecord]]] = {}
 
     def add(self, record: CallRecord) -> None:
+        base, sep, n = record.task_id.rpartition(ATTEMPT_SEP)
+        if sep and n.isdigit():
+            by_attempt = self._attempts.setdefault((record.seq, base), {})
+            by_attempt.setdefault(int(n), {})[record.idx] = record
+            return
         self._by_task.setdefault((record.seq, record.task_id), {})[record.idx] = record
 
     def calls_for(self, task: Task, writer: CallWriter, waits: Waits | None = None) -> TaskCalls:
-        recorded = self._by_task.pop((task.run.seq, task.task_id), None) or {}
+        where = (task.run.seq, task.task_id)
+        recorded = self._by_task.pop(where, None) or {}
         calls = TaskCalls(task.run.seq, task.task_id, task.run.key, recorded, writer)
         calls.waits = waits
+        attempts = self._attempts.pop(where, None)
+        if attempts:
+            calls.attempts = attempts
         return calls
 
     def clear(self) -> None:
         self._by_task.clear()
+        self._attempts.clear()
 
     def __len__(self) -> int:
         return len(self._by_task)

@@ -293,6 +293,9 @@ class _EngineWaits:
     def now(self) -> float:
         return self.engine.clock.now()
 
+    def sleep_sync(self, seconds: float) -> None:
+        self.engine.clock.sleep_sync(seconds)
+
     def _parked(self, task: Task, waiting: bool) -> None:
         engine = self.engine
         engine.machine.wait(task, waiting)

@@ -140,6 +140,15 @@ class AgentCore:
                 f"engine: `ratchet migrate`, or lazily in `ratchet run`). Keep memory_version = "
                 f"1 for an agent that runs on Flink"
             )
+        retried = [
+            a.name for a in getattr(getattr(binding, "spec", None), "actions", ()) if a.retry
+        ]
+        if retried:
+            raise ConfigError(
+                f"{binding.name}: action(s) {retried} have retry=, whose waits between attempts "
+                f"are durable timers, which the Flink engine does not have yet (docs/flink.md); "
+                f"retry inside the action, or run the agent on the embedded engine"
+            )
         self.binding = binding
         self.config = config or CoreConfig()
         self.clock = clock

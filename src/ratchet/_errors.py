@@ -43,9 +43,10 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1  # the work ran and failed (a check failed, a supervised job gave up)
 EXIT_USAGE: Final = 2  # a ConfigError/StateError or any other RatchetError: fix and run again
 EXIT_BAD_INPUT: Final = 3  # an input line was refused; everything before it is committed
+EXIT_ERRORS: Final = 4  # the job ran, and runs ended in error (--allow-errors; --max-errors)
 EXIT_INTERRUPTED: Final = 130  # Ctrl-C
 # A worker that exits with one of these hit an error a restart cannot fix.
-EXIT_NO_RESTART: Final = frozenset({EXIT_USAGE, EXIT_BAD_INPUT})
+EXIT_NO_RESTART: Final = frozenset({EXIT_USAGE, EXIT_BAD_INPUT, EXIT_ERRORS})
 
 
 # What an IncompatibleChangeError offers (docs/runtime.md, "Upgrading an agent").

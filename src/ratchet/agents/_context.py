@@ -588,6 +588,18 @@ class AgentBinding:
         # Listeners get copies decoded from its stored form (taken before any of them runs).
         return Emitted(InputEvent, {"input": value})
 
+    def is_error(self, event: Emitted) -> bool:
+        return issubclass(event.cls, ErrorEvent)
+
+    def error_record(self, event: Emitted) -> dict[str, Any]:
+        """An error event as the output's `error` object (and a dead letter's detail)."""
+        return {
+            "action": event.field("action"),
+            "type": event.field("error_type"),
+            "message": event.field("message"),
+            "event_type": event.field("event_type"),
+        }
+
     def output_record(self, output: Output) -> dict[str, Any]:
         ev: Emitted = output.event
         rec: dict[str, Any] = {
@@ -598,12 +610,7 @@ class AgentBinding:
         }
         if issubclass(ev.cls, ErrorEvent):
             rec["output"] = None
-            rec["error"] = {
-                "action": ev.field("action"),
-                "type": ev.field("error_type"),
-                "message": ev.field("message"),
-                "event_type": ev.field("event_type"),
-            }
+            rec["error"] = self.error_record(ev)
         else:
             rec["output"] = ev.field("output")
         return rec

@@ -9,7 +9,14 @@ import time
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK
-from ratchet._errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, BadInputError, ConfigError
+from ratchet._errors import (
+    EXIT_BAD_INPUT,
+    EXIT_ERRORS,
+    EXIT_FAILED,
+    EXIT_OK,
+    BadInputError,
+    ConfigError,
+)
 from ratchet.runtime._io import to_json_line
 
 # The `run` parser and the destinations of its supervision options, kept so a supervised run can
@@ -67,7 +74,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="normal",
         help="SQLite synchronous mode: normal survives process crashes, full also power loss",
     )
-    run.add_argument("--on-bad-input", choices=["stop", "skip"], default="stop")
+    run.add_argument(
+        "--on-bad-input",
+        choices=["stop", "skip", "dead-letter"],
+        default="stop",
+        help="a bad line: stop before it (exit 3), skip it, or keep it as a dead letter",
+    )
+    run.add_argument(
+        "--allow-errors",
+        action="store_true",
+        help="exit 0 from a bounded job in which runs ended in error (default: exit 4)",
+    )
+    run.add_argument(
+        "--max-errors",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop (final checkpoint, exit 4) once more than N runs ended in error",
+    )
     run.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     sup = run.add_argument_group("supervision")
     sup.add_argument(
@@ -107,10 +131,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
 
-    from ratchet.cli import _signals, _upgrade
+    from ratchet.cli import _deadletters, _signals, _upgrade
 
     _upgrade.register(sub)
     _signals.register(sub)
+    _deadletters.register(sub)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -129,6 +154,7 @@ def _config(args: argparse.Namespace) -> Any:
         sync_workers=args.sync_workers,
         synchronous=args.synchronous.upper(),
         on_bad_input=args.on_bad_input,
+        max_errors=args.max_errors,
     )
 
 
@@ -140,6 +166,9 @@ def _summary(result: Any) -> dict[str, Any]:
         "tasks_executed": result.tasks_executed,
         "tasks_replayed": result.tasks_replayed,
         "restored_runs": result.restored_runs,
+        "runs_failed": result.runs_failed,
+        "dead_letters": result.dead_letters,
+        "redriven": result.redriven,
         "restored_from_checkpoint": (result.restored_from or {}).get("id"),
         "bad_inputs": result.bad_inputs,
         "stopped_by": result.stopped_by,
@@ -315,11 +344,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = run_owned(job, handle_signals=True)
     except BadInputError as exc:
         print(f"ratchet: bad input: {exc}", file=sys.stderr)
+        if args.json:  # what the job did before it stopped
+            print(json.dumps(dict(_summary(job.engine.result), error=str(exc)), indent=2))
         return EXIT_BAD_INPUT
     finally:
         if live is not None:
             live.stop()
     summary = _summary(result)
+    if result.runs_failed and (
+        result.stopped_by.startswith("more than") or not (args.follow or args.allow_errors)
+    ):
+        code = EXIT_ERRORS
+        print(
+            f"ratchet: {result.runs_failed} run(s) ended in error ({result.stopped_by}); their "
+            f"inputs are dead letters (`ratchet dead-letters --state {args.state}`, `ratchet "
+            f"redrive`); exit {EXIT_ERRORS} (--allow-errors to exit 0)",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     elif tty:
@@ -385,7 +426,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"list`)",
         )
     if summary["dead_letters"]:
-        table.add_row("dead letters", str(summary["dead_letters"]))
+        table.add_row(
+            "dead letters",
+            f"{summary['dead_letters']} ({summary['runs_failed']} runs that ended in error; "
+            f"`ratchet dead-letters`)",
+        )
     if summary["waiting"]:
         table.add_row(
             "waiting",

@@ -73,7 +73,9 @@ class EngineConfig:
     # but its own; more trades that isolation for less hand-off under heavy load.
     sync_batch: int = 1
     synchronous: str = "NORMAL"
-    on_bad_input: str = "stop"  # or "skip"
+    on_bad_input: str = "stop"  # or "skip", or "dead-letter"
+    # A job stops (after a final checkpoint) once more than this many runs ended in error.
+    max_errors: int | None = None
     follow_poll: float = 0.05
 
     def validate(self) -> None:
@@ -95,8 +97,12 @@ class EngineConfig:
                 f"{self.max_buffered_inputs}, {self.sync_workers}, {self.sync_batch}, "
                 f"{self.max_tasks_per_run})"
             )
-        if self.on_bad_input not in ("stop", "skip"):
-            raise ConfigError(f"on_bad_input must be 'stop' or 'skip', not {self.on_bad_input!r}")
+        if self.on_bad_input not in ("stop", "skip", "dead-letter"):
+            raise ConfigError(
+                f"on_bad_input must be 'stop', 'skip' or 'dead-letter', not {self.on_bad_input!r}"
+            )
+        if self.max_errors is not None and self.max_errors < 0:
+            raise ConfigError(f"max_errors must be >= 0, not {self.max_errors!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -257,6 +263,9 @@ class EngineResult:
     tasks_executed: int = 0
     tasks_replayed: int = 0
     restored_runs: int = 0
+    runs_failed: int = 0  # runs that ended in an error (each also a dead letter)
+    dead_letters: int = 0  # dead letters this run recorded (failed runs and bad lines)
+    redriven: int = 0  # dead letters this run admitted again
     restored_from: dict[str, Any] | None = None
     bad_inputs: list[str] = field(default_factory=list)
     stopped_by: str = "end of input"
@@ -401,12 +410,17 @@ class _EngineWaits:
             self._match(where)
 
     async def poll_signals(self) -> None:
-        """Read signals sent since the last look (another process writes them)."""
+        """Read signals sent, and redrives asked for, since the last look (other processes
+        write both)."""
         engine = self.engine
-        rows = await asyncio.wrap_future(
-            engine._writer.submit(lambda: engine.store.signals_after(self.cursor))
+        rows, redrives = await asyncio.wrap_future(
+            engine._writer.submit(
+                lambda: (engine.store.signals_after(self.cursor), engine.store.redrives())
+            )
         )
         self.add_signals(rows)
+        if redrives:
+            engine._redrive(redrives)
 
     def _match(self, where: tuple[str, str]) -> None:
         """Hand the oldest signal to the oldest waiter of a key and name, in a group."""
@@ -493,6 +507,7 @@ class Engine:
             delayed=binding.delayed,
             now=clock.now,
             expire=expire,
+            is_error=binding.is_error,
         )
         self.stats = CheckpointStats()
         self.result = EngineResult()
@@ -518,6 +533,8 @@ class Engine:
         self._work_scheduled = False
         self._async_tasks: set[asyncio.Task[Any]] = set()
         self._waits = _EngineWaits(self)
+        self._dead_lines: list[tuple[bytes, str, int, bytes, str, float, str, bytes]] = []
+        self._redriving: set[int] = set()
         self._dispatcher = Dispatcher(
             binding,
             spawn=self._spawn,
@@ -570,6 +587,9 @@ class Engine:
         # The runs in flight replay under this agent (and keys starting now migrated): adopt.
         self.store.adopt(b.version)
         self._waits.add_signals(self.store.signals_after(0))
+        redrives = self.store.redrives()
+        if redrives:
+            self._redrive(redrives)
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
@@ -693,6 +713,17 @@ class Engine:
                 await self._wait_wake(cfg.follow_poll)
                 continue
             if rec.error is not None:
+                if cfg.on_bad_input == "dead-letter":
+                    log.warning("bad input kept as a dead letter: %s", rec.error)
+                    self._dead_lines.append(
+                        (
+                            codec.encode(None), "", -1, codec.encode(rec.raw or ""), rec.error,
+                            self.clock.now(), "bad-input",
+                            codec.encode({"position": self.source.position(), "line": rec.line}),
+                        )
+                    )  # fmt: skip
+                    self.result.bad_inputs.append(rec.error)
+                    continue
                 if cfg.on_bad_input == "skip":
                     log.warning("skipping bad input: %s", rec.error)
                     self.result.bad_inputs.append(rec.error)
@@ -734,6 +765,9 @@ class Engine:
             dispatched, _outputs, completed = m.take_effects()
             if completed:
                 self.result.runs_completed += len(completed)
+                limit = self.config.max_errors
+                if limit is not None and m.runs_failed > limit and not self._stop:
+                    self.request_stop(f"more than {limit} run(s) ended in error")
                 self._poke()
             if not dispatched:
                 return
@@ -745,6 +779,24 @@ class Engine:
                 if isinstance(outcome, RatchetError):
                     raise outcome
                 m.finish(task, outcome)
+
+    def _redrive(self, rows: list[tuple[int, bytes, bytes]]) -> None:
+        """Admit dead letters asked to be redriven, each once: the checkpoint that holds the
+        new input also marks its dead letter redriven."""
+        b = self.binding
+        for dead_id, k, ev in rows:
+            if dead_id in self._redriving:
+                continue
+            self._redriving.add(dead_id)
+            key = decoded("dead_letters", dead_id, codec.decode, k)
+            event = decoded("dead_letters", dead_id, decode_event, b, ev)
+            seq = self._next_seq
+            self._next_seq += 1
+            self.machine.redrive(dead_id, key, seq, event)
+            self.result.inputs += 1
+            self.result.redriven += 1
+        if self._loop is not None:
+            self._pump_and_poke()
 
     def _pump_and_poke(self) -> None:
         try:
@@ -847,15 +899,19 @@ class Engine:
                 # checkpoints keep completing, as Flink's do (a parked run is in every one).
                 return self.stats.latest_completed
             released, self._released = self._released, []
+            dead, self._dead_lines = self._dead_lines, []
             triggered = self.clock.now()
             self.stats.in_progress = 1
-            fut = self._writer.submit(lambda: self._write(delta, position, released, triggered))
+            fut = self._writer.submit(
+                lambda: self._write(delta, position, released, triggered, dead)
+            )
             try:
                 info: dict[str, Any] = await asyncio.wrap_future(fut)
             except Exception as exc:  # noqa: BLE001 - any write failure is a failed checkpoint
                 self.stats.in_progress = 0
                 self._carry = delta
                 self._released = released + self._released
+                self._dead_lines = dead + self._dead_lines
                 self.stats.failed += 1
                 self.stats.latest_failed = {
                     "trigger_timestamp": triggered,
@@ -880,17 +936,34 @@ class Engine:
             self._written_position = position
             self.stats.completed += 1
             self.stats.latest_completed = info
+            self.result.dead_letters += len(dead) + len(delta.failed)
+            self.result.runs_failed += len(delta.failed)  # as committed, not as seen
             outs = list(delta.outputs.values())
             await self._release(outs)
             self._report()
             return info
 
     def _write(
-        self, delta: Delta, position: dict[str, Any], released: list[str], triggered: float
+        self,
+        delta: Delta,
+        position: dict[str, Any],
+        released: list[str],
+        triggered: float,
+        dead: list[tuple[bytes, str, int, bytes, str, float, str, bytes]],
     ) -> dict[str, Any]:
         enc = codec.encode
         b = self.binding
-        rows = CheckpointRows(source=position, released=released)
+        rows = CheckpointRows(source=position, released=released, dead_letters=list(dead))
+        for seq, (key, event, errors, trace) in delta.failed.items():
+            records = [b.error_record(e) for e in errors]
+            rows.dead_letters.append(
+                (
+                    enc(key), str(key), seq, encode_event(b, event),
+                    f"{records[0]['type']}: {records[0]['message']}", triggered, "failed-run",
+                    enc({"errors": records, "trace": trace}),
+                )
+            )  # fmt: skip
+        rows.redriven = list(delta.redriven.items())
         for key, (memory, next_dispatch, version) in delta.keys.items():
             rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory), version))
         for seq, (key, event) in delta.new_inputs.items():

@@ -39,6 +39,7 @@ class Record:
     key: Any = None
     value: Any = None
     error: str | None = None
+    raw: str | None = None  # a bad line's text, for its dead letter
 
 
 class Source:
@@ -77,6 +78,10 @@ def _key_of(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
     return key, None
 
 
+def _text(raw: bytes) -> str:
+    return raw[:65536].decode("utf-8", errors="replace")
+
+
 def _parse(raw: bytes, line: int, where: str, key_field: str) -> Record | None:
     """One line of a JSONL input as a record; None for a blank line."""
     text = raw.strip()
@@ -85,10 +90,10 @@ def _parse(raw: bytes, line: int, where: str, key_field: str) -> Record | None:
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return Record(line, error=f"{where}: invalid JSON ({exc})")
+        return Record(line, error=f"{where}: invalid JSON ({exc})", raw=_text(text))
     key, err = _key_of(value, key_field, where)
     if err:
-        return Record(line, error=err)
+        return Record(line, error=err, raw=_text(text))
     return Record(line, key=key, value=value)
 
 

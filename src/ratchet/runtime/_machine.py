@@ -109,6 +109,7 @@ class Run:
     # replay: delayed events delivered at a recorded dispatch index, index -> (event id, event)
     fires: dict[int, tuple[str, Any]] = field(default_factory=dict)
     notes: dict[str, JournalEntry] = field(default_factory=dict)  # replayed annotations
+    errors: list[Any] = field(default_factory=list)  # error outputs: the run failed
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,12 +159,17 @@ class Delta:
     runs: dict[int, RestoredRun] = field(default_factory=dict)
     outputs: dict[str, Output] = field(default_factory=dict)
     completed: set[int] = field(default_factory=set)  # every run completed, for cleanup
+    # runs that completed with errors: seq -> (key, input event, error events, task ids)
+    failed: dict[int, tuple[Any, Any, list[Any], list[str]]] = field(default_factory=dict)
+    redriven: dict[int, int] = field(default_factory=dict)  # dead letter id -> its new seq
 
     def absorb(self, later: Delta) -> None:
         """Fold a later delta into this one (after a failed checkpoint, both must be written)."""
         self.keys.update(later.keys)
         self.outputs.update(later.outputs)
         self.completed |= later.completed
+        self.failed.update(later.failed)
+        self.redriven.update(later.redriven)
         for seq, item in later.new_inputs.items():
             self.new_inputs[seq] = item
         for seq in later.done_inputs:
@@ -173,7 +179,14 @@ class Delta:
         self.runs.update({s: r for s, r in later.runs.items() if s not in later.done_inputs})
 
     def is_empty(self) -> bool:
-        return not (self.keys or self.new_inputs or self.done_inputs or self.runs or self.outputs)
+        return not (
+            self.keys
+            or self.new_inputs
+            or self.done_inputs
+            or self.runs
+            or self.outputs
+            or self.redriven
+        )
 
 
 class Machine:
@@ -206,6 +219,7 @@ class Machine:
         delayed: Callable[[Any], tuple[float, Any] | None] | None = None,
         now: Callable[[], float] | None = None,
         expire: Callable[[dict[str, Any], float], dict[str, Any] | None] | None = None,
+        is_error: Callable[[Any], bool] | None = None,
     ) -> None:
         if max_concurrent_runs < 1:
             raise InvalidArgumentError(
@@ -223,6 +237,8 @@ class Machine:
         self._delayed = delayed
         self._now = now
         self._expire = expire
+        self._is_error = is_error
+        self.runs_failed = 0
         self.timers: list[tuple[Run, str, float]] = []  # effects: delayed events to schedule
         self._listeners = listeners
         self._is_output = is_output
@@ -395,6 +411,8 @@ class Machine:
                 self._schedule(run, event_id, *timed)
                 continue
             if is_output(event):
+                if self._is_error is not None and self._is_error(event):
+                    run.errors.append(event)
                 if not task.replayed:
                     out = Output(
                         id=f"{run.key}:{run.seq}:{task.task_id}:{index}",
@@ -564,6 +582,10 @@ class Machine:
         self.buffered_inputs -= 1
         self.completed.append(run)
         d = self._delta
+        if run.errors:
+            self.runs_failed += 1
+            trace = [e.task_id for e in run.journal if e.task_id[:1] != "!"]
+            d.failed[run.seq] = (run.key, run.input_event, list(run.errors), trace)
         d.keys[run.key] = (ks.memory, ks.next_dispatch, ks.version)
         self._dirty_runs.discard(run.seq)
         d.completed.add(run.seq)
@@ -594,6 +616,11 @@ class Machine:
                         run.is_output,
                     )
         return d
+
+    def redrive(self, dead_letter: int, key: Any, seq: int, input_event: Any) -> None:
+        """Admit a dead letter's input again; the checkpoint that holds it marks it redriven."""
+        self._delta.redriven[dead_letter] = seq
+        self.admit(key, seq, input_event)
 
     def take_timers(self) -> list[tuple[Run, str, float]]:
         """Delayed events to deliver at their due time (`fire`), scheduled since last asked."""

@@ -44,6 +44,17 @@ class SignalBody(BaseModel):
     value: Any = Field(None, description="any JSON value; the waiting action receives it")
 
 
+class RedriveBody(BaseModel):
+    all: bool = False
+    key: str | None = None
+    id: int | None = None
+
+
+class RedriveAsked(BaseModel):
+    marked: int = Field(description="dead letters marked; each is admitted once")
+    bad_lines_skipped: int
+
+
 class SignalSent(BaseModel):
     id: int
     key: str
@@ -118,6 +129,7 @@ def create_app(
     config: Callable[[], JobConfig | None],
     metrics: Callable[[], JobMetrics | None] | None = None,
     signal: Callable[[str, str, Any], dict[str, Any]] | None = None,
+    redrive: Callable[[bool, str | None, int | None], dict[str, Any]] | None = None,
 ) -> Any:
     """A FastAPI app that reads the supervisor's view through the three callables."""
     from fastapi import FastAPI
@@ -184,6 +196,24 @@ def create_app(
 
             try:
                 return send(key, name, body.value)
+            except RatchetError as exc:
+                return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    if redrive is not None:
+        ask = redrive
+
+        @app.post(
+            "/v1/dead-letters/redrive",
+            status_code=202,
+            response_model=RedriveAsked,
+            responses={400: {"model": Unavailable}},
+            summary="admit dead letters again (one of all, key, id), each exactly once",
+        )
+        def post_redrive(body: RedriveBody) -> Any:
+            from ratchet._errors import RatchetError
+
+            try:
+                return ask(body.all, body.key, body.id)
             except RatchetError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=400)
 

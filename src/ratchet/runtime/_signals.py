@@ -62,7 +62,7 @@ def send_signal(
             f"no ratchet state in {sdir} ({path} does not exist); a signal goes to the --state "
             f"directory of the job whose run waits for it"
         )
-    _ensure_schema(sdir)
+    ensure_schema(sdir, SIGNALS_SCHEMA, "signals")
     sent_at = clock.now()
     conn = sqlite3.connect(path, timeout=30, isolation_level=None)
     try:
@@ -80,23 +80,23 @@ def send_signal(
     return {"id": sid, "key": key_text, "name": name, "sent_at": sent_at, "state": str(sdir)}
 
 
-def _ensure_schema(sdir: Path) -> None:
-    """A state from before signals is brought up to date, if no job holds it."""
+def ensure_schema(sdir: Path, needed: int, what: str) -> None:
+    """A state from before `what` (schema `needed`) is brought up to date, if no job holds it."""
     store = SqliteStore.open_readonly(sdir)
     try:
         version = store.meta("schema_version")
     finally:
         store.close()
-    if version >= SIGNALS_SCHEMA:
+    if version >= needed:
         return
     lock = StateLock(sdir)
     try:
         lock.acquire()
     except StateError as exc:
         raise StateError(
-            f"{sdir} is at state schema {version}, before signals, and a job holds it ({exc}); "
-            f"that job runs an older ratchet: stop it and send the signal again (this ratchet "
-            f"upgrades the state first)"
+            f"{sdir} is at state schema {version}, before {what}, and a job holds it ({exc}); "
+            f"that job runs an older ratchet: stop it and try again (this ratchet upgrades the "
+            f"state first)"
         ) from None
     try:
         SqliteStore.open(sdir, "", "", []).close()  # migrates the schema, nothing else

@@ -124,6 +124,15 @@ class Supervisor:
         sent = send_signal(self.state_dir, key, name, value, clock=self.clock)
         return {k: sent[k] for k in ("id", "key", "name", "sent_at")}
 
+    def redrive(self, all_letters: bool, key: str | None, dead_id: int | None) -> dict[str, Any]:
+        """REST: mark dead letters for redrive (the worker admits each once)."""
+        from ratchet.runtime._deadletters import request_redrive
+
+        done = request_redrive(
+            self.state_dir, all_letters=all_letters, key=key, dead_id=dead_id, clock=self.clock
+        )
+        return {k: done[k] for k in ("marked", "bad_lines_skipped")}
+
     def checkpoint_stats(self) -> Any:
         from ratchet.runtime._rest import CheckpointStatistics
 
@@ -173,6 +182,7 @@ class Supervisor:
             self.job_config,
             self.job_metrics,
             self.send_signal,
+            self.redrive,
         )
         config = uvicorn.Config(app, host=self.rest_host, port=self.rest_port, log_level="warning")
         server = uvicorn.Server(config)

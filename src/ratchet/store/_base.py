@@ -35,6 +35,13 @@ class CheckpointRows:
     released: list[str] = field(default_factory=list)
     # the source position and anything else the engine resumes from; {} keeps the old one
     source: dict[str, Any] = field(default_factory=dict)
+    # new dead letters: (key, key text, input seq or -1, encoded event or raw line, reason,
+    # at, kind: "bad-input" | "failed-run", encoded detail)
+    dead_letters: list[tuple[bytes, str, int, bytes, str, float, str, bytes]] = field(
+        default_factory=list
+    )
+    # dead letters redriven: (dead letter id, the seq of the input it became)
+    redriven: list[tuple[int, int]] = field(default_factory=list)
 
     def size(self) -> int:
         n = sum(len(k) + len(t) + 16 + len(m) for k, t, _, m, _v in self.keys)
@@ -186,6 +193,11 @@ class CheckpointStore(Protocol):
 
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         """Make durable-call records durable now, all or none (a group commit)."""
+        ...
+
+    def redrives(self) -> list[tuple[int, bytes, bytes]]:
+        """Dead letters asked to be redriven (another process may ask) and not yet redriven:
+        (id, encoded key, encoded event), oldest first. A checkpoint's `redriven` marks them."""
         ...
 
     def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:

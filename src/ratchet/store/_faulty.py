@@ -56,6 +56,7 @@ METHODS = (
     "stats",
     "signals_after",
     "consume_signal",
+    "redrives",
 )
 
 
@@ -218,6 +219,9 @@ class FaultyStore:
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         records = list(records)
         self._call("put_calls", lambda: self.inner.put_calls(records))
+
+    def redrives(self) -> list[tuple[int, bytes, bytes]]:
+        return self._call("redrives", self.inner.redrives)
 
     def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
         return self._call("signals_after", lambda: self.inner.signals_after(signal_id))

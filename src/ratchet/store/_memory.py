@@ -55,6 +55,8 @@ class MemoryStore:
         self.versions: dict[str, Pinned] = {}
         self.signals: dict[int, tuple[str, str, bytes, float]] = {}
         self.next_signal_id = 1
+        # id -> [key, key text, seq, event, reason, at, kind, detail, redrive asked, redriven as]
+        self.dead: dict[int, list[Any]] = {}
 
     def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         highest = max((v for *_rest, v in self.keys.values()), default=0)
@@ -107,6 +109,12 @@ class MemoryStore:
             outbox[out_id] = (seq, record)
         for out_id in rows.released:
             outbox.pop(out_id, None)
+        dead = copy.deepcopy(self.dead)
+        for row in rows.dead_letters:
+            dead[max(dead, default=0) + 1] = [*row, None, None]
+        for i, seq in rows.redriven:
+            if i in dead and dead[i][9] is None:
+                dead[i][9] = seq
         if rows.source:
             # Through the codec, as a durable store would: what cannot be stored is refused
             # here too, and what comes back has the types a restart would see.
@@ -114,6 +122,7 @@ class MemoryStore:
         size = rows.size()
         self.keys, self.inputs, self.runs = keys, inputs, runs
         self.outbox, self.calls, self.source = outbox, calls, source
+        self.dead = dead
         info = {
             "id": self.next_checkpoint_id,
             "trigger_timestamp": triggered_at,
@@ -128,6 +137,17 @@ class MemoryStore:
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         new = {(r.seq, r.task_id, r.idx): copy.copy(r) for r in records}  # all or none
         self.calls.update(new)
+
+    def redrives(self) -> list[tuple[int, bytes, bytes]]:
+        return [
+            (i, d[0], d[3])
+            for i, d in sorted(self.dead.items())
+            if d[8] is not None and d[9] is None and d[6] != "bad-input"
+        ]
+
+    def request_redrive(self, dead_id: int) -> None:
+        """Ask for a dead letter to be redriven (what `ratchet redrive` does to a SQLite state)."""
+        self.dead[dead_id][8] = self.clock.now()
 
     def add_signal(self, key: Any, name: str, value: Any) -> int:
         """Send a signal (what `ratchet.send_signal` does to a SQLite state)."""

@@ -75,6 +75,12 @@ _MIGRATIONS: list[tuple[str, ...]] = [
             id INTEGER PRIMARY KEY AUTOINCREMENT, key_text TEXT NOT NULL, name TEXT NOT NULL,
             value BLOB NOT NULL, sent_at REAL NOT NULL)""",
     ),
+    (  # 5: dead letters of every kind (bad lines, failed runs), and their redrive
+        "ALTER TABLE dead_letters ADD COLUMN kind TEXT NOT NULL DEFAULT 'abandoned'",
+        "ALTER TABLE dead_letters ADD COLUMN detail BLOB",
+        "ALTER TABLE dead_letters ADD COLUMN redrive_requested REAL",
+        "ALTER TABLE dead_letters ADD COLUMN redriven_as INTEGER",
+    ),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 _KEEP_CHECKPOINT_ROWS = 100
@@ -512,7 +518,8 @@ class SqliteStore:
             "source": self.meta("source"),
             "memory_version": self._meta_or("memory_version", 1),
             "runs_on_earlier_versions": len(self._meta_or("pinned_runs", {})),
-            "dead_letters": len(self.dead_letters()),
+            "dead_letters": len(letters := self.dead_letters()),
+            "runs_failed": sum(1 for d in letters if d["kind"] == "failed-run"),
             "waiting": self.waits(),
             "pending_signals": self.pending_signals(),
             "upgrades": self._meta_or("upgrades", []),
@@ -572,6 +579,17 @@ class SqliteStore:
                 )
             if rows.released:
                 c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in rows.released])
+            if rows.dead_letters:
+                c.executemany(
+                    "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind, detail) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    rows.dead_letters,
+                )
+            if rows.redriven:
+                c.executemany(
+                    "UPDATE dead_letters SET redriven_as = ? WHERE id = ? AND redriven_as IS NULL",
+                    [(seq, i) for i, seq in rows.redriven],
+                )
             if rows.source:
                 self._set_meta("source", rows.source)
             size = rows.size()
@@ -667,18 +685,40 @@ class SqliteStore:
         return out
 
     def dead_letters(self) -> list[dict[str, Any]]:
-        exists = self.conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE name = 'dead_letters'"
-        ).fetchone()
-        if exists is None:  # a state from before schema 3, read without migrating it
+        """Every dead letter, oldest first (`ratchet dead-letters`)."""
+        cols = {row[1] for row in self.conn.execute("PRAGMA table_info(dead_letters)")}
+        if not cols:  # a state from before schema 3, read without migrating it
             return []
-        rows = self.conn.execute(
-            "SELECT id, key_text, seq, reason, at FROM dead_letters ORDER BY id"
+        if "kind" not in cols:  # schema 3 or 4
+            rows = self.conn.execute(
+                "SELECT id, key_text, seq, reason, at FROM dead_letters ORDER BY id"
+            ).fetchall()
+            return [
+                {"id": i, "kind": "abandoned", "key": k, "seq": seq, "reason": reason, "at": at}
+                for i, k, seq, reason, at in rows
+            ]
+        out = []
+        for i, k, seq, reason, at, kind, detail, requested, redriven in self.conn.execute(
+            "SELECT id, key_text, seq, reason, at, kind, detail, redrive_requested, redriven_as "
+            "FROM dead_letters ORDER BY id"
+        ):
+            letter = {"id": i, "kind": kind, "key": k, "seq": seq, "reason": reason, "at": at}
+            if detail is not None:
+                try:
+                    letter["detail"] = codec.decode(detail, unknown="generic")
+                except (codec.CorruptDataError, TypeError):
+                    letter["detail"] = None
+            letter["redrive_requested"] = requested
+            letter["redriven_as"] = redriven
+            out.append(letter)
+        return out
+
+    def redrives(self) -> list[tuple[int, bytes, bytes]]:
+        """Dead letters asked to be redriven and not redriven yet: (id, key, event)."""
+        return self.conn.execute(
+            "SELECT id, key, event FROM dead_letters WHERE redrive_requested IS NOT NULL AND "
+            "redriven_as IS NULL AND kind != 'bad-input' ORDER BY id"
         ).fetchall()
-        return [
-            {"id": i, "key": k, "seq": seq, "reason": reason, "at": at}
-            for i, k, seq, reason, at in rows
-        ]
 
     def discard_run(self, seq: int, dead_letter_reason: str | None) -> dict[str, int]:
         """Forget the in-flight run of input `seq`: its journal, call records and unreleased
@@ -708,8 +748,8 @@ class SqliteStore:
                 if event is None:
                     raise StateError(f"{self.path}: the run of input {seq} has no input row")
                 c.execute(
-                    "INSERT INTO dead_letters(key, key_text, seq, event, reason, at) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind) "
+                    "VALUES (?, ?, ?, ?, ?, ?, 'abandoned')",
                     (
                         key,
                         str(codec.decode(key, unknown="generic")),

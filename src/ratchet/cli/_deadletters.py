@@ -1,0 +1,90 @@
+"""`ratchet dead-letters` and `ratchet redrive` (docs/runtime.md, "Dead letters")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from ratchet._errors import EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    listing = sub.add_parser(
+        "dead-letters",
+        help="inputs kept instead of lost: bad lines, runs that ended in error, abandoned runs",
+    )
+    listing.add_argument("--state", required=True)
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=cmd_dead_letters)
+
+    redrive = sub.add_parser(
+        "redrive",
+        help="admit dead letters again, each exactly once (the job running or stopped)",
+        description="Mark dead letters to be admitted again as new inputs: a running job picks "
+        "them up at its next checkpoint tick, a stopped one when it next starts. Each is "
+        "admitted once: the checkpoint that holds the new input records it as redriven. Bad "
+        "lines are not redriven (fix the line and send it as new input).",
+    )
+    which = redrive.add_mutually_exclusive_group(required=True)
+    which.add_argument("--all", action="store_true", help="every dead letter not redriven yet")
+    which.add_argument("--key", help="those of one key")
+    which.add_argument("--id", type=int, help="one, by its id (`ratchet dead-letters`)")
+    redrive.add_argument("--state", required=True)
+    redrive.add_argument("--json", action="store_true")
+    redrive.set_defaults(func=cmd_redrive)
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    from ratchet.runtime._deadletters import list_dead_letters
+
+    letters = list_dead_letters(args.state)
+    if args.json:
+        print(json.dumps(letters, indent=2, default=str))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"dead letters of {args.state}")
+    for col in ("id", "kind", "key", "input", "reason", "when", "redrive"):
+        table.add_column(col)
+    for d in letters:
+        redriven = d.get("redriven_as")
+        state = (
+            f"as input {redriven}"
+            if redriven is not None
+            else "asked"
+            if d.get("redrive_requested")
+            else ""
+        )
+        table.add_row(
+            str(d["id"]),
+            d["kind"],
+            str(d["key"]),
+            "" if d["seq"] is None or d["seq"] < 0 else str(d["seq"]),
+            d["reason"],
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["at"])),
+            state,
+        )
+    Console().print(table)
+    return EXIT_OK
+
+
+def cmd_redrive(args: argparse.Namespace) -> int:
+    from ratchet.runtime._deadletters import request_redrive
+
+    done = request_redrive(args.state, all_letters=args.all, key=args.key, dead_id=args.id)
+    if args.json:
+        print(json.dumps(done))
+        return EXIT_OK
+    print(
+        f"{done['marked']} dead letter(s) marked for redrive in {done['state']}; the job admits "
+        f"each once, at its next checkpoint tick if it runs, or when it next starts"
+        + (
+            f" ({done['bad_lines_skipped']} bad line(s) not redriven: fix them and send them "
+            f"as new input)"
+            if done["bad_lines_skipped"]
+            else ""
+        )
+    )
+    return EXIT_OK

@@ -48,6 +48,7 @@ from ratchet.agents import (
     run,
 )
 from ratchet.agents._exceptions import register_type
+from ratchet.agents._resource import Resource
 from ratchet.agents._retry import Retry
 from ratchet.runtime._engine import EngineConfig, EngineResult
 from ratchet.runtime._signals import send_signal
@@ -105,6 +106,7 @@ __all__ = [
     "ReActAgent",
     "ReceiptError",
     "ReplayedCallError",
+    "Resource",
     "ResourceDescriptor",
     "ResourceType",
     "ResumeRefusedError",

@@ -79,6 +79,7 @@ def test_public_names_are_pinned() -> None:
         "ReActAgent",
         "ReceiptError",
         "ReplayedCallError",
+        "Resource",
         "ResourceDescriptor",
         "ResourceType",
         "ResumeRefusedError",

@@ -38,6 +38,7 @@ from ratchet.agents._events import (
 )
 from ratchet.agents._exceptions import encode_error, rebuild_error
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
+from ratchet.agents._resource import Resource
 from ratchet.agents._retry import Retry
 from ratchet.runtime._dispatch import RETRY_FN, SIGNAL_FN, SLEEP_FN, TaskCalls, Waits
 from ratchet.runtime._machine import Output, Task, TaskResult
@@ -267,7 +268,7 @@ class RunnerContext:
                 f"data (dict, list, str, bytes, a registered model) from the function"
             ) from None
 
-    def _retry_state(self, value: Any, retry: Retry | None) -> tuple[int, float | None]:
+    def _retry_state(self, value: Any, retry: Retry | Resource | None) -> tuple[int, float | None]:
         """(attempt to make, time it may start) for a claimed call: an intent record that a
         failed attempt rewrote holds {attempt, until}; a plain intent or none starts at 1."""
         if retry is not None and value is not None and value.payload:
@@ -370,23 +371,32 @@ class RunnerContext:
         *args: Any,
         reconciler: Callable[..., Any] | None = None,
         retry: Retry | None = None,
+        resource: Resource | None = None,
         **kwargs: Any,
     ) -> T:
         """The async form of `durable_execute`; a sync `fn` runs in a thread, off the loop.
-        Between retries the task is parked (it holds no run slot)."""
+        Between retries the task is parked (it holds no run slot). `resource`: a
+        `ratchet.Resource` whose transient failures past the retries pause the stream (the
+        call waits for the resource to come back) instead of failing the action."""
+        if resource is not None and not isinstance(resource, Resource):
+            raise InvalidTypeError(f"resource= takes a ratchet.Resource, got {resource!r}")
         name = _fn_name(fn)
         digest = _args_digest(args, kwargs)
         idx, done, value = self._claim(name, digest)
         if done:
             return value  # type: ignore[no-any-return]
-        attempt, until = self._retry_state(value, retry)
+        attempt, until = self._retry_state(value, retry or resource)
         target: Callable[..., Any] = fn
         if until is None and value is not None and reconciler is not None:
             target = reconciler
         elif until is None:
             await asyncio.wrap_future(self._calls.write(idx, name, digest, "intent", None))
+        paused = resource is not None and until is not None and _paused(value)
         while True:
-            if until is not None:
+            if until is not None and paused:
+                assert resource is not None
+                await self._waits("resource=").until_available(self._task, resource.name, until)
+            elif until is not None:
                 await self._waits("retry").until(self._task, until)
             try:
                 if inspect.iscoroutinefunction(target):
@@ -396,17 +406,37 @@ class RunnerContext:
                     if inspect.isawaitable(result):
                         result = await result
             except Exception as exc:
-                again = self._failed_attempt(retry, exc, attempt, name)
+                fixable = resource is None or resource.transient(exc)
+                again = self._failed_attempt(retry, exc, attempt, name) if fixable else None
                 if again is not None:
                     until, state = again
                     await asyncio.wrap_future(self._calls.write(idx, name, digest, "intent", state))
-                    attempt, target = attempt + 1, fn
+                    attempt, target, paused = attempt + 1, fn, False
                     continue
+                if resource is not None and resource.transient(exc):
+                    # Past its retries: the resource is down. Wait for it, not fail the run.
+                    error = f"{type(exc).__name__}: {exc}"
+                    waits = self._waits("resource=")
+                    until = waits.unavailable(
+                        resource.name, resource.probe_delay, resource.max_probe_delay, error
+                    )
+                    state_map = {"attempt": attempt, "until": until, "error": error}
+                    state_map["resource"] = resource.name
+                    await asyncio.wrap_future(
+                        self._calls.write(idx, name, digest, "intent", codec.encode(state_map))
+                    )
+                    self._metrics.add(self.key, "durable_calls.paused")
+                    attempt, target, paused = attempt + 1, fn, True
+                    continue
+                if resource is not None:  # it answered: it is up, whatever it said
+                    self._waits("resource=").available(resource.name)
                 await asyncio.wrap_future(
                     self._calls.write(idx, name, digest, "error", encode_error(exc))
                 )
                 raise
             break
+        if resource is not None:
+            self._waits("resource=").available(resource.name)
         payload = self._result_payload(name, result)
         await asyncio.wrap_future(self._calls.write(idx, name, digest, "ok", payload))
         return result  # type: ignore[no-any-return]
@@ -422,6 +452,14 @@ class RunnerContext:
                 f"{UPGRADE_FIXES}"
             )
         return TaskResult(self._stm.ops, self._sensory.ops, list(self.events))
+
+
+def _paused(record: Any) -> bool:
+    """Whether a claimed intent record says its call waits for a resource to come back."""
+    if record is None or not record.payload:
+        return False
+    state = codec.decode(record.payload)
+    return isinstance(state, dict) and "resource" in state
 
 
 def _seconds(what: str, value: Any) -> float:

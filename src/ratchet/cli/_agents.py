@@ -444,6 +444,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"\n... {len(summary['waiting']) - 20} more" if len(summary["waiting"]) > 20 else ""
             ),
         )
+    for p in summary["paused"]:
+        table.add_row(
+            "paused",
+            f"{p['resource']} unavailable since {_when(p['since'])}, next probe at "
+            f"{_when(p['next_probe'])} ({p['error']}); no new input is admitted meanwhile",
+        )
     if summary["pending_signals"]:
         table.add_row(
             "signals not taken yet",

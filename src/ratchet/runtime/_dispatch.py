@@ -53,6 +53,22 @@ class Waits(Protocol):
         """Return at `deadline` on the engine's clock; the task holds no slot meanwhile."""
         ...
 
+    def unavailable(
+        self, resource: str, probe_delay: float, max_probe_delay: float, error: str
+    ) -> float:
+        """A call on `resource` failed transiently past its retries: open (or keep open) its
+        circuit; the time this call may probe it again."""
+        ...
+
+    def available(self, resource: str) -> None:
+        """A call on `resource` succeeded: close its circuit (waiting calls go on)."""
+        ...
+
+    async def until_available(self, task: Task, resource: str, probe_at: float) -> None:
+        """Park until `resource`'s circuit closes, or until `probe_at` if this call is the
+        one to probe it then (the others keep waiting for the outcome)."""
+        ...
+
     async def signal(
         self, task: Task, calls: TaskCalls, idx: int, name: str, deadline: float | None
     ) -> bytes | None:

@@ -286,6 +286,19 @@ class _SignalWait:
     parked: bool = True  # still waiting on the outside world (not on our own write)
 
 
+@dataclass(eq=False)
+class _Breaker:
+    """An open circuit: a resource that failed transiently past the retries of its calls."""
+
+    since: float
+    delay: float
+    max_delay: float
+    next_probe: float
+    error: str
+    closed: asyncio.Event
+    probing: bool = False
+
+
 class _EngineWaits:
     """The embedded engine's durable waits: sleeps and delayed events on the engine's clock,
     signals from the store's `signals` table. Everything here runs on the engine's loop."""
@@ -298,12 +311,72 @@ class _EngineWaits:
         # (key text, name) -> signals not consumed, in the order sent: (id, value, sent at)
         self.signals: dict[tuple[str, str], collections.deque[tuple[int, bytes, float]]] = {}
         self.waiters: dict[tuple[str, str], collections.deque[_SignalWait]] = {}
+        self.breakers: dict[str, _Breaker] = {}  # resources unavailable now
 
     def now(self) -> float:
         return self.engine.clock.now()
 
     def sleep_sync(self, seconds: float) -> None:
         self.engine.clock.sleep_sync(seconds)
+
+    # -- resources (circuit breakers) ------------------------------------------------------
+
+    def unavailable(
+        self, resource: str, probe_delay: float, max_probe_delay: float, error: str
+    ) -> float:
+        now = self.now()
+        b = self.breakers.get(resource)
+        if b is None:
+            b = self.breakers[resource] = _Breaker(
+                now, probe_delay, max_probe_delay, now + probe_delay, error, asyncio.Event()
+            )
+            log.warning(
+                "paused: %s unavailable (%s); admitting no new input, next probe in %.3gs",
+                resource, error, probe_delay,
+            )  # fmt: skip
+        elif b.probing:  # the probe failed: wait longer before the next
+            b.probing = False
+            b.delay = min(b.delay * 2, b.max_delay)
+            b.next_probe = now + b.delay
+            b.error = error
+        self.engine._poke()
+        return b.next_probe
+
+    def available(self, resource: str) -> None:
+        b = self.breakers.pop(resource, None)
+        if b is not None:
+            log.warning("resumed: %s is available again", resource)
+            b.closed.set()
+            self.engine._poke()
+
+    async def until_available(self, task: Task, resource: str, probe_at: float) -> None:
+        clock = self.engine.clock
+        b = self.breakers.get(resource)
+        if b is None:  # restarted while it was down: reopen it as recorded
+            now = self.now()
+            b = self.breakers[resource] = _Breaker(
+                now, max(probe_at - now, 0.001), 60.0, probe_at, "unavailable before a restart",
+                asyncio.Event(),
+            )  # fmt: skip
+        self._parked(task, True)
+        try:
+            while not b.closed.is_set():
+                left = b.next_probe - clock.now()
+                if left <= 0 and not b.probing:
+                    b.probing = True  # this call probes; the others wait for its outcome
+                    return
+                if await self.engine._sleep_unless(
+                    b.closed, max(left, 0.001) if left > 0 else b.delay
+                ):
+                    return
+        finally:
+            self._parked(task, False)
+
+    def paused(self) -> list[dict[str, Any]]:
+        return [
+            {"resource": name, "since": b.since, "next_probe": b.next_probe, "error": b.error}
+            for name, b in self.breakers.items()
+        ]
 
     def _parked(self, task: Task, waiting: bool) -> None:
         engine = self.engine
@@ -535,6 +608,7 @@ class Engine:
         self._waits = _EngineWaits(self)
         self._dead_lines: list[tuple[bytes, str, int, bytes, str, float, str, bytes]] = []
         self._redriving: set[int] = set()
+        self._written_report: dict[str, Any] = {"paused": []}
         self._dispatcher = Dispatcher(
             binding,
             spawn=self._spawn,
@@ -699,7 +773,8 @@ class Engine:
         m = self.machine
         admitted = 0
         while not self._stop:
-            if m.buffered_inputs >= cfg.max_buffered_inputs:
+            if m.buffered_inputs >= cfg.max_buffered_inputs or self._waits.breakers:
+                # A full buffer, or a resource down: no new input until that changes.
                 await self._wait_wake()
                 continue
             try:
@@ -872,10 +947,11 @@ class Engine:
     async def _only_signal_waits_left(self) -> bool:
         """True when every run left waits for a signal (none runs, sleeps or has a timer)."""
         m = self.machine
-        if m.active_runs or self._waits.sleeping or self._waits.timers:
+        w = self._waits
+        if m.active_runs or w.sleeping or w.timers or w.breakers:
             return False
-        await self._waits.poll_signals()  # one sent just now is delivered, not left behind
-        return not (m.active_runs or self._waits.sleeping or self._waits.timers)
+        await w.poll_signals()  # one sent just now is delivered, not left behind
+        return not (m.active_runs or w.sleeping or w.timers or w.breakers)
 
     async def checkpoint(self) -> dict[str, Any] | None:
         """Capture synchronously, write in the writer thread, then release outputs to the sink."""
@@ -886,8 +962,10 @@ class Engine:
                 self._carry.absorb(delta)
                 delta, self._carry = self._carry, None
             position = {"next_seq": self._next_seq, "position": self.source.position()}
+            report = {"paused": self._waits.paused()}
             if (
-                delta.is_empty()
+                report == self._written_report
+                and delta.is_empty()
                 and not self._released
                 and not self._unreleased
                 and position == self._written_position
@@ -903,7 +981,7 @@ class Engine:
             triggered = self.clock.now()
             self.stats.in_progress = 1
             fut = self._writer.submit(
-                lambda: self._write(delta, position, released, triggered, dead)
+                lambda: self._write(delta, position, released, triggered, dead, report)
             )
             try:
                 info: dict[str, Any] = await asyncio.wrap_future(fut)
@@ -934,6 +1012,7 @@ class Engine:
             self.stats.in_progress = 0
             self._failures_in_row = 0
             self._written_position = position
+            self._written_report = report
             self.stats.completed += 1
             self.stats.latest_completed = info
             self.result.dead_letters += len(dead) + len(delta.failed)
@@ -950,6 +1029,7 @@ class Engine:
         released: list[str],
         triggered: float,
         dead: list[tuple[bytes, str, int, bytes, str, float, str, bytes]],
+        report: dict[str, Any],
     ) -> dict[str, Any]:
         enc = codec.encode
         b = self.binding
@@ -964,6 +1044,7 @@ class Engine:
                 )
             )  # fmt: skip
         rows.redriven = list(delta.redriven.items())
+        rows.report = report
         for key, (memory, next_dispatch, version) in delta.keys.items():
             rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory), version))
         for seq, (key, event) in delta.new_inputs.items():
@@ -1047,6 +1128,7 @@ class Engine:
             "source": self.source.position(),
             "metrics": self.metrics_totals(),
             "waiting": self._waits.describe(),
+            "paused": self._waits.paused(),
         }
 
     def metrics_totals(self) -> dict[str, float]:

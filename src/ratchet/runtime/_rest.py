@@ -23,6 +23,13 @@ class WaitingRun(BaseModel):
     until: float | None = Field(None, description="when the wait ends or times out")
 
 
+class Paused(BaseModel):
+    resource: str
+    since: float
+    next_probe: float
+    error: str
+
+
 class JobInfo(BaseModel):
     state: Literal["starting", "running", "restarting", "finished", "failed"]
     worker_pid: int | None = Field(description="pid of the current worker process")
@@ -37,6 +44,9 @@ class JobInfo(BaseModel):
     queued_inputs: int | None = Field(description="inputs admitted and not finished, same time")
     waiting: list[WaitingRun] | None = Field(
         None, description="runs parked in a durable wait at the worker's last report"
+    )
+    paused: list[Paused] | None = Field(
+        None, description="resources unavailable: no new input is admitted until they are back"
     )
 
 

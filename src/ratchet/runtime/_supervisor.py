@@ -115,6 +115,7 @@ class Supervisor:
                 in_flight_runs=status.get("in_flight_runs"),
                 queued_inputs=status.get("buffered_inputs"),
                 waiting=status.get("waiting"),
+                paused=status.get("paused"),
             )
 
     def send_signal(self, key: str, name: str, value: Any) -> dict[str, Any]:

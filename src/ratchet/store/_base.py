@@ -42,6 +42,8 @@ class CheckpointRows:
     )
     # dead letters redriven: (dead letter id, the seq of the input it became)
     redriven: list[tuple[int, int]] = field(default_factory=list)
+    # what the engine reports about itself for `ratchet status` (e.g. "paused"); {}: unchanged
+    report: dict[str, Any] = field(default_factory=dict)
 
     def size(self) -> int:
         n = sum(len(k) + len(t) + 16 + len(m) for k, t, _, m, _v in self.keys)

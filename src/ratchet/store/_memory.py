@@ -57,6 +57,7 @@ class MemoryStore:
         self.next_signal_id = 1
         # id -> [key, key text, seq, event, reason, at, kind, detail, redrive asked, redriven as]
         self.dead: dict[int, list[Any]] = {}
+        self.report: dict[str, Any] = {}
 
     def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         highest = max((v for *_rest, v in self.keys.values()), default=0)
@@ -123,6 +124,7 @@ class MemoryStore:
         self.keys, self.inputs, self.runs = keys, inputs, runs
         self.outbox, self.calls, self.source = outbox, calls, source
         self.dead = dead
+        self.report.update(copy.deepcopy(rows.report))
         info = {
             "id": self.next_checkpoint_id,
             "trigger_timestamp": triggered_at,

@@ -521,6 +521,7 @@ class SqliteStore:
             "dead_letters": len(letters := self.dead_letters()),
             "runs_failed": sum(1 for d in letters if d["kind"] == "failed-run"),
             "waiting": self.waits(),
+            "paused": self._meta_or("report.paused", []),
             "pending_signals": self.pending_signals(),
             "upgrades": self._meta_or("upgrades", []),
         }
@@ -592,6 +593,8 @@ class SqliteStore:
                 )
             if rows.source:
                 self._set_meta("source", rows.source)
+            for name, value in rows.report.items():
+                self._set_meta(f"report.{name}", value)
             size = rows.size()
             duration_ms = (self.clock.monotonic() - started) * 1000.0
             c.execute(

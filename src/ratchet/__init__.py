@@ -122,6 +122,7 @@ __all__ = [
     "TokenBudgetExceededError",
     "TokenUsage",
     "Tool",
+    "ToolApprovalRequestEvent",
     "ToolCall",
     "ToolContext",
     "ToolRequestEvent",

@@ -95,6 +95,7 @@ def test_public_names_are_pinned() -> None:
         "TokenBudgetExceededError",
         "TokenUsage",
         "Tool",
+        "ToolApprovalRequestEvent",
         "ToolCall",
         "ToolContext",
         "ToolRequestEvent",

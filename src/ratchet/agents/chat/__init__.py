@@ -17,6 +17,7 @@ from ratchet.agents.chat._errors import (
 from ratchet.agents.chat._events import (
     ChatRequestEvent,
     ChatResponseEvent,
+    ToolApprovalRequestEvent,
     ToolRequestEvent,
     ToolResponseEvent,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "TokenUsage",
     "Tool",
     "ToolCall",
+    "ToolApprovalRequestEvent",
     "ToolContext",
     "ToolRequestEvent",
     "ToolResponseEvent",

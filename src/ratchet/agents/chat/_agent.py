@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,13 @@ import pydantic
 from ratchet._errors import ConfigError
 from ratchet.agents._agent import Agent, action
 from ratchet.agents._context import RunnerContext, last_call_replayed
-from ratchet.agents._events import ErrorEvent, Event
+from ratchet.agents._events import ErrorEvent, Event, OutputEvent
+from ratchet.agents.chat._approval import (
+    ApprovalDecision,
+    approval_call_id,
+    approval_request_record,
+    approval_signal,
+)
 from ratchet.agents.chat._errors import (
     ChatError,
     StructuredOutputError,
@@ -24,6 +31,7 @@ from ratchet.agents.chat._errors import (
 from ratchet.agents.chat._events import (
     ChatRequestEvent,
     ChatResponseEvent,
+    ToolApprovalRequestEvent,
     ToolRequestEvent,
     ToolResponseEvent,
 )
@@ -31,7 +39,12 @@ from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, 
 from ratchet.agents.chat._model import parse_structured
 from ratchet.agents.chat._prompt import Prompt
 from ratchet.agents.chat._resources import Resources, ResourceType
-from ratchet.agents.chat._tools import ToolContext, format_validation_error, render_result
+from ratchet.agents.chat._tools import (
+    Tool,
+    ToolContext,
+    format_validation_error,
+    render_result,
+)
 
 log = logging.getLogger("ratchet.chat")
 
@@ -317,11 +330,17 @@ class ChatAgent(Agent):
 
     @action(ToolRequestEvent, name="ratchet_tools")
     async def _ratchet_tools(self, event: ToolRequestEvent, ctx: RunnerContext) -> None:
-        """Run the requested tools, concurrently, each through a durable call."""
-        reply_extras: dict[str, str] = {}
-        state = ctx.sensory_memory.get(f"{_ROOT}.requests.{event.request_id}")
-        if state is not None and state["messages"]:
-            reply_extras = state["messages"][-1].extras.get("invalid_arguments", {}) or {}
+        """Run the requested tools, concurrently, each through a durable call.
+
+        If a call needs approval, nothing runs here: this task asks for the approvals (its
+        outputs are released when it commits) and the `ratchet_tool_approval` action, which
+        hears the `ToolApprovalRequestEvent`, waits for them and runs the calls.
+        """
+        reply_extras = self._invalid_arguments(event.request_id, ctx)
+        approval_ids = self._approvals_needed(event, reply_extras, ctx)
+        if any(approval_ids):
+            self._request_approvals(event, approval_ids, ctx)
+            return
         calls = [
             ctx.durable_execute_async(
                 self._call_tool,
@@ -337,3 +356,157 @@ class ChatAgent(Agent):
         ctx.send_event(
             ToolResponseEvent(request_id=event.request_id, model=event.model, responses=results)
         )
+
+    def _invalid_arguments(self, request_id: str, ctx: RunnerContext) -> dict[str, str]:
+        """{tool call id: problem} for calls whose arguments the provider could not parse."""
+        state = ctx.sensory_memory.get(f"{_ROOT}.requests.{request_id}")
+        if state is not None and state["messages"]:
+            return state["messages"][-1].extras.get("invalid_arguments", {}) or {}
+        return {}
+
+    # -- tool calls that need approval --------------------------------------------------------
+
+    def _approvals_needed(
+        self, event: ToolRequestEvent, invalid: Mapping[str, str], ctx: RunnerContext
+    ) -> list[str | None]:
+        """The approval call id of each call that needs one, None for the others.
+
+        A call of an unknown tool, or with arguments that do not validate, needs none: it
+        cannot run, and the model is told so at once, as without approval.
+        """
+        tools = self.resources.setup(event.model).tools
+        ids: list[str | None] = []
+        for i, call in enumerate(event.tool_calls):
+            tool_obj = tools.get(call.name)
+            needed = (
+                tool_obj is not None
+                and tool_obj.requires_approval
+                and not invalid.get(call.id)
+                and _validates(tool_obj.validate_arguments, call.arguments)
+            )
+            ids.append(approval_call_id(ctx.key, ctx.seq, ctx.task_id, i, call) if needed else None)
+        return ids
+
+    def _request_approvals(
+        self, event: ToolRequestEvent, approval_ids: list[str | None], ctx: RunnerContext
+    ) -> None:
+        tools = self.resources.setup(event.model).tools
+        for call, call_id in zip(event.tool_calls, approval_ids, strict=True):
+            if call_id is not None:
+                description = tools[call.name].description
+                record = approval_request_record(call_id, call, event.request_id, description)
+                ctx.send_event(OutputEvent(output=record))
+        ctx.send_event(
+            ToolApprovalRequestEvent(
+                request_id=event.request_id,
+                model=event.model,
+                tool_calls=event.tool_calls,
+                approval_ids=approval_ids,
+            )
+        )
+
+    @action(ToolApprovalRequestEvent, name="ratchet_tool_approval")
+    async def _ratchet_tool_approval(
+        self, event: ToolApprovalRequestEvent, ctx: RunnerContext
+    ) -> None:
+        """Wait for each approval, then run the approved calls (and those that need none).
+
+        Waits are durable (the run is parked while it waits, and a restart waits again for
+        the same signals); the calls then go through durable calls like any tool call.
+        Rejected calls, and approved ones whose edited arguments do not validate, are answered
+        with a tool message saying so; the model reads it and goes on.
+        """
+        decisions: dict[int, ApprovalDecision] = {}
+        for i, call_id in enumerate(event.approval_ids):
+            if call_id is not None:
+                value = await ctx.wait_for_signal(approval_signal(call_id))
+                decisions[i] = ApprovalDecision.from_signal(call_id, value)
+                if decisions[i].malformed:
+                    log.warning("key %r: %s", ctx.key, decisions[i].reason)
+        tools = self.resources.setup(event.model).tools
+        reply_extras = self._invalid_arguments(event.request_id, ctx)
+        pending: list[Awaitable[ChatMessage]] = []
+        ran: dict[int, ApprovalDecision] = {}
+        for i, call in enumerate(event.tool_calls):
+            decision = decisions.get(i)
+            if decision is None:  # needed no approval: as in the flow without approvals
+                run_call, invalid = call, reply_extras.get(call.id)
+            else:
+                decided = _decided_call(call, decision, tools.get(call.name))
+                if isinstance(decided, ChatMessage):  # rejected, or an invalid edit
+                    pending.append(_ready(decided))
+                    continue
+                run_call, invalid, ran[i] = decided, None, decision
+            pending.append(
+                ctx.durable_execute_async(
+                    self._call_tool,
+                    event.model,
+                    run_call,
+                    idempotency_key(ctx, i, call),  # of the model's call: stable under edits
+                    invalid,
+                    ctx.key,
+                )
+            )
+        results = list(await asyncio.gather(*pending))
+        for i, decision in ran.items():
+            results[i] = _approved(results[i], decision)
+        ctx.send_event(
+            ToolResponseEvent(request_id=event.request_id, model=event.model, responses=results)
+        )
+
+
+def _validates(validate: Callable[[dict[str, Any]], Any], arguments: dict[str, Any]) -> bool:
+    try:
+        validate(arguments)
+    except pydantic.ValidationError:
+        return False
+    return True
+
+
+def _decided_call(
+    call: ToolCall, decision: ApprovalDecision, tool_obj: Tool | None
+) -> ToolCall | ChatMessage:
+    """The call to run as decided (edited arguments in place), or the answer to the model."""
+    if not decision.approved:
+        text = (
+            f"REJECTED: a reviewer did not approve this call of tool {call.name!r}; it did not run."
+        )
+        if decision.reason:
+            text += f" Reason: {decision.reason}"
+        return _with_approval(_tool_message(call, text, error=True), decision)
+    if decision.arguments is None:
+        return call
+    if tool_obj is not None:  # (a tool the agent no longer has is reported by _call_tool)
+        try:
+            tool_obj.validate_arguments(decision.arguments)
+        except pydantic.ValidationError as exc:
+            text = (
+                f"ERROR: a reviewer approved this call of tool {call.name!r} with changed "
+                f"arguments {_json(decision.arguments)}, which are invalid "
+                f"({format_validation_error(exc)}); the tool did not run."
+            )
+            return _with_approval(_tool_message(call, text, error=True), decision)
+    return call.model_copy(update={"arguments": decision.arguments})
+
+
+async def _ready(message: ChatMessage) -> ChatMessage:
+    return message
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
+
+
+def _with_approval(message: ChatMessage, decision: ApprovalDecision) -> ChatMessage:
+    extras = {**message.extras, "approval": decision.extras()}
+    return message.model_copy(update={"extras": extras})
+
+
+def _approved(message: ChatMessage, decision: ApprovalDecision) -> ChatMessage:
+    """The result of an approved call, saying so (and telling the model of changed arguments)."""
+    if decision.arguments is not None:
+        note = "NOTE: a reviewer approved this call with changed arguments: "
+        message = message.model_copy(
+            update={"content": f"{note}{_json(decision.arguments)}\n{message.content}"}
+        )
+    return _with_approval(message, decision)

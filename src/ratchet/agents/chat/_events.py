@@ -81,3 +81,31 @@ class ToolResponseEvent(Event):
     request_id: str
     model: str
     responses: list[ChatMessage]
+
+
+class ToolApprovalRequestEvent(Event):
+    """Some tool calls of a `ToolRequestEvent` need a person's approval before they run.
+
+    Emitted by the built-in tool action, together with one `approval_request` output per such
+    call, instead of running the calls. `approval_ids[i]` is the approval's call id for
+    `tool_calls[i]` (None for a call that needs none); the built-in `ratchet_tool_approval`
+    action waits for the signal `approval:<call id>` of each, then runs the approved calls
+    (and the others) and answers with the `ToolResponseEvent`. An agent may listen for it too,
+    e.g. to notify a reviewer.
+    """
+
+    event_name: ClassVar[str] = "ratchet.ToolApprovalRequestEvent"
+
+    request_id: str
+    model: str
+    tool_calls: list[ToolCall]
+    approval_ids: list[str | None]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> ToolApprovalRequestEvent:
+        if len(self.approval_ids) != len(self.tool_calls):
+            raise ValueError(
+                f"approval_ids has {len(self.approval_ids)} entries for "
+                f"{len(self.tool_calls)} tool calls; give one per call (None: no approval)"
+            )
+        return self

@@ -89,16 +89,30 @@ class Tool:
     The JSON schema of its parameters comes from the function's type hints (through pydantic),
     its description from the docstring's summary, parameter descriptions from an `Args:`
     section. Arguments from the model are validated before the function is called.
+
+    `requires_approval=True`: the chat agent asks a person before every call (an
+    `approval_request` output, then a durable wait for the signal `approval:<call id>`; see
+    docs/chat.md, "Tools that need approval").
     """
 
     def __init__(
-        self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        requires_approval: bool = False,
     ) -> None:
         target = fn.__func__ if isinstance(fn, staticmethod) else fn
         if not callable(target):
             raise ConfigError(f"a tool must be a function, not {fn!r}")
+        if not isinstance(requires_approval, bool):
+            raise ConfigError(
+                f"requires_approval of tool {fn!r} must be True or False, not {requires_approval!r}"
+            )
         self.fn: Callable[..., Any] = target
         self.name = name or target.__name__
+        self.requires_approval = requires_approval
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.name):
             raise ConfigError(
                 f"tool name {self.name!r} must be 1-64 letters, digits, '_' or '-' (providers "
@@ -145,9 +159,14 @@ class Tool:
 
     @classmethod
     def from_function(
-        cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None
+        cls,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        requires_approval: bool = False,
     ) -> Tool:
-        return cls(fn, name=name, description=description)
+        return cls(fn, name=name, description=description, requires_approval=requires_approval)
 
     def validate_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """The validated keyword arguments; raises pydantic.ValidationError."""
@@ -171,20 +190,29 @@ class Tool:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
     def __repr__(self) -> str:
+        if self.requires_approval:
+            return f"Tool({self.name!r}, requires_approval=True)"
         return f"Tool({self.name!r})"
 
 
 def tool(
-    fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    requires_approval: bool = False,
 ) -> Any:
     """Mark a function (or a staticmethod of a `ChatAgent`) as a tool resource.
 
     The function stays callable as before; on an agent class it is registered under its name.
+    `@tool(requires_approval=True)` makes the chat agent ask a person before each call.
     """
+    if not isinstance(requires_approval, bool):
+        raise ConfigError(f"requires_approval must be True or False, not {requires_approval!r}")
 
     def mark(f: Callable[..., Any]) -> Callable[..., Any]:
         target = f.__func__ if isinstance(f, staticmethod) else f
-        setattr(target, _TOOL_ATTR, (name, description))
+        setattr(target, _TOOL_ATTR, (name, description, requires_approval))
         return f
 
     return mark(fn) if fn is not None else mark
@@ -195,8 +223,8 @@ def as_tool(obj: Any) -> Tool:
     if isinstance(obj, Tool):
         return obj
     target = obj.__func__ if isinstance(obj, staticmethod) else obj
-    name, description = getattr(target, _TOOL_ATTR, (None, None))
-    return Tool(target, name=name, description=description)
+    name, description, requires_approval = getattr(target, _TOOL_ATTR, (None, None, False))
+    return Tool(target, name=name, description=description, requires_approval=requires_approval)
 
 
 def render_result(value: Any) -> str:

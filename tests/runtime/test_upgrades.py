@@ -396,3 +396,25 @@ def test_the_flink_core_refuses_a_versioned_memory_it_cannot_migrate() -> None:
 
     with pytest.raises(ConfigError, match="Flink engine does not version keyed memory"):
         AgentCore(AgentBinding(CountV3()))
+
+
+def test_a_pinned_run_sends_an_event_type_new_code_introduced_to_its_new_listeners() -> None:
+    from ratchet.agents._context import AgentBinding
+    from ratchet.agents._events import Emitted
+
+    class Brand(Event):
+        n: int
+
+    class Now(Agent):
+        @action(InputEvent)
+        def a(self, event: InputEvent, ctx: Any) -> None:
+            pass
+
+        @action(Brand)
+        def b(self, event: Brand, ctx: Any) -> None:
+            pass
+
+    listeners, is_output = AgentBinding(Now()).pinned([("a", ["ratchet.InputEvent"])])
+    assert listeners(Emitted(InputEvent, {"input": 1})) == ["a"]
+    assert listeners(Emitted(Brand, {"n": 1})) == ["b"]  # no old listener: the new one
+    assert not is_output(Emitted(Brand, {"n": 1}))

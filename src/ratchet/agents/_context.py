@@ -540,8 +540,9 @@ class AgentBinding:
         """Dispatch by an earlier version's table, for a run that started under it.
 
         An event reaches the table's actions that hear its type or a base type (matched by
-        event name: the classes are this version's). Actions the agent no longer has are
-        listed too; the machine keeps them only where the run's journal holds them.
+        event name: the classes are this version's); one that none of them hears (a type new
+        code sends) reaches this version's actions. Actions the agent no longer has are listed
+        too; the machine keeps them only where the run's journal holds them.
         """
         cache: dict[type, list[str]] = {}
 
@@ -550,7 +551,12 @@ class AgentBinding:
             names = cache.get(et)
             if names is None:
                 heard = {getattr(k, "event_name", None) for k in et.__mro__}
-                names = cache[et] = [n for n, evs in table if heard.intersection(evs)]
+                names = [n for n, evs in table if heard.intersection(evs)]
+                if not names:
+                    # An event no action of that version heard (new code's new event type):
+                    # this version's actions get it rather than nobody.
+                    names = [a.name for a in self.spec.listeners(et)]
+                cache[et] = names
             return _not_to_itself(event, names)
 
         def is_output(event: Emitted) -> bool:

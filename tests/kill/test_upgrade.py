@@ -301,8 +301,9 @@ def test_a_migration_that_raises_names_the_key_and_leaves_it_untouched(tmp_path:
     # Lazily, in `ratchet run`, the same: the job stops naming the key, nothing of it written.
     with w.input.open("a") as fh:
         fh.write(json.dumps({"key": "b"}) + "\n")
-    proc = w.start("CounterV2Broken", "v2")
-    _, err = proc.communicate(timeout=120)
+    proc = w.start("CounterV2Broken", "v2", "--json")
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Traceback" not in err
     assert "key 'b' from memory version 1" in err, err
+    assert "key 'b'" in json.loads(out)["error"]  # --json: a summary on stdout also on failure
     assert w.memory()["b"] == {"count": 3}

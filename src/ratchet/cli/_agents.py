@@ -16,6 +16,7 @@ from ratchet._errors import (
     EXIT_OK,
     BadInputError,
     ConfigError,
+    RatchetError,
 )
 from ratchet.runtime._io import to_json_line
 
@@ -347,6 +348,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:  # what the job did before it stopped
             print(json.dumps(dict(_summary(job.engine.result), error=str(exc)), indent=2))
         return EXIT_BAD_INPUT
+    except RatchetError as exc:
+        if args.json:  # what the job did before it stopped; main() prints the error
+            print(json.dumps(dict(_summary(job.engine.result), error=str(exc)), indent=2))
+        raise
     finally:
         if live is not None:
             live.stop()

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-flink lint format bench bench-peers fuzz soak clean
+.PHONY: demo test test-flink lint format bench bench-peers fuzz soak clean bench-ratelimit
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
@@ -41,6 +41,10 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/run_all.py
+
+# A chat model's RateLimit held under load against a local fake provider (about 30 s)
+bench-ratelimit: $(STAMP)
+	$(BIN)/python benchmarks/rate_limit_bench.py
 
 # ratchet beside LangGraph, DBOS, Flink Agents, PyFlink and plain asyncio: one venv per peer
 # under .bench/ (about 2.8 GB), then one table (about 15 minutes). See docs/benchmarks.md.

@@ -103,6 +103,7 @@ __all__ = [
     "Prompt",
     "PromptArgumentError",
     "RatchetError",
+    "RateLimit",
     "ReActAgent",
     "ReceiptError",
     "ReplayedCallError",

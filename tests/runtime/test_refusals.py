@@ -76,6 +76,7 @@ def test_public_names_are_pinned() -> None:
         "Prompt",
         "PromptArgumentError",
         "RatchetError",
+        "RateLimit",
         "ReActAgent",
         "ReceiptError",
         "ReplayedCallError",

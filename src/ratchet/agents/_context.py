@@ -352,6 +352,7 @@ class RunnerContext:
         *args: Any,
         reconciler: Callable[..., Any] | None = None,
         retry: Retry | None = None,
+        resource: Resource | None = None,
         **kwargs: Any,
     ) -> T: ...
 
@@ -362,6 +363,7 @@ class RunnerContext:
         *args: Any,
         reconciler: Callable[..., Any] | None = None,
         retry: Retry | None = None,
+        resource: Resource | None = None,
         **kwargs: Any,
     ) -> T: ...
 

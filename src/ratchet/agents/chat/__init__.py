@@ -28,6 +28,7 @@ from ratchet.agents.chat._providers._anthropic import AnthropicChatModel
 from ratchet.agents.chat._providers._ollama import OllamaChatModel
 from ratchet.agents.chat._providers._openai import OpenAIChatModel
 from ratchet.agents.chat._providers._scripted import ScriptedChatModel
+from ratchet.agents.chat._ratelimit import RateLimit, estimate_tokens
 from ratchet.agents.chat._react import ReActAgent
 from ratchet.agents.chat._resources import (
     ResourceType,
@@ -68,6 +69,7 @@ __all__ = [
     "OpenAIChatModelSetup",
     "Prompt",
     "PromptArgumentError",
+    "RateLimit",
     "ReActAgent",
     "ResourceDescriptor",
     "ResourceType",
@@ -87,6 +89,7 @@ __all__ = [
     "chat_model_connection",
     "chat_model_setup",
     "chat_usage",
+    "estimate_tokens",
     "idempotency_key",
     "prompt",
     "tool",

@@ -272,8 +272,14 @@ class ChatAgent(Agent):
                 )
             self._check_budget(rid, state["model"], ctx)
             state["turns"] += 1
+            # resource=: a provider down past its RetryPolicy pauses the stream (the call
+            # waits, probing) instead of failing the run.
             reply = await ctx.durable_execute_async(
-                self._call_model, state["model"], state["messages"], state["schema"]
+                self._call_model,
+                state["model"],
+                state["messages"],
+                state["schema"],
+                resource=setup.model.resource,
             )
             usage = reply.usage or TokenUsage()
             if not last_call_replayed():

@@ -14,9 +14,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from ratchet._errors import ConfigError
+from ratchet.agents._resource import Resource
 from ratchet.agents.chat._errors import ModelCallError
 from ratchet.agents.chat._messages import ChatMessage
 from ratchet.agents.chat._prompt import Prompt
+from ratchet.agents.chat._ratelimit import RateLimit, estimate_tokens
 from ratchet.agents.chat._tools import Tool
 from ratchet.store import codec
 
@@ -62,9 +64,56 @@ class ChatModel(ABC):
 
     provider: str = "model"
 
-    def __init__(self, *, model: str | None = None, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        retry: RetryPolicy | None = None,
+        rate_limit: RateLimit | None = None,
+        resource_name: str | None = None,
+        probe_delay: float = 1.0,
+        max_probe_delay: float = 60.0,
+    ) -> None:
         self.model = model
         self.retry = retry or RetryPolicy()
+        if rate_limit is not None and not isinstance(rate_limit, RateLimit):
+            raise ConfigError(
+                f"rate_limit= takes a ratchet.RateLimit(requests_per_minute=..., "
+                f"tokens_per_minute=..., concurrency=...), got {rate_limit!r}"
+            )
+        self.rate_limit = rate_limit
+        if resource_name is not None and (not isinstance(resource_name, str) or not resource_name):
+            raise ConfigError(f"resource_name= takes a non-empty str, got {resource_name!r}")
+        self._resource_name = resource_name
+        try:
+            self._pause = Resource(
+                resource_name or "chat", probe_delay=probe_delay, max_probe_delay=max_probe_delay
+            )
+        except Exception as exc:
+            raise ConfigError(
+                f"{type(self).__name__}: probe_delay= and max_probe_delay= take seconds > 0: {exc}"
+            ) from exc
+
+    def endpoint(self) -> str:
+        """Where this connection sends requests (a base URL or host); names its resource."""
+        return self.model or type(self).__name__
+
+    @property
+    def resource(self) -> Resource:
+        """The `ratchet.Resource` model calls wait on when the provider is down past the
+        retries: named `resource_name=` or `chat:<provider>:<endpoint>`, so every connection
+        to one server shares one circuit (it is down for all of them)."""
+        pause: Resource = getattr(self, "_pause", None) or Resource("chat")  # no super().__init__
+        name = getattr(self, "_resource_name", None) or f"chat:{self.provider}:{self.endpoint()}"
+        if pause.name != name:
+            pause = Resource(
+                name,
+                transient=pause.transient,
+                probe_delay=pause.probe_delay,
+                max_probe_delay=pause.max_probe_delay,
+            )
+        self._pause = pause
+        return pause
 
     @abstractmethod
     async def _chat_once(
@@ -86,19 +135,17 @@ class ChatModel(ABC):
         model: str | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> ChatMessage:
-        """Ask the model; transient failures are retried per `self.retry`."""
+        """Ask the model; transient failures are retried per `self.retry`, and every attempt
+        waits for `self.rate_limit` (a 429's Retry-After holds the whole connection)."""
         policy = self.retry
         attempt = 1
         while True:
             try:
-                return await self._chat_once(
-                    messages,
-                    model=model or self.model,
-                    tools=tools,
-                    output_schema=output_schema,
-                    options=options or {},
-                )
+                return await self._attempt(messages, tools, output_schema, model, options or {})
             except ModelCallError as exc:
+                limit = getattr(self, "rate_limit", None)
+                if exc.status == 429 and exc.retry_after and limit is not None:
+                    limit.hold(exc.retry_after)
                 if not exc.transient or attempt >= policy.max_attempts:
                     if exc.transient:
                         raise ModelCallError(
@@ -111,6 +158,34 @@ class ChatModel(ABC):
                     raise
                 await policy.sleep(policy.delay(attempt, exc.retry_after))
                 attempt += 1
+
+    async def _attempt(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Tool],
+        output_schema: type[BaseModel] | None,
+        model: str | None,
+        options: Mapping[str, Any],
+    ) -> ChatMessage:
+        limit = getattr(self, "rate_limit", None)
+        if limit is None:
+            return await self._chat_once(
+                messages, model=model or self.model, tools=tools,
+                output_schema=output_schema, options=options,
+            )  # fmt: skip
+        merged = {**getattr(self, "options", {}), **options}
+        cap = getattr(self, "max_tokens", None)  # Anthropic's reply cap
+        if isinstance(cap, int):
+            merged.setdefault("max_tokens", cap)
+        estimate = estimate_tokens(messages, [t.spec() for t in tools], merged)
+        async with limit.slot(estimate) as usage:
+            reply = await self._chat_once(
+                messages, model=model or self.model, tools=tools,
+                output_schema=output_schema, options=options,
+            )  # fmt: skip
+            used = reply.usage.total_tokens if reply.usage is not None else 0
+            usage.used = used or estimate
+            return reply
 
 
 @dataclass

@@ -11,6 +11,7 @@ from ratchet.agents.chat._errors import ModelCallError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import ChatModel, RetryPolicy, schema_instruction
 from ratchet.agents.chat._providers._common import require_key, require_sdk, sdk_error
+from ratchet.agents.chat._ratelimit import RateLimit
 from ratchet.agents.chat._tools import Tool
 
 
@@ -64,9 +65,16 @@ class AnthropicChatModel(ChatModel):
         timeout: float = 60.0,
         max_tokens: int = 1024,
         retry: RetryPolicy | None = None,
+        rate_limit: RateLimit | None = None,
+        resource_name: str | None = None,
+        probe_delay: float = 1.0,
+        max_probe_delay: float = 60.0,
         **options: Any,
     ) -> None:
-        super().__init__(model=model, retry=retry)
+        super().__init__(
+            model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
+            probe_delay=probe_delay, max_probe_delay=max_probe_delay,
+        )  # fmt: skip
         anthropic = require_sdk("anthropic", "anthropic")
         self._sdk = anthropic
         self.max_tokens = max_tokens
@@ -77,6 +85,9 @@ class AnthropicChatModel(ChatModel):
             timeout=timeout,
             max_retries=0,
         )
+
+    def endpoint(self) -> str:
+        return str(self.client.base_url).rstrip("/")
 
     def _error(self, exc: Exception) -> ModelCallError:
         return sdk_error(self._sdk, "anthropic", exc, (408, 409, 429, 529))

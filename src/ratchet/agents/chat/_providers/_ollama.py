@@ -12,6 +12,7 @@ from ratchet.agents.chat._errors import ModelCallError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import ChatModel, RetryPolicy
 from ratchet.agents.chat._providers._common import loads_arguments, parse_retry_after, require_sdk
+from ratchet.agents.chat._ratelimit import RateLimit
 from ratchet.agents.chat._tools import Tool
 
 # The SDK's ResponseError drops the headers; a response hook keeps Retry-After for us.
@@ -51,15 +52,25 @@ class OllamaChatModel(ChatModel):
         host: str | None = None,
         timeout: float = 120.0,
         retry: RetryPolicy | None = None,
+        rate_limit: RateLimit | None = None,
+        resource_name: str | None = None,
+        probe_delay: float = 1.0,
+        max_probe_delay: float = 60.0,
         **options: Any,
     ) -> None:
-        super().__init__(model=model, retry=retry)
+        super().__init__(
+            model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
+            probe_delay=probe_delay, max_probe_delay=max_probe_delay,
+        )  # fmt: skip
         ollama = require_sdk("ollama", "ollama")
         self._sdk = ollama
         self.options = options
         self.client = ollama.AsyncClient(
             host=host, timeout=timeout, event_hooks={"response": [_keep_retry_after]}
         )
+
+    def endpoint(self) -> str:
+        return str(self.client._client.base_url).rstrip("/")
 
     def _error(self, exc: Exception) -> ModelCallError:
         sdk = self._sdk

@@ -17,6 +17,7 @@ from ratchet.agents.chat._providers._common import (
     require_sdk,
     sdk_error,
 )
+from ratchet.agents.chat._ratelimit import RateLimit
 from ratchet.agents.chat._tools import Tool
 
 
@@ -66,9 +67,16 @@ class OpenAIChatModel(ChatModel):
         base_url: str | None = None,
         timeout: float = 60.0,
         retry: RetryPolicy | None = None,
+        rate_limit: RateLimit | None = None,
+        resource_name: str | None = None,
+        probe_delay: float = 1.0,
+        max_probe_delay: float = 60.0,
         **options: Any,
     ) -> None:
-        super().__init__(model=model, retry=retry)
+        super().__init__(
+            model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
+            probe_delay=probe_delay, max_probe_delay=max_probe_delay,
+        )  # fmt: skip
         openai = require_sdk("openai", "openai")
         self._sdk = openai
         self.options = options
@@ -78,6 +86,9 @@ class OpenAIChatModel(ChatModel):
             timeout=timeout,
             max_retries=0,
         )
+
+    def endpoint(self) -> str:
+        return str(self.client.base_url).rstrip("/")
 
     def _error(self, exc: Exception) -> ModelCallError:
         return sdk_error(self._sdk, "openai", exc, (408, 409, 429))

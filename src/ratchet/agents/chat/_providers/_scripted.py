@@ -12,6 +12,7 @@ from ratchet._errors import InvalidArgumentError, InvalidTypeError
 from ratchet.agents.chat._errors import ModelCallError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import ChatModel, RetryPolicy
+from ratchet.agents.chat._ratelimit import RateLimit
 from ratchet.agents.chat._tools import Tool
 
 Reply: TypeAlias = str | ChatMessage | ToolCall | list[ToolCall] | BaseModel | dict[str, Any]
@@ -70,8 +71,15 @@ class ScriptedChatModel(ChatModel):
         fail_first: Sequence[ModelCallError] = (),
         model: str | None = "scripted",
         retry: RetryPolicy | None = None,
+        rate_limit: RateLimit | None = None,
+        resource_name: str | None = None,
+        probe_delay: float = 1.0,
+        max_probe_delay: float = 60.0,
     ) -> None:
-        super().__init__(model=model, retry=retry)
+        super().__init__(
+            model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
+            probe_delay=probe_delay, max_probe_delay=max_probe_delay,
+        )  # fmt: skip
         if not replies and respond is None:
             raise InvalidArgumentError("ScriptedChatModel needs replies=[...] or respond=...")
         self.replies = list(replies)

@@ -170,7 +170,7 @@ def reference(tmp: Path) -> dict[str, Any]:
 def test_random_sigkills_lose_nothing_and_repeat_nothing_committed(
     tmp_path: Path, seed: int, interval_ms: float, min_kills: int
 ) -> None:
-    n = 700
+    n = 1000  # enough work that the job outlasts min_kills kills, however fast a cycle runs
     write_inputs(tmp_path / "in.jsonl", n, keys=8)
     result = kill_until_done(tmp_path, seed, interval_ms, min_kills)
     assert result["kills"] >= min_kills

@@ -108,6 +108,27 @@ def fig_a(n: int, keys: int) -> dict[str, float]:
     return {"ratchet_actions_per_s": 3 * n / ours, "plain_actions_per_s": 3 * n / base}
 
 
+def fig_e(n: int, keys: int) -> dict[str, float]:
+    """(e) The cost of run traces: workload (a) at the default retention beside traces off."""
+    inputs = [{"key": f"k{i % keys}", "v": i} for i in range(n)]
+    took: dict[str, float] = {}
+    for policy in ("off", "20"):
+        with tempfile.TemporaryDirectory() as d:
+            t = time.perf_counter()
+            run(
+                ThreeSteps(),
+                inputs=inputs,
+                output=Path(d) / "o.jsonl",
+                state_dir=Path(d) / "s",
+                config=EngineConfig(trace_retention=policy),
+            )
+            took[policy] = time.perf_counter() - t
+    return {
+        "traced_actions_per_s": 3 * n / took["20"],
+        "untraced_actions_per_s": 3 * n / took["off"],
+    }
+
+
 class SlowCall(Agent):
     @action(InputEvent)
     async def call(self, event: InputEvent, ctx: Any) -> None:
@@ -259,6 +280,7 @@ def main() -> None:
     c = median_of(fig_c, repeat, 10000 // scale)
     # (d) runs its engine in a subprocess, which inherits the one-core pinning.
     dd = median_of(fig_d, repeat, 10000 // scale)
+    e = median_of(fig_e, repeat, 20000 // scale, 1000 // scale)
     rows = [
         ("(a) 3-action runs, actions/s", f"{a['ratchet_actions_per_s']:,.0f}",
          f"plain asyncio {a['plain_actions_per_s']:,.0f}",
@@ -272,6 +294,9 @@ def main() -> None:
         ("(d) SIGKILL restart to first output, s", f"{dd['restart_to_output_s']:.2f}",
          f"python+import {dd['python_import_s']:.2f}",
          f"{dd['restart_to_output_s'] / dd['python_import_s']:.2f}x", f"restores {dd['restored']:.0f}"),
+        ("(e) (a) with run traces (last 20/key), actions/s", f"{e['traced_actions_per_s']:,.0f}",
+         f"traces off {e['untraced_actions_per_s']:,.0f}",
+         f"{e['traced_actions_per_s'] / e['untraced_actions_per_s']:.2f}x", ""),
     ]  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:

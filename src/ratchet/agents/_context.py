@@ -11,6 +11,7 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import (
     UPGRADE_FIXES,
     CheckpointError,
@@ -105,6 +106,8 @@ class RunnerContext:
         self.short_term_memory = MemoryObject(self._stm)
         self.sensory_memory = MemoryObject(self._sensory)
         self.events: list[Emitted] = []
+        self._trace_calls: list[dict[str, Any]] = []  # durable calls, for the run's trace
+        self._notes: list[dict[str, Any]] = []
         self.config = config
 
     @property
@@ -294,6 +297,26 @@ class RunnerContext:
         state = {"attempt": attempt, "until": until, "error": f"{type(exc).__name__}: {exc}"}
         return until, codec.encode(state)
 
+    def _now(self) -> float:
+        waits = self._calls.waits
+        return waits.now() if waits is not None else SYSTEM_CLOCK.now()
+
+    def trace_note(self, kind: str, **fields: Any) -> None:
+        """Add a note to this task's entry in the run's trace (`ratchet trace`): the chat
+        layer notes each model call; an action may note what it decided and why."""
+        self._notes.append({"kind": kind, **{k: _traceable(v) for k, v in fields.items()}})
+
+    def _traced_call(self, fn: Callable[..., Any]) -> dict[str, Any]:
+        entry: dict[str, Any] = {"fn": _fn_name(fn), "at": self._now()}
+        self._trace_calls.append(entry)
+        return entry
+
+    def _close_call(self, entry: dict[str, Any], error: BaseException | None) -> None:
+        entry["duration"] = self._now() - entry["at"]
+        entry["replayed"] = _last_replayed.get()
+        if error is not None:
+            entry["error"] = f"{type(error).__name__}: {error}"
+
     def durable_execute(
         self,
         fn: Callable[..., T],
@@ -310,6 +333,23 @@ class RunnerContext:
         `retry`: a `ratchet.Retry` policy for the call; between attempts the task waits
         durably (a sync action's worker thread blocks meanwhile).
         """
+        entry = self._traced_call(fn)
+        try:
+            result = self._execute(fn, args, kwargs, reconciler, retry)
+        except BaseException as exc:
+            self._close_call(entry, exc)
+            raise
+        self._close_call(entry, None)
+        return result
+
+    def _execute(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reconciler: Callable[..., T] | None,
+        retry: Retry | None,
+    ) -> T:
         name = _fn_name(fn)
         digest = _args_digest(args, kwargs)
         idx, done, value = self._claim(name, digest)
@@ -382,11 +422,29 @@ class RunnerContext:
         call waits for the resource to come back) instead of failing the action."""
         if resource is not None and not isinstance(resource, Resource):
             raise InvalidTypeError(f"resource= takes a ratchet.Resource, got {resource!r}")
+        entry = self._traced_call(fn)
+        try:
+            result = await self._execute_async(fn, args, kwargs, reconciler, retry, resource)
+        except BaseException as exc:
+            self._close_call(entry, exc)
+            raise
+        self._close_call(entry, None)
+        return result  # type: ignore[no-any-return]
+
+    async def _execute_async(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reconciler: Callable[..., Any] | None,
+        retry: Retry | None,
+        resource: Resource | None,
+    ) -> Any:
         name = _fn_name(fn)
         digest = _args_digest(args, kwargs)
         idx, done, value = self._claim(name, digest)
         if done:
-            return value  # type: ignore[no-any-return]
+            return value
         attempt, until = self._retry_state(value, retry or resource)
         target: Callable[..., Any] = fn
         if until is None and value is not None and reconciler is not None:
@@ -441,7 +499,7 @@ class RunnerContext:
             self._waits("resource=").available(resource.name)
         payload = self._result_payload(name, result)
         await asyncio.wrap_future(self._calls.write(idx, name, digest, "ok", payload))
-        return result  # type: ignore[no-any-return]
+        return result
 
     def _result(self) -> TaskResult:
         left = self._calls.unclaimed()
@@ -453,7 +511,34 @@ class RunnerContext:
                 f"they were recorded (a call is matched by its function and arguments). "
                 f"{UPGRADE_FIXES}"
             )
-        return TaskResult(self._stm.ops, self._sensory.ops, list(self.events))
+        trace: dict[str, Any] = {}
+        if self._trace_calls:
+            trace["calls"] = self._trace_calls
+        if self._notes:
+            trace["notes"] = self._notes
+        return TaskResult(self._stm.ops, self._sensory.ops, list(self.events), trace)
+
+
+def _clock_of(calls: TaskCalls) -> float:
+    return calls.waits.now() if calls.waits is not None else SYSTEM_CLOCK.now()
+
+
+def _timed(result: TaskResult, calls: TaskCalls, started: float, attempts: int) -> TaskResult:
+    """Note when the task started, how long it took and in how many attempts (the trace)."""
+    trace = result.trace if result.trace is not None else {}
+    trace["started"] = started
+    trace["duration"] = _clock_of(calls) - started
+    if attempts > 1:
+        trace["attempts"] = attempts
+    result.trace = trace
+    return result
+
+
+def _traceable(value: Any) -> Any:
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _paused(record: Any) -> bool:
@@ -634,6 +719,13 @@ class AgentBinding:
         # Listeners get copies decoded from its stored form (taken before any of them runs).
         return Emitted(InputEvent, {"input": value})
 
+    def describe_event(self, event: Emitted) -> str:
+        """An event as a run's trace names it."""
+        if event.cls is DelayedEvent:
+            name, _fields = event.fields["event"]
+            return f"{name} (delayed)"
+        return event.cls.event_name
+
     def is_error(self, event: Emitted) -> bool:
         return issubclass(event.cls, ErrorEvent)
 
@@ -680,6 +772,7 @@ class AgentBinding:
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
         attempt, until = self._resume_attempt(calls)
+        started = _clock_of(calls)
         while True:
             if until is not None:
                 # A blocking backoff: a sync action's retry holds its worker thread meanwhile.
@@ -702,14 +795,15 @@ class AgentBinding:
                 if until is not None:
                     attempt += 1
                     continue
-                return self._error_result(task, exc, attempt)
+                return _timed(self._error_result(task, exc, attempt), calls, started, attempt)
             finally:
                 _current.reset(token)
-            return ctx._result()
+            return _timed(ctx._result(), calls, started, attempt)
 
     async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
         attempt, until = self._resume_attempt(calls)
+        started = _clock_of(calls)
         while True:
             if until is not None:
                 assert calls.waits is not None
@@ -729,11 +823,11 @@ class AgentBinding:
                 if until is not None:
                     attempt += 1
                     continue
-                return self._error_result(task, exc, attempt)
+                return _timed(self._error_result(task, exc, attempt), calls, started, attempt)
             finally:
                 _current.reset(token)
                 _cancel_leftovers(task, children)
-            return ctx._result()
+            return _timed(ctx._result(), calls, started, attempt)
 
     # -- retries ----------------------------------------------------------------------------
 

@@ -82,6 +82,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a bad line: stop before it (exit 3), skip it, or keep it as a dead letter",
     )
     run.add_argument(
+        "--trace-retention",
+        default="20",
+        metavar="POLICY",
+        help="traces of completed runs kept (`ratchet trace`): the last N per key ('20', the "
+        "default), an age ('7d'), both ('20,7d'), or 'off'",
+    )
+    run.add_argument(
         "--allow-errors",
         action="store_true",
         help="exit 0 from a bounded job in which runs ended in error (default: exit 4)",
@@ -132,11 +139,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
 
-    from ratchet.cli import _deadletters, _signals, _upgrade
+    from ratchet.cli import _deadletters, _signals, _trace, _upgrade
 
     _upgrade.register(sub)
     _signals.register(sub)
     _deadletters.register(sub)
+    _trace.register(sub)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -156,6 +164,7 @@ def _config(args: argparse.Namespace) -> Any:
         synchronous=args.synchronous.upper(),
         on_bad_input=args.on_bad_input,
         max_errors=args.max_errors,
+        trace_retention=args.trace_retention,
     )
 
 

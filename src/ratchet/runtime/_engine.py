@@ -76,6 +76,9 @@ class EngineConfig:
     on_bad_input: str = "stop"  # or "skip", or "dead-letter"
     # A job stops (after a final checkpoint) once more than this many runs ended in error.
     max_errors: int | None = None
+    # Traces of completed runs kept in the state: "off", the last N per key ("20"), an age
+    # ("7d", "12h", "30m", "90s"), or both ("20,7d").
+    trace_retention: str = "20"
     follow_poll: float = 0.05
 
     def validate(self) -> None:
@@ -103,6 +106,27 @@ class EngineConfig:
             )
         if self.max_errors is not None and self.max_errors < 0:
             raise ConfigError(f"max_errors must be >= 0, not {self.max_errors!r}")
+        self.retention()
+
+    def retention(self) -> tuple[int | None, float | None] | None:
+        """The trace retention as (last N per key, max age in seconds); None: traces off."""
+        text = str(self.trace_retention).strip().lower()
+        if text == "off":
+            return None
+        keep: int | None = None
+        age: float | None = None
+        units = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+        for part in (p.strip() for p in text.split(",")):
+            if part.isdigit() and keep is None:
+                keep = int(part)
+            elif part[:-1].replace(".", "", 1).isdigit() and part[-1:] in units and age is None:
+                age = float(part[:-1]) * units[part[-1]]
+            else:
+                raise ConfigError(
+                    f"trace retention {self.trace_retention!r}: use 'off', a count of runs per "
+                    f"key ('20'), an age ('7d', '12h', '30m', '90s'), or both ('20,7d')"
+                )
+        return keep, age
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -582,6 +606,9 @@ class Engine:
             expire=expire,
             is_error=binding.is_error,
         )
+        self._retention = self.config.retention()
+        if self._retention is not None:
+            self.machine.describe_event = binding.describe_event
         self.stats = CheckpointStats()
         self.result = EngineResult()
         self._next_seq = 0
@@ -609,6 +636,7 @@ class Engine:
         self._dead_lines: list[tuple[bytes, str, int, bytes, str, float, str, bytes]] = []
         self._redriving: set[int] = set()
         self._written_report: dict[str, Any] = {"paused": []}
+        self._traces_since_prune: dict[str, int] = {}
         self._dispatcher = Dispatcher(
             binding,
             spawn=self._spawn,
@@ -1045,6 +1073,21 @@ class Engine:
             )  # fmt: skip
         rows.redriven = list(delta.redriven.items())
         rows.report = report
+        if self._retention is not None and delta.traces:
+            rows.trace_retention = keep, _age = self._retention
+            fresh = self._traces_since_prune
+            for seq, (key, failed, started, tasks) in delta.traces.items():
+                status = "error" if failed else "ok"
+                blob = enc({"started": started, "tasks": tasks})
+                text = str(key)
+                rows.traces.append((text, seq, triggered, status, blob))
+                fresh[text] = fresh.get(text, 0) + 1
+            if keep is not None:
+                # A key is cut down to its last N once it has N new traces (amortised: one
+                # DELETE per N runs, not per run); at most 2N are kept meanwhile.
+                rows.trace_prune = [k for k, n in fresh.items() if n >= max(keep, 1)]
+                for k in rows.trace_prune:
+                    del fresh[k]
         for key, (memory, next_dispatch, version) in delta.keys.items():
             rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory), version))
         for seq, (key, event) in delta.new_inputs.items():

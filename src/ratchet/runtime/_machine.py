@@ -44,6 +44,7 @@ class TaskResult:
     stm_ops: list[tuple[Any, ...]]
     sensory_ops: list[tuple[Any, ...]]
     events: list[Any]
+    trace: dict[str, Any] | None = None  # how it ran (timing, attempts, calls), for run traces
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,6 +111,7 @@ class Run:
     fires: dict[int, tuple[str, Any]] = field(default_factory=dict)
     notes: dict[str, JournalEntry] = field(default_factory=dict)  # replayed annotations
     errors: list[Any] = field(default_factory=list)  # error outputs: the run failed
+    trace: list[dict[str, Any]] = field(default_factory=list)  # committed tasks, as they ran
 
 
 @dataclass(slots=True, frozen=True)
@@ -162,6 +164,10 @@ class Delta:
     # runs that completed with errors: seq -> (key, input event, error events, task ids)
     failed: dict[int, tuple[Any, Any, list[Any], list[str]]] = field(default_factory=dict)
     redriven: dict[int, int] = field(default_factory=dict)  # dead letter id -> its new seq
+    # runs completed with tracing on: seq -> (key, failed?, started at, the tasks' trace)
+    traces: dict[int, tuple[Any, bool, float | None, list[dict[str, Any]]]] = field(
+        default_factory=dict
+    )
 
     def absorb(self, later: Delta) -> None:
         """Fold a later delta into this one (after a failed checkpoint, both must be written)."""
@@ -170,6 +176,7 @@ class Delta:
         self.completed |= later.completed
         self.failed.update(later.failed)
         self.redriven.update(later.redriven)
+        self.traces.update(later.traces)
         for seq, item in later.new_inputs.items():
             self.new_inputs[seq] = item
         for seq in later.done_inputs:
@@ -239,6 +246,9 @@ class Machine:
         self._expire = expire
         self._is_error = is_error
         self.runs_failed = 0
+        # Keep what each committed task did, for run traces (`describe_event(event)` names an
+        # event for the trace); None: no traces.
+        self.describe_event: Callable[[Any], str] | None = None
         self.timers: list[tuple[Run, str, float]] = []  # effects: delayed events to schedule
         self._listeners = listeners
         self._is_output = is_output
@@ -402,6 +412,8 @@ class Machine:
         )
         run.journal.append(entry)
         self._dirty_runs.add(run.seq)
+        if self.describe_event is not None:
+            self._trace(task, res)
         is_output = run.is_output or self._is_output
         delayed = self._delayed
         for index, event in enumerate(res.events):
@@ -426,6 +438,24 @@ class Machine:
                     self._delta.outputs[out.id] = out
                 continue
             self._deliver(run, event_id, event)
+
+    def _trace(self, task: Task, res: TaskResult) -> None:
+        describe = self.describe_event
+        assert describe is not None
+        step: dict[str, Any] = {
+            "task": task.task_id,
+            "action": task.action,
+            "index": task.dispatch_index,
+            "on": describe(task.event),
+            "replayed": task.replayed,
+            "memory": [
+                [op[0], op[1], *([_short(op[2])] if len(op) > 2 else [])] for op in res.stm_ops
+            ],
+            "events": [describe(e) for e in res.events],
+        }
+        if res.trace:
+            step.update(res.trace)
+        task.run.trace.append(step)
 
     def _schedule(self, run: Run, event_id: str, due: float, event: Any) -> None:
         note = run.notes.pop(f"{FIRE_NOTE}{event_id}", None)
@@ -582,6 +612,8 @@ class Machine:
         self.buffered_inputs -= 1
         self.completed.append(run)
         d = self._delta
+        if self.describe_event is not None:
+            d.traces[run.seq] = (run.key, bool(run.errors), run.started_at, run.trace)
         if run.errors:
             self.runs_failed += 1
             trace = [e.task_id for e in run.journal if e.task_id[:1] != "!"]
@@ -709,3 +741,11 @@ class Machine:
         """Forget the change tracking kept for `capture` (for engines that never call it)."""
         self._delta = Delta()
         self._dirty_runs.clear()
+
+
+def _short(value: Any, limit: int = 200) -> Any:
+    """A memory value as a trace shows it: plain and small values as they are, others cut."""
+    if value is None or type(value) in (bool, int, float):
+        return value
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -65,7 +65,7 @@ _SIDECARS = ("-journal", "-wal", "-shm")
 # could leave a fork with rows of keys it does not have, or without rows it needs.
 _PER_KEY = ("keys", "inputs", "runs", "dead_letters")
 _PER_INPUT = ("calls",)
-_PER_KEY_TEXT = ("signals",)  # rows that name their key by its text only (signals not consumed)
+_PER_KEY_TEXT = ("signals", "traces")  # rows that name their key by its text only
 _WHOLE = ("meta", "checkpoints", "agent_versions")
 _KEYED_COLUMNS = frozenset({"key", "key_text", "seq"})
 

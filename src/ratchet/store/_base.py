@@ -44,6 +44,12 @@ class CheckpointRows:
     redriven: list[tuple[int, int]] = field(default_factory=list)
     # what the engine reports about itself for `ratchet status` (e.g. "paused"); {}: unchanged
     report: dict[str, Any] = field(default_factory=dict)
+    # traces of runs that completed: (key text, input seq, completed at, status, encoded trace)
+    traces: list[tuple[str, int, float, str, bytes]] = field(default_factory=list)
+    # keep the last N traces per key (None: all) and none older than `age` seconds (None: any)
+    trace_retention: tuple[int | None, float | None] = (None, None)
+    # keys whose traces to cut down to the last N now (the engine asks every so often)
+    trace_prune: list[str] = field(default_factory=list)
 
     def size(self) -> int:
         n = sum(len(k) + len(t) + 16 + len(m) for k, t, _, m, _v in self.keys)

@@ -58,6 +58,7 @@ class MemoryStore:
         # id -> [key, key text, seq, event, reason, at, kind, detail, redrive asked, redriven as]
         self.dead: dict[int, list[Any]] = {}
         self.report: dict[str, Any] = {}
+        self.traces: dict[tuple[str, int], tuple[float, str, bytes]] = {}
 
     def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         highest = max((v for *_rest, v in self.keys.values()), default=0)
@@ -125,6 +126,18 @@ class MemoryStore:
         self.outbox, self.calls, self.source = outbox, calls, source
         self.dead = dead
         self.report.update(copy.deepcopy(rows.report))
+        for key_text, seq, at, status, blob in rows.traces:
+            self.traces[(key_text, seq)] = (at, status, blob)
+        keep, age = rows.trace_retention
+        if rows.traces and keep is not None:
+            for key_text in rows.trace_prune:
+                mine = sorted(s for k, s in self.traces if k == key_text)
+                for s in mine[:-keep] if keep else mine:
+                    del self.traces[(key_text, s)]
+        if rows.traces and age is not None:
+            old = [tk for tk, (at, _st, _b) in self.traces.items() if at < triggered_at - age]
+            for tk in old:
+                del self.traces[tk]
         info = {
             "id": self.next_checkpoint_id,
             "trigger_timestamp": triggered_at,

@@ -81,6 +81,12 @@ _MIGRATIONS: list[tuple[str, ...]] = [
         "ALTER TABLE dead_letters ADD COLUMN redrive_requested REAL",
         "ALTER TABLE dead_letters ADD COLUMN redriven_as INTEGER",
     ),
+    (  # 6: traces of completed runs (`ratchet trace`), kept under a retention policy
+        """CREATE TABLE traces(
+            key_text TEXT NOT NULL, seq INTEGER NOT NULL, at REAL NOT NULL,
+            status TEXT NOT NULL, trace BLOB NOT NULL, PRIMARY KEY(key_text, seq))""",
+        "CREATE INDEX traces_by_time ON traces(at)",
+    ),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 _KEEP_CHECKPOINT_ROWS = 100
@@ -595,6 +601,21 @@ class SqliteStore:
                 self._set_meta("source", rows.source)
             for name, value in rows.report.items():
                 self._set_meta(f"report.{name}", value)
+            if rows.traces:
+                c.executemany(
+                    "INSERT OR REPLACE INTO traces(key_text, seq, at, status, trace) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    rows.traces,
+                )
+                keep, age = rows.trace_retention
+                if keep is not None and rows.trace_prune:
+                    c.executemany(
+                        "DELETE FROM traces WHERE key_text = ? AND seq NOT IN (SELECT seq FROM "
+                        "traces WHERE key_text = ? ORDER BY seq DESC LIMIT ?)",
+                        [(k, k, keep) for k in rows.trace_prune],
+                    )
+                if age is not None:
+                    c.execute("DELETE FROM traces WHERE at < ?", (triggered_at - age,))
             size = rows.size()
             duration_ms = (self.clock.monotonic() - started) * 1000.0
             c.execute(
@@ -843,6 +864,31 @@ class SqliteStore:
                     "on": on,
                     "since": when.get("since") if isinstance(when, dict) else None,
                     "until": when.get("until") if isinstance(when, dict) else None,
+                }
+            )
+        return out
+
+    def traces(self, key_text: str, seq: int | None = None) -> list[dict[str, Any]]:
+        """Kept traces of a key's completed runs, newest first (or the one of input `seq`)."""
+        exists = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'traces'").fetchone()
+        if exists is None:
+            return []
+        sql = "SELECT seq, at, status, trace FROM traces WHERE key_text = ?"
+        params: list[Any] = [key_text]
+        if seq is not None:
+            sql += " AND seq = ?"
+            params.append(seq)
+        out = []
+        for s, at, status, blob in self.conn.execute(sql + " ORDER BY seq DESC", params):
+            data = codec.decode(blob, unknown="generic")
+            out.append(
+                {
+                    "key": key_text,
+                    "seq": s,
+                    "completed_at": at,
+                    "status": status,
+                    "started_at": data.get("started"),
+                    "tasks": data.get("tasks", []),
                 }
             )
         return out

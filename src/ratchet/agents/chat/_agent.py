@@ -282,6 +282,14 @@ class ChatAgent(Agent):
                 resource=setup.model.resource,
             )
             usage = reply.usage or TokenUsage()
+            ctx.trace_note(
+                "model_call",
+                model=state["model"],
+                input_tokens=usage.input_tokens,
+                output_tokens=usage.output_tokens,
+                finish_reason=(reply.extras or {}).get("finish_reason"),
+                replayed=last_call_replayed(),
+            )
             if not last_call_replayed():
                 # Tokens paid for by this process; a reply from the journal cost nothing now.
                 ctx.metrics.inc("chat.model_calls")

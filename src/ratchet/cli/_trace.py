@@ -1,0 +1,96 @@
+"""`ratchet trace`: what a completed run did, as a tree (docs/runtime.md, "Run traces")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from ratchet._errors import EXIT_FAILED, EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "trace",
+        help="what a completed run of a key did: tasks, durable calls, model calls, memory",
+        description="Print a completed run as a tree: its tasks in commit order (action, the "
+        "event it heard, executed or replayed from the journal, start, duration, attempts), "
+        "their durable calls (recorded or replayed, duration, error), model calls (tokens) "
+        "and memory writes. Traces are kept per --trace-retention of `ratchet run`.",
+    )
+    p.add_argument("--state", required=True)
+    p.add_argument("--key", required=True, help="the key, as `ratchet inspect` shows it")
+    p.add_argument("--seq", type=int, default=None, help="the run's input seq (default: latest)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_trace)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    import sys
+
+    from ratchet.store._sqlite import SqliteStore
+
+    store = SqliteStore.open_readonly(args.state)
+    try:
+        found = store.traces(args.key, args.seq)
+    finally:
+        store.close()
+    if not found:
+        which = f"input {args.seq} of key {args.key!r}" if args.seq is not None else args.key
+        print(
+            f"ratchet: no trace kept for {which} in {args.state} (runs in flight have none yet; "
+            f"older ones go by --trace-retention)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    run = found[0]
+    if args.json:
+        print(json.dumps(run, indent=2, default=str))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.tree import Tree
+
+    starts = [t["started"] for t in run["tasks"] if t.get("started") is not None]
+    origin = min(starts) if starts else None
+    title = (
+        f"[bold]key {run['key']} input {run['seq']}[/]: {run['status']}, {len(run['tasks'])} "
+        f"task(s), completed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['completed_at']))}"
+    )
+    tree = Tree(title)
+    for t in run["tasks"]:
+        tree_task(tree, t, origin)
+    console = Console()
+    if not console.is_terminal:  # piped: whole lines, not cut at 80 columns
+        console = Console(width=1000)
+    console.print(tree)
+    return EXIT_OK
+
+
+def _ms(seconds: Any) -> str:
+    return f"{seconds * 1000:.1f} ms" if isinstance(seconds, int | float) else "?"
+
+
+def tree_task(tree: Any, t: dict[str, Any], origin: float | None) -> None:
+    if t.get("replayed"):
+        how = "[dim]replayed from the journal[/]"
+    else:
+        at = t.get("started")
+        offset = f"+{_ms(at - origin)}" if origin is not None and at is not None else ""
+        how = f"executed {offset}, took {_ms(t.get('duration'))}"
+        if t.get("attempts"):
+            how += f", in {t['attempts']} attempts"
+    node = tree.add(f"[bold]{t['action']}[/] on {t['on']} ({t['task']}, #{t['index']}): {how}")
+    for c in t.get("calls", []):
+        state = "[dim]replayed[/]" if c.get("replayed") else f"{_ms(c.get('duration'))}"
+        err = f" [red]{c['error']}[/]" if c.get("error") else ""
+        node.add(f"call {c['fn']}: {state}{err}")
+    for n in t.get("notes", []):
+        fields = ", ".join(f"{k}={v}" for k, v in n.items() if k != "kind" and v is not None)
+        node.add(f"{n['kind']}: {fields}")
+    for op in t.get("memory", []):
+        kind = {"s": "set", "d": "delete", "o": "new object", "e": "expire"}.get(op[0], op[0])
+        value = f" = {op[2]!r}" if len(op) > 2 else ""
+        node.add(f"memory {kind} {op[1]}{value}")
+    if t.get("events"):
+        node.add(f"sent {', '.join(t['events'])}")

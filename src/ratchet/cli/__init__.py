@@ -26,7 +26,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="ratchet",
         description="Durable, event-driven agents and incremental, verified checks.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine activity")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log engine activity (also after COMMAND)"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one JSON object per log line, for log shippers (also after COMMAND)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from ratchet.cli import _agents, _state
 
@@ -47,21 +55,76 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _command_of(argv: list[str]) -> str | None:
+    skip = False
     for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--log-format":
+            skip = True
+            continue
         if not arg.startswith("-"):
             return arg
     return None
 
 
+def _global_flags(argv: list[str]) -> list[str]:
+    """Move the global logging flags in front of the command, wherever they were given, so
+    `ratchet run -v ...` works as `ratchet -v run ...` does."""
+    front: list[str] = []
+    rest: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--":
+            rest.append(arg)
+            rest.extend(it)
+            break
+        if arg in ("-v", "--verbose") or arg.startswith("--log-format="):
+            front.append(arg)
+        elif arg == "--log-format":
+            front.append(arg)
+            front.append(next(it, ""))
+        else:
+            rest.append(arg)
+    return front + rest
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per record: time (ISO, UTC), level, logger, message, and the error."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+        import json
+
+        line: dict[str, object] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        if record.exc_info:
+            line["error"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def _configure_logging(verbose: bool, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _global_flags(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
     parser = build_parser(command if command in ("run", "status", "inspect") else None)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    _configure_logging(args.verbose, args.log_format)
     try:
         code = int(args.func(args) or 0)
     except RatchetError as exc:

@@ -196,6 +196,8 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "ratchet.cli"]
     if getattr(args, "verbose", False):
         argv.append("-v")
+    if getattr(args, "log_format", "text") != "text":
+        argv += ["--log-format", args.log_format]
     argv.append("run")
     positionals: list[str] = []
     for action in _RUN_PARSER._actions:

@@ -708,6 +708,15 @@ class Engine:
         self.stats.latest_restored = persisted["latest_restored"]
         self.result.restored_from = restored
         self.result.restored_runs = len(runs)
+        if restored is not None:
+            log.info(
+                "restored checkpoint %s: %d key(s), %d run(s) in flight (%d on an earlier "
+                "agent version), %d queued input(s), %d unreleased output(s), source at input %d",
+                restored["id"], len(memories), len(runs), len(adopted.pinned),
+                len(queued) - len(runs), len(loaded.outbox), self._next_seq,
+            )  # fmt: skip
+        else:
+            log.info("started %s on a new state", b.name)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -752,6 +761,11 @@ class Engine:
                 raise self._bad
         finally:
             self._shutdown()
+        log.info(
+            "stopped (%s): %d input(s), %d run(s) completed (%d ended in error), %d output(s)",
+            self._stop_reason or "end of input", self.result.inputs,
+            self.result.runs_completed, self.result.runs_failed, self.result.outputs,
+        )  # fmt: skip
         self.result.tasks_executed = self.machine.tasks_executed
         self.result.tasks_replayed = self.machine.tasks_replayed
         self.result.stopped_by = self._stop_reason or "end of input"
@@ -1039,6 +1053,11 @@ class Engine:
                 return None
             self.stats.in_progress = 0
             self._failures_in_row = 0
+            log.debug(
+                "checkpoint %s: %.1f ms, %d bytes, %d run(s) completed, %d output(s)",
+                info.get("id"), info.get("duration_ms", 0.0), info.get("size_bytes", 0),
+                len(delta.completed), len(delta.outputs),
+            )  # fmt: skip
             self._written_position = position
             self._written_report = report
             self.stats.completed += 1

@@ -129,6 +129,48 @@ def fig_e(n: int, keys: int) -> dict[str, float]:
     }
 
 
+def fig_f(n: int, keys: int) -> dict[str, float]:
+    """(f) The cost of OpenTelemetry export: workload (a) exporting every run's spans over
+    OTLP/HTTP to a local receiver that accepts and drops them, beside no export."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    inputs = [{"key": f"k{i % keys}", "v": i} for i in range(n)]
+    took: dict[str, float] = {}
+    try:
+        for endpoint in (None, url):
+            with tempfile.TemporaryDirectory() as d:
+                t = time.perf_counter()
+                run(
+                    ThreeSteps(),
+                    inputs=inputs,
+                    output=Path(d) / "o.jsonl",
+                    state_dir=Path(d) / "s",
+                    config=EngineConfig(otel_endpoint=endpoint),
+                )
+                took[str(endpoint is not None)] = time.perf_counter() - t
+    finally:
+        server.shutdown()
+        server.server_close()
+    return {
+        "otel_actions_per_s": 3 * n / took["True"],
+        "plain_actions_per_s": 3 * n / took["False"],
+    }
+
+
 class SlowCall(Agent):
     @action(InputEvent)
     async def call(self, event: InputEvent, ctx: Any) -> None:
@@ -281,6 +323,7 @@ def main() -> None:
     # (d) runs its engine in a subprocess, which inherits the one-core pinning.
     dd = median_of(fig_d, repeat, 10000 // scale)
     e = median_of(fig_e, repeat, 20000 // scale, 1000 // scale)
+    f = median_of(fig_f, repeat, 20000 // scale, 1000 // scale)
     rows = [
         ("(a) 3-action runs, actions/s", f"{a['ratchet_actions_per_s']:,.0f}",
          f"plain asyncio {a['plain_actions_per_s']:,.0f}",
@@ -297,6 +340,9 @@ def main() -> None:
         ("(e) (a) with run traces (last 20/key), actions/s", f"{e['traced_actions_per_s']:,.0f}",
          f"traces off {e['untraced_actions_per_s']:,.0f}",
          f"{e['traced_actions_per_s'] / e['untraced_actions_per_s']:.2f}x", ""),
+        ("(f) (a) exporting OpenTelemetry spans, actions/s", f"{f['otel_actions_per_s']:,.0f}",
+         f"no export {f['plain_actions_per_s']:,.0f}",
+         f"{f['otel_actions_per_s'] / f['plain_actions_per_s']:.2f}x", ""),
     ]  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:

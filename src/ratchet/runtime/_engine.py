@@ -49,6 +49,8 @@ from ratchet.runtime._journal import (
 )
 from ratchet.runtime._machine import Delta, Machine, Output, RestoredRun, Task
 from ratchet.runtime._memops import expire
+from ratchet.runtime._otel import RunExporter
+from ratchet.runtime._otel import wanted as otel_wanted
 from ratchet.store import codec
 from ratchet.store._base import Adopted, CallRecord, CheckpointRows, CheckpointStore
 
@@ -79,6 +81,9 @@ class EngineConfig:
     # Traces of completed runs kept in the state: "off", the last N per key ("20"), an age
     # ("7d", "12h", "30m", "90s"), or both ("20,7d").
     trace_retention: str = "20"
+    # Export run traces as OpenTelemetry spans over OTLP/HTTP to this URL (or to what the
+    # standard OTEL_EXPORTER_OTLP_* variables name); needs the `otel` extra.
+    otel_endpoint: str | None = None
     follow_poll: float = 0.05
 
     def validate(self) -> None:
@@ -607,7 +612,10 @@ class Engine:
             is_error=binding.is_error,
         )
         self._retention = self.config.retention()
-        if self._retention is not None:
+        self._otel: Any = None
+        if otel_wanted(self.config.otel_endpoint):
+            self._otel = RunExporter(self.config.otel_endpoint, binding.name)
+        if self._retention is not None or self._otel is not None:
             self.machine.describe_event = binding.describe_event
         self.stats = CheckpointStats()
         self.result = EngineResult()
@@ -1064,6 +1072,9 @@ class Engine:
             self.stats.latest_completed = info
             self.result.dead_letters += len(dead) + len(delta.failed)
             self.result.runs_failed += len(delta.failed)  # as committed, not as seen
+            if self._otel is not None and delta.traces:
+                for seq, (key, failed, _started, tasks) in delta.traces.items():
+                    self._otel.export_run(key, seq, failed, tasks)
             outs = list(delta.outputs.values())
             await self._release(outs)
             self._report()
@@ -1169,6 +1180,11 @@ class Engine:
     # -- shutdown ---------------------------------------------------------------------------
 
     def _shutdown(self) -> None:
+        if self._otel is not None:
+            try:
+                self._otel.close()  # flushes what the batch processor still holds
+            except Exception as exc:  # noqa: BLE001 - telemetry must not fail the job
+                log.warning("OpenTelemetry export could not be flushed: %s", exc)
         for t in list(self._async_tasks):
             t.cancel()
         self._dispatcher.stop()

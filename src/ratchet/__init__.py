@@ -47,6 +47,7 @@ from ratchet.agents import (
     migration,
     run,
 )
+from ratchet._state_api import State, open_state
 from ratchet.agents._exceptions import register_type
 from ratchet.agents._resource import Resource
 from ratchet.agents._retry import Retry
@@ -117,6 +118,7 @@ __all__ = [
     "ScriptedChatModel",
     "SignalTimeout",
     "StageTimeoutError",
+    "State",
     "StateError",
     "StructuredOutputError",
     "TokenBudget",
@@ -135,6 +137,7 @@ __all__ = [
     "chat_model_setup",
     "chat_usage",
     "migration",
+    "open_state",
     "prompt",
     "register_type",
     "run",

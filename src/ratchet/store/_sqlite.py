@@ -192,7 +192,10 @@ class SqliteStore:
         if not path.exists():
             raise StateError(f"no ratchet state in {state_dir} ({path} does not exist)")
         try:
-            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+            # As a URI (quoted: a path may hold '#', '?' or '%'), so mode=ro applies.
+            conn = sqlite3.connect(
+                f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None
+            )
             store = cls(conn, path)
             # An older schema reads the same (a writer migrates it when it next opens it).
             store._schema_version()

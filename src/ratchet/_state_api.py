@@ -1,0 +1,350 @@
+"""`ratchet.open_state(dir)`: read a job's state directory from Python, safely while it runs.
+
+Read-only by construction: SQLite is opened with `mode=ro` (as `SqliteStore.open_readonly`), the
+state lock (`ratchet.lock`) is never taken and nothing is written, so a running job is not
+disturbed. Each method reads in one read
+transaction: what it returns is one consistent moment of the state (in WAL mode a reader never
+blocks the job's writer, nor the writer it).
+
+Every method returns plain data (dicts and lists of JSON-like values), the same shapes the
+CLI's `--json` output prints (`ratchet status`, `inspect`, `runs list`, `dead-letters`,
+`trace`, `checkpoints`); docs/api.md lists them. A state that does not exist, or is not a
+ratchet state, raises `ratchet.StateError` naming the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from ratchet._errors import CodecError, CorruptDataError, RatchetError, StateError
+from ratchet.store import codec
+from ratchet.store._sqlite import DB_NAME, SqliteStore
+
+__all__ = ["State", "open_state"]
+
+_T = TypeVar("_T")
+
+
+def open_state(state_dir: str | os.PathLike[str]) -> State:
+    """Open the state directory of a job (the `--state DIR` of `ratchet run`) for reading.
+
+    Use it as a context manager, or call `close()`:
+
+        with ratchet.open_state("state") as state:
+            print(state.summary()["keys"], state.keys())
+
+    Raises `ratchet.StateError` (naming the path) if there is no ratchet state there, or the
+    database is not one (or was written by a newer ratchet)."""
+    sdir = Path(state_dir)
+    if not sdir.exists():
+        raise StateError(f"no ratchet state in {sdir} (the directory does not exist)")
+    if not sdir.is_dir():
+        raise StateError(f"no ratchet state in {sdir} (it is not a directory)")
+    if not (sdir / DB_NAME).is_file():
+        raise StateError(
+            f"no ratchet state in {sdir} ({sdir / DB_NAME} does not exist); pass the --state "
+            f"directory of a job that has run"
+        )
+    return State(sdir, _open_readonly(sdir / DB_NAME))
+
+
+def _open_readonly(db: Path) -> SqliteStore:
+    """`SqliteStore.open_readonly`, with the database's path escaped in the URI: a `?`, `#`
+    or `%` in a directory name would otherwise end the path early (and the rest, `mode=ro`
+    included, would be ignored)."""
+    conn: sqlite3.Connection | None = None
+    try:
+        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+        store = SqliteStore(conn, db)
+        # An older schema reads the same; a newer one is refused (StateError).
+        store._schema_version()
+    except sqlite3.Error as exc:
+        if conn is not None:
+            conn.close()
+        raise StateError(f"{db} is not a readable ratchet state database: {exc}") from exc
+    except BaseException:
+        if conn is not None:
+            conn.close()
+        raise
+    return store
+
+
+def _uri_safe(path: Path) -> bool:
+    """Whether `SqliteStore.open_readonly` reads `path` right (it puts it in a URI as is)."""
+    return not any(c in str(path) for c in "?#%")
+
+
+class State:
+    """A read-only view of one state directory (from `ratchet.open_state`).
+
+    Use it from the thread that opened it. After `close()` every method raises StateError."""
+
+    def __init__(self, state_dir: Path, store: SqliteStore) -> None:
+        self._dir = state_dir
+        self._store: SqliteStore | None = store
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """The state directory."""
+        return self._dir
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
+        return self._store is None
+
+    def close(self) -> None:
+        """Close the database connection (idempotent)."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def __enter__(self) -> State:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ratchet.State {str(self._dir)!r}{' closed' if self.closed else ''}>"
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """What `ratchet status --json` prints: agent, actions, checkpoint statistics, counts
+        (keys, in_flight_runs, queued_inputs, unreleased_outputs, dead_letters, runs_failed,
+        runs_on_earlier_versions), memory_version, source position, waiting runs, paused
+        resources, pending signals and upgrades."""
+        return self._read(lambda s: _shown(s.summary(), False))
+
+    def keys(self) -> list[str]:
+        """The keys that have committed memory, as text (as `ratchet inspect` shows them), in
+        order."""
+        return self._read(
+            lambda s: [
+                str(row[0]) for row in s.conn.execute("SELECT key_text FROM keys ORDER BY key_text")
+            ]
+        )
+
+    def memory(self, key: str | int, *, as_json: bool = False) -> dict[str, Any] | None:
+        """The committed short-term memory of `key` as a nested dict; None for a key with no
+        committed memory.
+
+        Values of types this process registered (`ratchet.register_type`, ratchet's own chat
+        types, pydantic models and dataclasses the codec knows) come back as those objects;
+        a value of a type it has not registered comes back in a generic form, never as an
+        error: `{"$unregistered": "<stored type name>", "$state": <its stored fields>}`.
+        With `as_json=True` the result is exactly what `ratchet inspect --json` prints for the
+        key (registered objects as their fields, sets as sorted lists, non-string dict keys as
+        text)."""
+        import ratchet.agents.chat  # noqa: F401 - registers ratchet's chat types (no provider SDK)
+        from ratchet.agents._memory import nested
+        from ratchet.runtime._memops import from_wire
+
+        rows = self._read(lambda s: s.memories(str(key)))
+        if not rows:
+            return None
+        try:
+            memory = nested(from_wire(codec.decode(rows[0][1], unknown="generic")))
+        except (RatchetError, TypeError, KeyError, ValueError) as exc:
+            raise StateError(
+                f"{self._dir / DB_NAME}: the memory of key {str(key)!r} cannot be decoded ({exc})"
+            ) from exc
+        shown: dict[str, Any] = _shown(memory, as_json)
+        return shown
+
+    def runs_in_flight(self) -> list[dict[str, Any]]:
+        """Runs started and not completed (`ratchet runs list`): key, seq (the input),
+        journaled_tasks, call_records, calls_returned, agent_version (None: the current one;
+        else the version the run is pinned to), oldest input first."""
+        return self._read(lambda s: _shown(s.runs_in_flight(), False))
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """Parked runs and what they wait on: key, seq, task, on (`"signal <name>"` or
+        `"sleep"`), since and until (Unix times; until is None for a wait without a
+        deadline). Sleeps whose deadline has passed are not listed."""
+        return self._read(lambda s: _shown(s.waits(), False))
+
+    def pending_signals(self) -> list[dict[str, Any]]:
+        """Signals sent and not taken by a run yet, oldest first: id, key, name, value,
+        sent_at."""
+
+        def read(s: SqliteStore) -> list[dict[str, Any]]:
+            exists = s.conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'signals'"
+            ).fetchone()
+            if exists is None:
+                return []
+            out = []
+            for i, k, n, v, t in s.conn.execute(
+                "SELECT id, key_text, name, value, sent_at FROM signals ORDER BY id"
+            ):
+                try:
+                    value = codec.decode(v, unknown="generic")
+                except (RatchetError, TypeError):
+                    value = None
+                out.append(
+                    {"id": i, "key": k, "name": n, "value": _shown(value, False), "sent_at": t}
+                )
+            return out
+
+        return self._read(read)
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        """What `ratchet dead-letters --json` prints: id, kind (`"failed-run"`, `"bad-input"`,
+        `"abandoned"`), key, seq, reason, at, detail, redrive_requested, redriven_as; oldest
+        first."""
+        return self._read(lambda s: _shown(s.dead_letters(), False))
+
+    def traces(self, key: str | int, seq: int | None = None) -> list[dict[str, Any]]:
+        """The kept traces of `key`'s completed runs, newest first (only input `seq`'s with
+        `seq`): key, seq, completed_at, status, started_at and tasks (each: action, on, task,
+        index, replayed, started, duration, attempts, calls, notes, memory, events). The first
+        one is what `ratchet trace --key K [--seq N] --json` prints. Runs in flight have no
+        trace yet; older ones go by the job's `--trace-retention`."""
+        return self._read(lambda s: _shown(s.traces(str(key), seq), False))
+
+    def checkpoints(self) -> dict[str, Any]:
+        """What `ratchet checkpoints --json` prints: counts, latest_restored, the statistics
+        rows of the retained checkpoints (id, triggered_at, time, duration_ms, size_bytes,
+        restorable: only the latest is), the savepoints taken of the state, and the job id."""
+        from ratchet.runtime._savepoints import list_checkpoints
+
+        self._open()
+        if _uri_safe(self._dir.resolve()):
+            try:
+                return list_checkpoints(self._dir)
+            except sqlite3.Error as exc:
+                raise StateError(f"{self._dir / DB_NAME} could not be read ({exc})") from exc
+        return self._read(lambda s: _checkpoints(self._dir, s))
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _open(self) -> SqliteStore:
+        if self._store is None:
+            raise StateError(f"the state {self._dir} was closed (ratchet.open_state again)")
+        return self._store
+
+    def _read(self, fn: Callable[[SqliteStore], _T]) -> _T:
+        store = self._open()
+        with _snapshot(store):
+            return fn(store)
+
+
+def _checkpoints(sdir: Path, store: SqliteStore) -> dict[str, Any]:
+    """What `list_checkpoints` returns, read through `store` (for a path that function cannot
+    open: see `_uri_safe`). Call inside a read transaction."""
+    from ratchet.runtime import _savepoints as sp
+
+    rows = store.conn.execute(
+        "SELECT id, triggered_at, duration_ms, size_bytes FROM checkpoints ORDER BY id"
+    ).fetchall()
+    meta = sp._meta(store.conn, store.path)
+    latest = int(rows[-1][0]) if rows else None
+    job, _legacy = sp._read_job(sdir)
+    savepoints, bad = sp._read_log(sdir)
+    return {
+        "state_dir": str(sdir.resolve()),
+        "agent": meta.get("agent_name"),
+        "job": job,
+        "counts": meta.get("counts"),
+        "latest_restored": meta.get("latest_restored"),
+        "restorable_checkpoint": latest,
+        "note": sp.RESTORABLE_NOTE.format(state=sdir),
+        "checkpoints": [
+            {
+                "id": int(cid),
+                "triggered_at": triggered,
+                "time": sp.iso_utc(triggered),
+                "duration_ms": duration,
+                "size_bytes": size,
+                "restorable": int(cid) == latest,
+            }
+            for cid, triggered, duration, size in rows
+        ],
+        "savepoints": savepoints,
+        "unreadable_savepoint_lines": bad,
+    }
+
+
+@contextmanager
+def _snapshot(store: SqliteStore) -> Iterator[None]:
+    """One read transaction (a consistent moment); sqlite errors become StateError."""
+    conn = store.conn
+    try:
+        conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+    except sqlite3.Error as exc:
+        raise StateError(f"{store.path} could not be read ({exc}); it was left untouched") from exc
+    except (CodecError, CorruptDataError) as exc:  # stored bytes that do not decode
+        raise StateError(
+            f"{store.path} holds data that cannot be decoded ({exc}); it is damaged, or was "
+            f"written by another ratchet; it was left untouched"
+        ) from exc
+
+
+def _shown(value: Any, as_json: bool) -> Any:
+    """`value` with every unregistered-type stand-in in its generic form; with `as_json`,
+    converted as `ratchet inspect --json` converts memory (objects to fields, sets to sorted
+    lists, non-string keys to text)."""
+    t = type(value)
+    if t is codec.UnknownValue:
+        return {"$unregistered": value.type_name, "$state": _shown(value.state, as_json)}
+    if as_json:
+        if isinstance(value, Enum):
+            return _shown(value.value, as_json)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = dataclasses.fields(value)
+            return {f.name: _shown(getattr(value, f.name), as_json) for f in fields}
+        from pydantic import BaseModel
+
+        if isinstance(value, BaseModel):
+            return _shown(value.model_dump(mode="python"), as_json)
+        if t is set or t is frozenset:
+            return sorted((_shown(v, as_json) for v in value), key=repr)
+    if t is dict:
+        return {_shown_key(k, as_json): _shown(v, as_json) for k, v in value.items()}
+    if t is list or t is tuple:
+        return t(_shown(v, as_json) for v in value)
+    # A set (as_json=False) is returned as it is: its members must stay hashable, so an
+    # unregistered member keeps its stand-in (`ratchet.store.codec.UnknownValue`).
+    return value
+
+
+def _shown_key(key: Any, as_json: bool) -> Any:
+    if not as_json:
+        # A dict key must stay hashable: an unregistered key keeps its stand-in.
+        return key
+    if isinstance(key, str | int | float):
+        return key
+    return _key_text(key)
+
+
+def _key_text(key: Any) -> str:
+    if type(key) is tuple:
+        inner = ", ".join(_key_text(x) for x in key)
+        return f"({inner},)" if len(key) == 1 else f"({inner})"
+    if type(key) is codec.UnknownValue:
+        return f"{key.type_name}({_key_text(key.state)})"
+    if isinstance(key, Enum):
+        return f"{type(key).__name__}.{key.name}"
+    return repr(key)

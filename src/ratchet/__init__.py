@@ -34,6 +34,7 @@ from ratchet._errors import (
     TurnLimitError,
     UnknownTypeError,
 )
+from ratchet._state_api import State, open_state
 from ratchet.agents import (
     Agent,
     ErrorEvent,
@@ -47,7 +48,6 @@ from ratchet.agents import (
     migration,
     run,
 )
-from ratchet._state_api import State, open_state
 from ratchet.agents._exceptions import register_type
 from ratchet.agents._resource import Resource
 from ratchet.agents._retry import Retry

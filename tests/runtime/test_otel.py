@@ -118,7 +118,7 @@ def test_a_chat_run_becomes_run_action_and_genai_spans(tmp_path: Path, receiver:
     assert chat.end_time_unix_nano >= chat.start_time_unix_nano > 0
 
 
-class Found(Event):
+class Looked(Event):
     v: int
 
 
@@ -130,10 +130,10 @@ class TwoSteps(Agent):
     @action(InputEvent)
     async def first(self, event: InputEvent, ctx: Any) -> None:
         v = await ctx.durable_execute_async(lookup, event.input["n"])
-        ctx.send_event(Found(v=v))
+        ctx.send_event(Looked(v=v))
 
-    @action(Found)
-    async def second(self, event: Found, ctx: Any) -> None:
+    @action(Looked)
+    async def second(self, event: Looked, ctx: Any) -> None:
         await ctx.sleep(60)
         ctx.send_event(OutputEvent(output=event.v))
 

@@ -89,6 +89,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "default), an age ('7d'), both ('20,7d'), or 'off'",
     )
     run.add_argument(
+        "--otel-endpoint",
+        default=None,
+        metavar="URL",
+        help="export run traces as OpenTelemetry spans over OTLP/HTTP (e.g. "
+        "http://127.0.0.1:4318/v1/traces; default: the OTEL_EXPORTER_OTLP_* variables); "
+        "needs pip install 'ratchet[otel]'",
+    )
+    run.add_argument(
         "--allow-errors",
         action="store_true",
         help="exit 0 from a bounded job in which runs ended in error (default: exit 4)",
@@ -112,7 +120,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--restart-delay", type=float, default=1.0, metavar="SECONDS", help="default 1"
     )
     sup.add_argument("--rest-port", type=int, default=None, help="serve the REST status API here")
-    sup.add_argument("--rest-host", default="127.0.0.1", help="default 127.0.0.1")
+    sup.add_argument(
+        "--rest-host",
+        default="127.0.0.1",
+        help="default 127.0.0.1; any other address needs --rest-token",
+    )
+    sup.add_argument(
+        "--rest-token",
+        default=None,
+        metavar="TOKEN",
+        help="every REST request must send `Authorization: Bearer TOKEN` (default: the "
+        "environment variable RATCHET_REST_TOKEN; required off loopback); never passed to "
+        "the worker",
+    )
     run.set_defaults(func=cmd_run)
     _RUN_PARSER = run
     # A worker restarts on the state the first start restored: the savepoint is not its flag.
@@ -165,6 +185,7 @@ def _config(args: argparse.Namespace) -> Any:
         on_bad_input=args.on_bad_input,
         max_errors=args.max_errors,
         trace_retention=args.trace_retention,
+        otel_endpoint=args.otel_endpoint,
     )
 
 
@@ -232,6 +253,7 @@ def _supervise(args: argparse.Namespace) -> int:
         restart_delay=args.restart_delay,
         rest_host=args.rest_host,
         rest_port=args.rest_port,
+        rest_token=args.rest_token,
     )
     return sup.run()
 

@@ -1200,6 +1200,9 @@ class Engine:
         return {
             "inputs": self.result.inputs,
             "runs_completed": self.result.runs_completed,
+            "outputs": self.result.outputs,
+            "runs_failed": self.result.runs_failed,
+            "dead_letters": self.result.dead_letters,
             "in_flight_runs": m.active_runs,
             "buffered_inputs": m.buffered_inputs,
             "checkpoints": self.stats.as_dict(),

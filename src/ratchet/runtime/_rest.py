@@ -6,10 +6,11 @@ and restored checkpoint, each with id, trigger timestamp, duration and size.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 API_VERSION = "v1"
 
@@ -54,10 +55,23 @@ class SignalBody(BaseModel):
     value: Any = Field(None, description="any JSON value; the waiting action receives it")
 
 
-class RedriveBody(BaseModel):
-    all: bool = False
-    key: str | None = None
-    id: int | None = None
+class RedriveAll(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    all: Literal[True] = Field(description="every dead letter that waits for a redrive")
+
+
+class RedriveKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    key: str = Field(description="the dead letters of this key (its text form)")
+
+
+class RedriveId(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: int = Field(ge=0, le=2**53, description="one dead letter (`ratchet dead-letters`)")
+
+
+# Exactly one of the three, as the document says (a body with none or two is a 422).
+RedriveBody = RedriveAll | RedriveKey | RedriveId
 
 
 class RedriveAsked(BaseModel):
@@ -124,13 +138,25 @@ class JobConfig(BaseModel):
 class JobMetrics(BaseModel):
     counters: dict[str, float] = Field(
         description="process-local counters of the current worker (reset when it restarts): "
-        "durable_calls.made / .replayed, chat.model_calls, chat.tokens.input / .output, and "
-        "whatever actions count with ctx.metrics.inc()"
+        "durable_calls.made / .replayed, chat.model_calls, chat.tokens.input / .output (and "
+        "the same per model setup: chat.model_calls[SETUP], ...), and whatever actions count "
+        "with ctx.metrics.inc(); GET /metrics has them summed over workers"
     )
 
 
 class Unavailable(BaseModel):
     detail: str
+
+
+METRICS_MEDIA_TYPE = "text/plain"
+
+
+def bearer_token_ok(header: str | None, token: str) -> bool:
+    """`Authorization: Bearer <token>`, compared in constant time (no early exit on a prefix)."""
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode("utf-8"), token.encode("utf-8")
+    )
 
 
 def create_app(
@@ -140,25 +166,77 @@ def create_app(
     metrics: Callable[[], JobMetrics | None] | None = None,
     signal: Callable[[str, str, Any], dict[str, Any]] | None = None,
     redrive: Callable[[bool, str | None, int | None], dict[str, Any]] | None = None,
+    prometheus: Callable[[], tuple[bytes, str]] | None = None,
+    token: str | None = None,
 ) -> Any:
-    """A FastAPI app that reads the supervisor's view through the three callables."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    """A FastAPI app that reads the supervisor's view through the callables.
+
+    `prometheus` returns the body and content type of `GET /metrics`. With a `token`, every
+    endpoint answers 401 without `Authorization: Bearer <token>`; the OpenAPI document
+    (`/openapi.json`, `/docs`, `/redoc`) stays open: it describes the API, not the job.
+    """
+    from fastapi import Depends, FastAPI
+    from fastapi.responses import JSONResponse, Response
+    from fastapi.security import HTTPBearer
+
+    dependencies: list[Any] = []
+    unauthorized: dict[int | str, dict[str, Any]] = {}
+    if token is not None:
+        # Documents the scheme in OpenAPI; the middleware below enforces it.
+        scheme = HTTPBearer(auto_error=False, description="the job's --rest-token")
+        dependencies.append(Depends(scheme))
+        unauthorized = {401: {"model": Unavailable, "description": "no or a wrong bearer token"}}
 
     app = FastAPI(
         title="ratchet job API",
         version=API_VERSION,
-        description="Status of a supervised `ratchet run`: the job, its checkpoints, its config.",
+        description="Status of a supervised `ratchet run`: the job, its checkpoints, its config, "
+        "its metrics (JSON and Prometheus); signals and dead-letter redrive.",
+        dependencies=dependencies,
     )
+    if token is not None:
+        secret = token
+        open_paths = {
+            app.openapi_url,
+            app.docs_url,
+            app.redoc_url,
+            app.swagger_ui_oauth2_redirect_url,
+        }
 
-    @app.get("/v1/job", response_model=JobInfo, summary="the job and its current worker")
+        @app.middleware("http")
+        async def require_token(request: Any, call_next: Any) -> Any:
+            if request.url.path in open_paths or bearer_token_ok(
+                request.headers.get("authorization"), secret
+            ):
+                return await call_next(request)
+            return JSONResponse(
+                {"detail": "missing or wrong bearer token"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    unavailable: dict[int | str, dict[str, Any]] = {
+        503: {"model": Unavailable, "description": "no worker has reported yet"},
+        **unauthorized,
+    }
+    bad_request: dict[int | str, dict[str, Any]] = {
+        400: {"model": Unavailable, "description": "the request cannot be carried out"},
+        **unauthorized,
+    }
+
+    @app.get(
+        "/v1/job",
+        response_model=JobInfo,
+        responses=unauthorized,
+        summary="the job and its current worker",
+    )
     def get_job() -> JobInfo:
         return job()
 
     @app.get(
         "/v1/job/checkpoints",
         response_model=CheckpointStatistics,
-        responses={503: {"model": Unavailable}},
+        responses=unavailable,
         summary="checkpoint statistics, as the latest worker reported them",
     )
     def get_checkpoints() -> Any:
@@ -170,7 +248,7 @@ def create_app(
     @app.get(
         "/v1/job/config",
         response_model=JobConfig,
-        responses={503: {"model": Unavailable}},
+        responses=unavailable,
         summary="the effective configuration of the running job",
     )
     def get_config() -> Any:
@@ -182,7 +260,7 @@ def create_app(
     @app.get(
         "/v1/job/metrics",
         response_model=JobMetrics,
-        responses={503: {"model": Unavailable}},
+        responses=unavailable,
         summary="the current worker's counters, as of its latest report",
     )
     def get_metrics() -> Any:
@@ -191,6 +269,26 @@ def create_app(
             return JSONResponse({"detail": "no worker has reported yet"}, status_code=503)
         return m
 
+    if prometheus is not None:
+        expose = prometheus
+
+        @app.get(
+            "/metrics",
+            response_class=Response,
+            response_model=None,
+            responses={
+                200: {
+                    "description": "Prometheus text exposition format",
+                    "content": {METRICS_MEDIA_TYPE: {"schema": {"type": "string"}}},
+                },
+                **unauthorized,
+            },
+            summary="the job's metrics in the Prometheus text format (for scraping)",
+        )
+        def get_prometheus() -> Any:
+            body, content_type = expose()
+            return Response(content=body, media_type=content_type)
+
     if signal is not None:
         send = signal
 
@@ -198,7 +296,7 @@ def create_app(
             "/v1/keys/{key}/signals/{name}",
             status_code=202,
             response_model=SignalSent,
-            responses={400: {"model": Unavailable}},
+            responses=bad_request,
             summary="send a signal to a key: stored durably before the answer",
         )
         def post_signal(key: str, name: str, body: SignalBody) -> Any:
@@ -216,14 +314,25 @@ def create_app(
             "/v1/dead-letters/redrive",
             status_code=202,
             response_model=RedriveAsked,
-            responses={400: {"model": Unavailable}},
+            responses={
+                404: {"model": Unavailable, "description": "no dead letter with that id waits"},
+                **bad_request,
+            },
             summary="admit dead letters again (one of all, key, id), each exactly once",
         )
         def post_redrive(body: RedriveBody) -> Any:
-            from ratchet._errors import RatchetError
+            from ratchet._errors import ConfigError, RatchetError
 
+            all_letters = isinstance(body, RedriveAll)
+            key = body.key if isinstance(body, RedriveKey) else None
+            dead_id = body.id if isinstance(body, RedriveId) else None
             try:
-                return ask(body.all, body.key, body.id)
+                return ask(all_letters, key, dead_id)
+            except ConfigError as exc:
+                # The body names exactly one; what can still be wrong is an unknown id.
+                return JSONResponse(
+                    {"detail": str(exc)}, status_code=404 if dead_id is not None else 400
+                )
             except RatchetError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=400)
 

@@ -5,21 +5,29 @@ The worker is an ordinary `ratchet run` (same arguments, without `--supervise`);
 its checkpoint statistics and effective configuration over a pipe, one JSON line after its
 restore and after every checkpoint. The replacement of a dead worker restores from the
 state directory like any restart.
+
+`GET /metrics` (Prometheus) is made from those reports. A worker's own counts (inputs, runs
+completed, ctx.metrics counters, ...) start at zero in every worker; the supervisor adds the
+last report of each ended worker to the current one's, so its counters only grow for as long as
+the supervisor lives. Checkpoint counts are durable (kept in the state) and exported as they are.
 """
 
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,20 @@ log = logging.getLogger("ratchet.supervisor")
 STATUS_FD_ENV = "RATCHET_STATUS_FD"
 RESOURCE_ID_ENV = "RATCHET_RESOURCE_ID"
 SUPERVISOR_PID_ENV = "RATCHET_SUPERVISOR_PID"
+REST_TOKEN_ENV = "RATCHET_REST_TOKEN"
+
+# Counts of one worker (engine.status()), summed over workers for /metrics: name -> help.
+WORKER_COUNTS = {
+    "inputs": "inputs admitted",
+    "runs_completed": "runs completed",
+    "outputs": "outputs released to the output file",
+    "runs_failed": "runs that ended in an error (each also a dead letter)",
+    "dead_letters": "dead letters recorded (failed runs and bad lines)",
+}
+CHECKPOINT_DURATION_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+_LABELLED = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<label>.*)\]$")
 
 
 @dataclass
@@ -39,6 +61,7 @@ class _Worker:
     proc: subprocess.Popen[bytes]
     resource_id: str
     started: float
+    reader: threading.Thread | None = None
 
 
 @dataclass
@@ -49,19 +72,49 @@ class SupervisorState:
     last_exit: str | None = None
     report: dict[str, Any] | None = None
     started: float = 0.0
+    # For /metrics: the counts of ended workers (their last reports), summed; the highest
+    # completed checkpoint id seen (each newer one is observed once in the duration histogram).
+    ended_counts: dict[str, float] = field(default_factory=dict)
+    worker_counts: dict[str, float] = field(default_factory=dict)
+    last_completed_id: int | None = None
+    last_report_at: float | None = None
+
+
+def _counts_of(report: dict[str, Any] | None) -> dict[str, float]:
+    """A worker's own counts in a report: WORKER_COUNTS and its ctx.metrics counters."""
+    status = (report or {}).get("status") or {}
+    counts: dict[str, float] = {}
+    for name in WORKER_COUNTS:
+        value = status.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            counts[name] = float(value)
+    for name, value in (status.get("metrics") or {}).items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            counts[f"metrics:{name}"] = float(value)
+    return counts
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or `localhost`: a REST API there needs no token."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def require_rest_server() -> None:
     """Refuse `--rest-port` without the `server` extra, before anything is started or created."""
     missing = []
-    for module in ("fastapi", "uvicorn"):
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
         try:
             importlib.import_module(module)
         except ImportError:
             missing.append(module)
     if missing:
         raise ConfigError(
-            f"--rest-port needs the server extra ({' and '.join(missing)} not installed): "
+            f"--rest-port needs the server extra ({', '.join(missing)} not installed): "
             f"pip install 'ratchet[server]'"
         )
 
@@ -77,11 +130,25 @@ class Supervisor:
         rest_port: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
         rng: random.Random | None = None,
+        rest_token: str | None = None,
     ) -> None:
+        """`rest_token`: None reads the environment variable RATCHET_REST_TOKEN; a REST API on
+        an address other than loopback is refused without one."""
         if restart_attempts < 0 or restart_delay < 0:
             raise ConfigError("--restart-attempts and --restart-delay must be >= 0")
+        if rest_token is None:
+            rest_token = os.environ.get(REST_TOKEN_ENV) or None
+        if rest_token is not None and not rest_token.strip():
+            raise ConfigError("--rest-token (or RATCHET_REST_TOKEN) must not be empty")
         if rest_port is not None:
             require_rest_server()
+            if rest_token is None and not is_loopback(rest_host):
+                raise ConfigError(
+                    f"--rest-host {rest_host} is not a loopback address: the REST API there "
+                    f"needs a token, --rest-token TOKEN or the environment variable "
+                    f"{REST_TOKEN_ENV} (clients send `Authorization: Bearer TOKEN`)"
+                )
+        self.rest_token = rest_token
         self.worker_argv = worker_argv
         self.state_dir = Path(state_dir)
         self.attempts = restart_attempts
@@ -94,6 +161,10 @@ class Supervisor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: Any = None
+        self._registry: Any = None
+        self._durations: Any = None
+        if rest_port is not None:
+            self._init_prometheus()
 
     # -- the REST views ---------------------------------------------------------------------
 
@@ -170,6 +241,55 @@ class Supervisor:
             return None
         return JobMetrics(counters=(report.get("status") or {}).get("metrics") or {})
 
+    # -- Prometheus ---------------------------------------------------------------------------
+
+    def _init_prometheus(self) -> None:
+        """A registry of this supervisor's own (never the global one): a histogram fed from the
+        reports, and a collector that reads the rest from the supervisor's state per scrape."""
+        from prometheus_client import CollectorRegistry, Histogram
+
+        registry = CollectorRegistry(auto_describe=False)
+        self._durations = Histogram(
+            "ratchet_checkpoint_duration_seconds",
+            "duration of each completed checkpoint a worker reported",
+            buckets=CHECKPOINT_DURATION_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_JobCollector(self))
+        self._registry = registry
+
+    def prometheus(self) -> tuple[bytes, str]:
+        """REST: the body and content type of GET /metrics."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        assert self._registry is not None, "made when a REST port is set"
+        return generate_latest(self._registry), CONTENT_TYPE_LATEST
+
+    def _observe(self, report: dict[str, Any]) -> None:
+        """Under the lock: feed a newly completed checkpoint to the duration histogram."""
+        latest_all = (report.get("checkpoints") or {}).get("latest") or {}
+        latest = latest_all.get("completed")
+        if not isinstance(latest, dict) or not isinstance(latest.get("id"), int):
+            return
+        last = self.s.last_completed_id
+        if last is not None and latest["id"] <= last:
+            return  # seen already (a restarted worker reports the restored one again)
+        self.s.last_completed_id = latest["id"]
+        restored = latest_all.get("restored")
+        if isinstance(restored, dict) and restored.get("id") == latest["id"]:
+            return  # the checkpoint a worker restored, made before this supervisor saw it
+        if self._durations is not None and isinstance(latest.get("duration_ms"), int | float):
+            self._durations.observe(latest["duration_ms"] / 1000.0)
+
+    def _end_worker(self, worker: _Worker) -> None:
+        """After a worker exited: read its last reports, then keep its counts in the totals."""
+        if worker.reader is not None:
+            worker.reader.join(timeout=5)  # the pipe closes with the worker
+        with self._lock:
+            for name, value in self.s.worker_counts.items():
+                self.s.ended_counts[name] = self.s.ended_counts.get(name, 0.0) + value
+            self.s.worker_counts = {}  # the next worker counts from zero
+
     def _start_rest(self) -> None:
         if self.rest_port is None:
             return
@@ -184,6 +304,8 @@ class Supervisor:
             self.job_metrics,
             self.send_signal,
             self.redrive,
+            prometheus=self.prometheus,
+            token=self.rest_token,
         )
         config = uvicorn.Config(app, host=self.rest_host, port=self.rest_port, log_level="warning")
         server = uvicorn.Server(config)
@@ -214,6 +336,7 @@ class Supervisor:
                 SUPERVISOR_PID_ENV: str(os.getpid()),
             },
         )
+        env.pop(REST_TOKEN_ENV, None)  # the worker serves nothing: the token stays here
         proc = subprocess.Popen(self.worker_argv, env=env, pass_fds=(write_fd,))
         os.close(write_fd)
         reader = threading.Thread(
@@ -221,7 +344,7 @@ class Supervisor:
         )
         reader.start()
         log.info("worker pid %d started (resource %s)", proc.pid, resource_id)
-        return _Worker(proc, resource_id, self.clock.now())
+        return _Worker(proc, resource_id, self.clock.now(), reader)
 
     def _read_reports(self, fd: int, resource_id: str) -> None:
         with os.fdopen(fd, "r", encoding="utf-8") as fh:
@@ -234,6 +357,9 @@ class Supervisor:
                 with self._lock:
                     if self.s.worker is not None and self.s.worker.resource_id == resource_id:
                         self.s.report = report
+                        self.s.worker_counts = _counts_of(report)
+                        self.s.last_report_at = self.clock.now()
+                        self._observe(report)
                         if self.s.state in ("starting", "restarting"):
                             self.s.state = "running"
 
@@ -265,6 +391,7 @@ class Supervisor:
                 self.s.worker = self._spawn()
                 worker = self.s.worker
             rc = worker.proc.wait()
+            self._end_worker(worker)
             how = f"exit code {rc}" if rc >= 0 else f"killed by {signal.Signals(-rc).name}"
             with self._lock:
                 self.s.last_exit = f"pid {worker.proc.pid}: {how}"
@@ -301,3 +428,171 @@ class Supervisor:
                 with self._lock:
                     self.s.state = "finished"
                 return EXIT_OK
+
+
+class _JobCollector:
+    """Reads the supervisor's state at each scrape (prometheus_client's custom collector).
+
+    Counters: worker counts summed over the workers of this supervisor (see the module doc),
+    durable checkpoint counts as the latest report has them, worker restarts. Gauges: what the
+    latest report shows now (in-flight runs, buffered inputs, waiting runs, paused resources,
+    the latest checkpoint's size); omitted until a worker has reported.
+    """
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        metric: str
+        help_text: str
+        value: Any
+        sup = self.sup
+        with sup._lock:
+            s = sup.s
+            state = s.state
+            restarts = s.restarts
+            worker_up = s.worker is not None and s.worker.proc.poll() is None
+            report = s.report
+            last_report_at = s.last_report_at
+            totals = dict(s.ended_counts)
+            for name, value in s.worker_counts.items():
+                totals[name] = totals.get(name, 0.0) + value
+
+        restarts_metric = CounterMetricFamily(
+            "ratchet_worker_restarts", "workers restarted by the supervisor after dying"
+        )
+        restarts_metric.add_metric([], restarts)
+        yield restarts_metric
+        up = GaugeMetricFamily("ratchet_worker_up", "1 while a worker process is alive")
+        up.add_metric([], 1.0 if worker_up else 0.0)
+        yield up
+        states = GaugeMetricFamily(
+            "ratchet_job_state", "1 for the job's current state", labels=["state"]
+        )
+        for name in ("starting", "running", "restarting", "finished", "failed"):
+            states.add_metric([name], 1.0 if name == state else 0.0)
+        yield states
+
+        for name, help_text in WORKER_COUNTS.items():
+            if name in totals:
+                c = CounterMetricFamily(
+                    f"ratchet_{name}", f"{help_text}, summed over the supervisor's workers"
+                )
+                c.add_metric([], totals[name])
+                yield c
+        calls = CounterMetricFamily(
+            "ratchet_model_calls",
+            "chat model calls made (not replayed), by model setup",
+            labels=["model"],
+        )
+        tokens = CounterMetricFamily(
+            "ratchet_model_tokens",
+            "chat model tokens paid for, by model setup and direction",
+            labels=["model", "direction"],
+        )
+        agent = CounterMetricFamily(
+            "ratchet_agent_counter",
+            "ctx.metrics counters (durable_calls.made, chat.model_calls, ...), by name",
+            labels=["name"],
+        )
+        for key, value in sorted(totals.items()):
+            if not key.startswith("metrics:"):
+                continue
+            name = key.removeprefix("metrics:")
+            labelled = _LABELLED.match(name)
+            if labelled is None:
+                agent.add_metric([name], value)
+            elif labelled["name"] == "chat.model_calls":
+                calls.add_metric([labelled["label"]], value)
+            elif labelled["name"] in ("chat.tokens.input", "chat.tokens.output"):
+                direction = labelled["name"].rpartition(".")[2]
+                tokens.add_metric([labelled["label"], direction], value)
+            else:
+                agent.add_metric([name], value)
+        yield calls
+        yield tokens
+        yield agent
+
+        if report is None:
+            return
+        if last_report_at is not None:
+            at = GaugeMetricFamily(
+                "ratchet_last_report_timestamp_seconds",
+                "when the current worker last reported (after its restore or a checkpoint)",
+            )
+            at.add_metric([], last_report_at)
+            yield at
+        cp = report.get("checkpoints") or {}
+        counts = cp.get("counts") or {}
+        for name, help_text in (
+            ("completed", "checkpoints completed (durable: kept in the state directory)"),
+            ("failed", "checkpoints failed (durable)"),
+        ):
+            c = CounterMetricFamily(f"ratchet_checkpoints_{name}", help_text)
+            c.add_metric([], float(counts.get(name) or 0))
+            yield c
+        restores = CounterMetricFamily(
+            "ratchet_checkpoint_restores", "restores from a checkpoint (durable)"
+        )
+        restores.add_metric([], float(counts.get("restored") or 0))
+        yield restores
+        in_progress = GaugeMetricFamily(
+            "ratchet_checkpoints_in_progress", "checkpoints being written"
+        )
+        in_progress.add_metric([], float(counts.get("in_progress") or 0))
+        yield in_progress
+        latest = cp.get("latest") or {}
+        completed = latest.get("completed")
+        if isinstance(completed, dict):
+            for metric, help_text, value in (
+                ("id", "id of the latest completed checkpoint", completed.get("id")),
+                (
+                    "size_bytes",
+                    "size of the latest completed checkpoint",
+                    completed.get("size_bytes"),
+                ),
+                (
+                    "timestamp_seconds",
+                    "trigger time of the latest completed checkpoint",
+                    completed.get("trigger_timestamp"),
+                ),
+            ):
+                if isinstance(value, int | float):
+                    g = GaugeMetricFamily(f"ratchet_checkpoint_last_{metric}", help_text)
+                    g.add_metric([], float(value))
+                    yield g
+        restored = latest.get("restored")
+        if isinstance(restored, dict) and isinstance(restored.get("restored_at"), int | float):
+            g = GaugeMetricFamily(
+                "ratchet_checkpoint_last_restore_timestamp_seconds",
+                "when the latest restore from a checkpoint happened",
+            )
+            g.add_metric([], float(restored["restored_at"]))
+            yield g
+
+        status = report.get("status") or {}
+        waiting = status.get("waiting")
+        paused = status.get("paused")
+        for metric, help_text, value in (
+            ("in_flight_runs", "runs in flight", status.get("in_flight_runs")),
+            ("buffered_inputs", "inputs admitted and not finished (queue depth)",
+             status.get("buffered_inputs")),
+            ("waiting_runs", "runs parked in a durable wait (sleep, signal, delayed event)",
+             len(waiting) if isinstance(waiting, list) else None),
+            ("paused_resources", "resources unavailable (no new input admitted meanwhile)",
+             len(paused) if isinstance(paused, list) else None),
+        ):  # fmt: skip
+            if isinstance(value, int | float):
+                g = GaugeMetricFamily(f"ratchet_{metric}", f"{help_text}, at the latest report")
+                g.add_metric([], float(value))
+                yield g
+        if isinstance(paused, list):
+            g = GaugeMetricFamily(
+                "ratchet_resource_paused", "1 for each resource paused now", labels=["resource"]
+            )
+            for p in paused:
+                if isinstance(p, dict) and "resource" in p:
+                    g.add_metric([str(p["resource"])], 1.0)
+            yield g

@@ -347,6 +347,14 @@ def test_a_token_from_the_environment_guards_every_endpoint(tmp_path: Path) -> N
     try:
         _check_token_is_required(port, TOKEN)
         _worker_never_sees(port, TOKEN)
+        url = f"http://127.0.0.1:{port}"
+        cli = [sys.executable, "-m", "ratchet.cli", "status", "--url", url, "--json"]
+        refused = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "RATCHET_REST_TOKEN" in refused.stderr
+        shown = subprocess.run(
+            [*cli, "--rest-token", TOKEN], capture_output=True, text=True, timeout=60
+        )
+        assert shown.returncode == 0 and json.loads(shown.stdout)["job"]["state"], shown.stderr
     finally:
         err = stop(proc)
     assert proc.returncode == 0, err
@@ -365,6 +373,14 @@ def test_rest_token_flag_guards_every_endpoint_and_stays_out_of_the_worker(
     try:
         _check_token_is_required(port, TOKEN)
         _worker_never_sees(port, TOKEN)
+        url = f"http://127.0.0.1:{port}"
+        cli = [sys.executable, "-m", "ratchet.cli", "status", "--url", url, "--json"]
+        refused = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "RATCHET_REST_TOKEN" in refused.stderr
+        shown = subprocess.run(
+            [*cli, "--rest-token", TOKEN], capture_output=True, text=True, timeout=60
+        )
+        assert shown.returncode == 0 and json.loads(shown.stdout)["job"]["state"], shown.stderr
     finally:
         err = stop(proc)
     assert proc.returncode == 0, err

@@ -144,6 +144,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     where = status.add_mutually_exclusive_group(required=True)
     where.add_argument("--state", help="read a state directory")
     where.add_argument("--url", help="ask a supervised job's REST API, e.g. http://127.0.0.1:8765")
+    status.add_argument(
+        "--rest-token",
+        default=None,
+        metavar="TOKEN",
+        help="with --url: the job's token (default: $RATCHET_REST_TOKEN)",
+    )
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 
@@ -648,7 +654,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _get(url: str, model: Any, timeout: float = 5.0) -> Any:
+def _get(url: str, model: Any, timeout: float = 5.0, token: str | None = None) -> Any:
     """One bounded GET; anything but a well-formed answer is an error, never a default."""
     import urllib.error
     import urllib.request
@@ -657,9 +663,19 @@ def _get(url: str, model: Any, timeout: float = 5.0) -> Any:
 
     from ratchet._errors import ConfigError
 
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             body = resp.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise ConfigError(
+                f"GET {url}: 401, the job's API wants its token: set RATCHET_REST_TOKEN (or "
+                f"pass --rest-token) to the token the job was started with"
+            ) from exc
+        raise ConfigError(f"GET {url} failed: {exc}") from exc
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         raise ConfigError(f"GET {url} failed: {exc}") from exc
     try:
@@ -669,12 +685,15 @@ def _get(url: str, model: Any, timeout: float = 5.0) -> Any:
 
 
 def _status_url(args: argparse.Namespace) -> int:
+    import os
+
     from ratchet.runtime._rest import CheckpointStatistics, JobConfig, JobInfo
 
     base = args.url.rstrip("/")
-    job = _get(f"{base}/v1/job", JobInfo)
-    checkpoints = _get(f"{base}/v1/job/checkpoints", CheckpointStatistics)
-    config = _get(f"{base}/v1/job/config", JobConfig)
+    token = args.rest_token or os.environ.get("RATCHET_REST_TOKEN")
+    job = _get(f"{base}/v1/job", JobInfo, token=token)
+    checkpoints = _get(f"{base}/v1/job/checkpoints", CheckpointStatistics, token=token)
+    config = _get(f"{base}/v1/job/config", JobConfig, token=token)
     if args.json:
         print(
             json.dumps(

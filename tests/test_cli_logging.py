@@ -53,3 +53,27 @@ def test_a_supervised_worker_logs_as_its_supervisor_was_told() -> None:
     )  # fmt: skip
     worker = _agents._worker_argv(build_parser("run").parse_args(argv))
     assert worker[3:6] == ["-v", "--log-format", "json"] and worker[6] == "run"
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path) -> None:
+    import ratchet
+    from ratchet import Agent, InputEvent, action
+
+    class Keep(Agent):
+        @action(InputEvent)
+        def keep(self, event: InputEvent, ctx: object) -> None:
+            ctx.short_term_memory.set("text", "x" * 100)  # type: ignore[attr-defined]
+
+    rows = [{"key": f"k{i}"} for i in range(3000)]
+    ratchet.run(Keep(), inputs=rows, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    proc = subprocess.Popen(
+        [*RATCHET, "inspect", "--state", str(tmp_path / "s"), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stdout.readline()
+    proc.stdout.close()  # like `| head -1`: the output (300 KB) outlives its reader
+    assert proc.stderr is not None
+    with proc.stderr:
+        err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and b"Traceback" not in err, err

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from ratchet._errors import EXIT_INTERRUPTED, RatchetError, exit_code_for
+from ratchet._errors import EXIT_INTERRUPTED, EXIT_OK, RatchetError, exit_code_for
 
 _GROUPS = {
     "checks": "run checks incrementally with sealed receipts",
@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_for(exc)
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`ratchet trace --json | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_OK
     if args.command == "run" and threading.active_count() > 1:
         # A thread still blocked in a user's call would hold the interpreter's exit; the job's
         # state is already committed, so leave without waiting for it.

@@ -77,11 +77,6 @@ def _open_readonly(db: Path) -> SqliteStore:
     return store
 
 
-def _uri_safe(path: Path) -> bool:
-    """Whether `SqliteStore.open_readonly` reads `path` right (it puts it in a URI as is)."""
-    return not any(c in str(path) for c in "?#%")
-
-
 class State:
     """A read-only view of one state directory (from `ratchet.open_state`).
 
@@ -226,12 +221,10 @@ class State:
         from ratchet.runtime._savepoints import list_checkpoints
 
         self._open()
-        if _uri_safe(self._dir.resolve()):
-            try:
-                return list_checkpoints(self._dir)
-            except sqlite3.Error as exc:
-                raise StateError(f"{self._dir / DB_NAME} could not be read ({exc})") from exc
-        return self._read(lambda s: _checkpoints(self._dir, s))
+        try:
+            return list_checkpoints(self._dir)
+        except sqlite3.Error as exc:
+            raise StateError(f"{self._dir / DB_NAME} could not be read ({exc})") from exc
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -244,42 +237,6 @@ class State:
         store = self._open()
         with _snapshot(store):
             return fn(store)
-
-
-def _checkpoints(sdir: Path, store: SqliteStore) -> dict[str, Any]:
-    """What `list_checkpoints` returns, read through `store` (for a path that function cannot
-    open: see `_uri_safe`). Call inside a read transaction."""
-    from ratchet.runtime import _savepoints as sp
-
-    rows = store.conn.execute(
-        "SELECT id, triggered_at, duration_ms, size_bytes FROM checkpoints ORDER BY id"
-    ).fetchall()
-    meta = sp._meta(store.conn, store.path)
-    latest = int(rows[-1][0]) if rows else None
-    job, _legacy = sp._read_job(sdir)
-    savepoints, bad = sp._read_log(sdir)
-    return {
-        "state_dir": str(sdir.resolve()),
-        "agent": meta.get("agent_name"),
-        "job": job,
-        "counts": meta.get("counts"),
-        "latest_restored": meta.get("latest_restored"),
-        "restorable_checkpoint": latest,
-        "note": sp.RESTORABLE_NOTE.format(state=sdir),
-        "checkpoints": [
-            {
-                "id": int(cid),
-                "triggered_at": triggered,
-                "time": sp.iso_utc(triggered),
-                "duration_ms": duration,
-                "size_bytes": size,
-                "restorable": int(cid) == latest,
-            }
-            for cid, triggered, duration, size in rows
-        ],
-        "savepoints": savepoints,
-        "unreadable_savepoint_lines": bad,
-    }
 
 
 @contextmanager

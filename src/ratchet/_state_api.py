@@ -259,49 +259,53 @@ def _snapshot(store: SqliteStore) -> Iterator[None]:
         ) from exc
 
 
-def _shown(value: Any, as_json: bool) -> Any:
+def _shown(value: Any, as_json: bool, seen: set[str] | None = None) -> Any:
     """`value` with every unregistered-type stand-in in its generic form; with `as_json`,
     converted as `ratchet inspect --json` converts memory (objects to fields, sets to sorted
-    lists, non-string keys to text)."""
+    lists, non-string keys to text). The names of unregistered types met go into `seen`."""
     t = type(value)
     if t is codec.UnknownValue:
-        return {"$unregistered": value.type_name, "$state": _shown(value.state, as_json)}
+        if seen is not None:
+            seen.add(value.type_name)
+        return {"$unregistered": value.type_name, "$state": _shown(value.state, as_json, seen)}
     if as_json:
         if isinstance(value, Enum):
-            return _shown(value.value, as_json)
+            return _shown(value.value, as_json, seen)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             fields = dataclasses.fields(value)
-            return {f.name: _shown(getattr(value, f.name), as_json) for f in fields}
+            return {f.name: _shown(getattr(value, f.name), as_json, seen) for f in fields}
         from pydantic import BaseModel
 
         if isinstance(value, BaseModel):
-            return _shown(value.model_dump(mode="python"), as_json)
+            return _shown(value.model_dump(mode="python"), as_json, seen)
         if t is set or t is frozenset:
-            return sorted((_shown(v, as_json) for v in value), key=repr)
+            return sorted((_shown(v, as_json, seen) for v in value), key=repr)
     if t is dict:
-        return {_shown_key(k, as_json): _shown(v, as_json) for k, v in value.items()}
+        return {_shown_key(k, as_json, seen): _shown(v, as_json, seen) for k, v in value.items()}
     if t is list or t is tuple:
-        return t(_shown(v, as_json) for v in value)
+        return t(_shown(v, as_json, seen) for v in value)
     # A set (as_json=False) is returned as it is: its members must stay hashable, so an
     # unregistered member keeps its stand-in (`ratchet.store.codec.UnknownValue`).
     return value
 
 
-def _shown_key(key: Any, as_json: bool) -> Any:
+def _shown_key(key: Any, as_json: bool, seen: set[str] | None = None) -> Any:
     if not as_json:
         # A dict key must stay hashable: an unregistered key keeps its stand-in.
         return key
     if isinstance(key, str | int | float):
         return key
-    return _key_text(key)
+    return _key_text(key, seen)
 
 
-def _key_text(key: Any) -> str:
+def _key_text(key: Any, seen: set[str] | None = None) -> str:
     if type(key) is tuple:
-        inner = ", ".join(_key_text(x) for x in key)
+        inner = ", ".join(_key_text(x, seen) for x in key)
         return f"({inner},)" if len(key) == 1 else f"({inner})"
     if type(key) is codec.UnknownValue:
-        return f"{key.type_name}({_key_text(key.state)})"
+        if seen is not None:
+            seen.add(key.type_name)
+        return f"{key.type_name}({_key_text(key.state, seen)})"
     if isinstance(key, Enum):
         return f"{type(key).__name__}.{key.name}"
     return repr(key)

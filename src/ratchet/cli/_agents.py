@@ -515,12 +515,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ratchet's own registered types (the chat layer's `TokenUsage`, `ChatMessage`, ...) always
     decode; `--agent` loads the user's module so the types it registers decode too.
     """
-    import dataclasses
-    from enum import Enum
-
-    from pydantic import BaseModel
-
     import ratchet.agents.chat  # noqa: F401 - registers ratchet's chat types; no provider SDK
+    from ratchet._state_api import _shown
     from ratchet.agents._memory import nested
     from ratchet.runtime._memops import from_wire
     from ratchet.store import codec
@@ -573,56 +569,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     shown_as: dict[str, type[Unregistered]] = {}
 
-    def shown(value: Any, as_json: bool) -> Any:
-        """`value` with every stand-in in its display form (a JSON object or an Unregistered).
-
-        For JSON, registered objects become their fields too, so a stand-in inside one (in a
-        model's `Any` field) is converted as well.
-        """
+    def shown(value: Any) -> Any:
+        """`value` with every stand-in as an Unregistered, which rich shows by its fields."""
         t = type(value)
         if t is codec.UnknownValue:
             unregistered.add(value.type_name)
-            state = shown(value.state, as_json)
-            if as_json:
-                return {"$unregistered": value.type_name, "$state": state}
             cls = shown_as.get(value.type_name)
             if cls is None:
                 name = value.type_name.replace("\0", "?")
                 cls = shown_as[value.type_name] = type(name, (Unregistered,), {})
-            return cls(state)
-        if as_json:
-            if isinstance(value, Enum):
-                return shown(value.value, as_json)
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                fields = dataclasses.fields(value)
-                return {f.name: shown(getattr(value, f.name), as_json) for f in fields}
-            if isinstance(value, BaseModel):
-                return shown(value.model_dump(mode="python"), as_json)
-            if t is set or t is frozenset:
-                return sorted((shown(v, as_json) for v in value), key=repr)
+            return cls(shown(value.state))
         if t is dict:
-            return {shown_key(k, as_json): shown(v, as_json) for k, v in value.items()}
+            return {shown(k): shown(v) for k, v in value.items()}
         if t is list or t is tuple or t is set or t is frozenset:
-            return t(shown(v, as_json) for v in value)
+            return t(shown(v) for v in value)
         return value
-
-    def shown_key(key: Any, as_json: bool) -> Any:
-        if not as_json:
-            return shown(key, as_json)
-        if isinstance(key, str | int | float):  # a StrEnum key is its value
-            return key
-        return key_text(key)  # JSON object keys are strings: a tuple key as its repr
-
-    def key_text(key: Any) -> str:
-        if type(key) is tuple:
-            inner = ", ".join(key_text(x) for x in key)
-            return f"({inner},)" if len(key) == 1 else f"({inner})"
-        if type(key) is codec.UnknownValue:
-            unregistered.add(key.type_name)
-            return f"{key.type_name}({key_text(key.state)})"
-        if isinstance(key, Enum):
-            return f"{type(key).__name__}.{key.name}"
-        return repr(key)
 
     def note_unregistered() -> None:
         if not unregistered:
@@ -640,7 +601,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
 
     if args.json:
-        print(to_json_line(shown(memories, as_json=True)))
+        print(to_json_line(_shown(memories, True, unregistered)))
         note_unregistered()
         return EXIT_OK
     from rich.console import Console
@@ -649,7 +610,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     console = Console()
     for key, memory in memories.items():
-        console.print(f"[bold]{escape(key)}[/]", Pretty(shown(memory, as_json=False)))
+        console.print(f"[bold]{escape(key)}[/]", Pretty(shown(memory)))
     note_unregistered()
     return EXIT_OK
 

@@ -17,18 +17,10 @@ pytest.importorskip("opentelemetry.sdk", reason="needs the otel extra (opentelem
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
 import ratchet  # noqa: E402
-from ratchet import Agent, EngineConfig, Event, InputEvent, OutputEvent, RunnerContext, action  # noqa: E402
-from ratchet.agents.chat import (  # noqa: E402
-    ChatAgent,
-    ChatMessage,
-    ChatModelSetup,
-    ChatRequestEvent,
-    ChatResponseEvent,
-    ScriptedChatModel,
-    chat_model_setup,
-)
+from ratchet import Agent, EngineConfig, Event, InputEvent, OutputEvent, action  # noqa: E402
 from ratchet.store._memory import MemoryStore  # noqa: E402
 from ratchet.testing import FakeClock  # noqa: E402
+from support.chat_agents import Asker
 from support.fakeclock import START, Drive  # noqa: E402
 
 
@@ -80,23 +72,6 @@ def receiver() -> Iterator[Receiver]:
     yield r
     r.server.shutdown()
     r.server.server_close()
-
-
-class Asker(ChatAgent):
-    @chat_model_setup
-    @staticmethod
-    def m() -> ChatModelSetup:
-        return ChatModelSetup(ScriptedChatModel(respond=lambda msgs: "a short answer"))
-
-    @action(InputEvent)
-    @staticmethod
-    def ask(event: InputEvent, ctx: RunnerContext) -> None:
-        ctx.send_event(ChatRequestEvent(model="m", messages=[ChatMessage.user("hi")]))
-
-    @action(ChatResponseEvent)
-    @staticmethod
-    def answer(event: ChatResponseEvent, ctx: RunnerContext) -> None:
-        ctx.send_event(OutputEvent(output="ok"))
 
 
 def test_a_chat_run_becomes_run_action_and_genai_spans(tmp_path: Path, receiver: Receiver) -> None:

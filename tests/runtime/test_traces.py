@@ -20,22 +20,13 @@ from ratchet import (
     InputEvent,
     OutputEvent,
     Retry,
-    RunnerContext,
     action,
-)
-from ratchet.agents.chat import (
-    ChatAgent,
-    ChatMessage,
-    ChatModelSetup,
-    ChatRequestEvent,
-    ChatResponseEvent,
-    ScriptedChatModel,
-    chat_model_setup,
 )
 from ratchet.store import codec
 from ratchet.store._memory import MemoryStore
 from ratchet.store._sqlite import SqliteStore
 from ratchet.testing import FakeClock
+from support.chat_agents import Asker
 from support.fakeclock import START, Drive
 
 RATCHET = [sys.executable, "-m", "ratchet.cli"]
@@ -151,23 +142,6 @@ def test_retention_keeps_the_last_n_runs_per_key_or_none(tmp_path: Path) -> None
     for bad in ("x", "2,3", "7y"):
         with pytest.raises(ConfigError, match="trace retention"):
             EngineConfig(trace_retention=bad).validate()
-
-
-class Asker(ChatAgent):
-    @chat_model_setup
-    @staticmethod
-    def m() -> ChatModelSetup:
-        return ChatModelSetup(ScriptedChatModel(respond=lambda msgs: "a short answer"))
-
-    @action(InputEvent)
-    @staticmethod
-    def ask(event: InputEvent, ctx: RunnerContext) -> None:
-        ctx.send_event(ChatRequestEvent(model="m", messages=[ChatMessage.user("hi")]))
-
-    @action(ChatResponseEvent)
-    @staticmethod
-    def answer(event: ChatResponseEvent, ctx: RunnerContext) -> None:
-        ctx.send_event(OutputEvent(output="ok"))
 
 
 def test_model_calls_are_in_the_trace_with_their_tokens(tmp_path: Path) -> None:

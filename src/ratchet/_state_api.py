@@ -127,14 +127,26 @@ class State:
         resources, pending signals and upgrades."""
         return self._read(lambda s: _shown(s.summary(), False))
 
-    def keys(self) -> list[str]:
+    def keys(self, contains: str | None = None, limit: int | None = None) -> list[str]:
         """The keys that have committed memory, as text (as `ratchet inspect` shows them), in
-        order."""
-        return self._read(
-            lambda s: [
-                str(row[0]) for row in s.conn.execute("SELECT key_text FROM keys ORDER BY key_text")
-            ]
-        )
+        order; only those whose text contains `contains` (case-insensitive), at most `limit`."""
+        sql, params = "SELECT key_text FROM keys", []
+        if contains:
+            # instr on lower(): no LIKE, so `%` and `_` in a search are plain characters.
+            sql += " WHERE instr(lower(key_text), lower(?)) > 0"
+            params.append(contains)
+        sql += " ORDER BY key_text"
+        if limit is not None:
+            sql += f" LIMIT {max(0, int(limit))}"
+        return self._read(lambda s: [str(row[0]) for row in s.conn.execute(sql, params)])
+
+    def count_keys(self, contains: str | None = None) -> int:
+        """How many keys `keys(contains)` would list with no limit."""
+        sql, params = "SELECT COUNT(*) FROM keys", []
+        if contains:
+            sql += " WHERE instr(lower(key_text), lower(?)) > 0"
+            params.append(contains)
+        return self._read(lambda s: int(s.conn.execute(sql, params).fetchone()[0]))
 
     def memory(self, key: str | int, *, as_json: bool = False) -> dict[str, Any] | None:
         """The committed short-term memory of `key` as a nested dict; None for a key with no
@@ -162,6 +174,88 @@ class State:
             ) from exc
         shown: dict[str, Any] = _shown(memory, as_json)
         return shown
+
+    def memory_fields(self, key: str | int) -> list[dict[str, Any]] | None:
+        """The committed memory of `key` flattened to its leaves, in path order: `path`
+        (dotted, as `ctx.short_term_memory.get` takes it), `type` (the stored type's name:
+        `int`, `str`, `dict`, `ChatMessage`, `myapp.Ticket`, ...; an unregistered type by its
+        stored name) and `value` (as `memory(key, as_json=True)` shows it). None for a key
+        with no committed memory. What the dashboard shows beside a key."""
+        memory = self.memory(key)
+        if memory is None:
+            return None
+        out: list[dict[str, Any]] = []
+        _leaves(memory, "", out)
+        return out
+
+    def recent_runs(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The most recently completed runs that have a kept trace, newest first, across all
+        keys: key (text), seq, completed_at, status (`"ok"` or `"error"`), tasks (how many).
+        Their traces are `traces(key, seq)`."""
+
+        def read(s: SqliteStore) -> list[dict[str, Any]]:
+            exists = s.conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'traces'"
+            ).fetchone()
+            if exists is None:
+                return []
+            rows = s.conn.execute(
+                "SELECT key_text, seq, at, status, trace FROM traces ORDER BY at DESC, seq DESC "
+                "LIMIT ?",
+                (max(0, int(limit)),),
+            ).fetchall()
+            out = []
+            for key_text, seq, at, status, blob in rows:
+                try:
+                    tasks = len(codec.decode(blob, unknown="generic").get("tasks", []))
+                except (RatchetError, TypeError, AttributeError):
+                    tasks = None
+                out.append(
+                    {"key": key_text, "seq": seq, "completed_at": at, "status": status,
+                     "tasks": tasks}
+                )  # fmt: skip
+            return out
+
+        return self._read(read)
+
+    def approvals(self) -> list[dict[str, Any]]:
+        """Tool calls waiting for a person's decision (docs/chat.md, *Tools that need
+        approval*), oldest run first: key, seq, call_id, signal (send it to decide: `{"value":
+        {"approved": true}}`), since, and from the run's journal tool, arguments and
+        description (None where the journal does not hold them)."""
+
+        def read(s: SqliteStore) -> list[dict[str, Any]]:
+            waits = [w for w in s.waits() if str(w["on"]).startswith("signal approval:")]
+            journals: dict[int, Any] = {}
+            out = []
+            for w in waits:
+                signal = str(w["on"]).removeprefix("signal ")
+                call_id = signal.removeprefix("approval:")
+                seq = int(w["seq"])
+                if seq not in journals:
+                    row = s.conn.execute(
+                        "SELECT journal FROM runs WHERE seq = ?", (seq,)
+                    ).fetchone()
+                    try:
+                        journals[seq] = codec.decode(row[0], unknown="generic") if row else None
+                    except (RatchetError, TypeError):
+                        journals[seq] = None
+                request = _find_approval_request(journals[seq], call_id) or {}
+                out.append(
+                    {
+                        "key": _shown(w["key"], False),
+                        "seq": seq,
+                        "call_id": call_id,
+                        "signal": signal,
+                        "since": w.get("since"),
+                        "tool": request.get("tool"),
+                        "arguments": request.get("arguments"),
+                        "description": request.get("description"),
+                    }
+                )
+            return out
+
+        return self._read(read)
 
     def runs_in_flight(self) -> list[dict[str, Any]]:
         """Runs started and not completed (`ratchet runs list`): key, seq (the input),
@@ -257,6 +351,48 @@ def _snapshot(store: SqliteStore) -> Iterator[None]:
             f"{store.path} holds data that cannot be decoded ({exc}); it is damaged, or was "
             f"written by another ratchet; it was left untouched"
         ) from exc
+
+
+def _type_name(value: Any) -> str:
+    if type(value) is codec.UnknownValue:
+        return str(value.type_name)
+    t = type(value)
+    if t.__module__ == "builtins":
+        return t.__name__
+    return codec.registered_name(t) or f"{t.__module__}.{t.__qualname__}"
+
+
+def _leaves(value: Any, path: str, out: list[dict[str, Any]]) -> None:
+    """Memory flattened to (path, type, value) leaves: nested dicts with text keys are the
+    memory's own structure; any other value is a leaf, however composite."""
+    if type(value) is dict and value and all(isinstance(k, str) for k in value):
+        for k in sorted(value):
+            _leaves(value[k], f"{path}.{k}" if path else k, out)
+        return
+    out.append({"path": path, "type": _type_name(value), "value": _shown(value, True)})
+
+
+def _find_approval_request(tree: Any, call_id: str, depth: int = 0) -> dict[str, Any] | None:
+    """The `approval_request` record of `call_id` anywhere in a generically decoded journal
+    (the chat agent's tools action emits it as an output event before the run waits)."""
+    if depth > 40:
+        return None
+    if type(tree) is codec.UnknownValue:
+        return _find_approval_request(tree.state, call_id, depth + 1)
+    if isinstance(tree, dict):
+        req = tree.get("approval_request")
+        if isinstance(req, dict) and req.get("call_id") == call_id:
+            return req
+        items: Any = tree.values()
+    elif isinstance(tree, list | tuple):
+        items = tree
+    else:
+        return None
+    for item in items:
+        found = _find_approval_request(item, call_id, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def _shown(value: Any, as_json: bool, seen: set[str] | None = None) -> Any:

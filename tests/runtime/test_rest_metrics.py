@@ -306,6 +306,14 @@ ENDPOINTS: list[tuple[str, str, Any, int]] = [
     ("GET", "/metrics", None, 200),
     ("POST", "/v1/keys/a/signals/go", {"value": 1}, 202),
     ("POST", "/v1/dead-letters/redrive", {"all": True}, 202),
+    ("GET", "/v1/job/history", None, 200),
+    ("GET", "/v1/keys", None, 200),
+    ("GET", "/v1/keys/nobody/memory", None, 404),
+    ("GET", "/v1/keys/a/runs", None, 200),
+    ("GET", "/v1/keys/a/runs/99/trace", None, 404),
+    ("GET", "/v1/runs", None, 200),
+    ("GET", "/v1/dead-letters", None, 200),
+    ("GET", "/v1/approvals", None, 200),
 ]
 
 

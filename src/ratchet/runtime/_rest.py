@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 API_VERSION = "v1"
 
@@ -148,6 +151,83 @@ class Unavailable(BaseModel):
     detail: str
 
 
+class HistorySample(BaseModel):
+    t: float = Field(
+        description="when the supervisor received the report (seconds since the epoch)"
+    )
+    inputs: float
+    runs_completed: float
+    outputs: float
+    runs_failed: float
+    dead_letters: float
+    in_flight_runs: int | None
+    queued_inputs: int | None
+    waiting_runs: int
+    restarts: int
+    checkpoint: dict[str, Any] | None = Field(
+        description="the latest completed checkpoint: id, duration_ms, size_bytes, "
+        "trigger_timestamp"
+    )
+
+
+class JobHistory(BaseModel):
+    samples: list[HistorySample] = Field(
+        description="one per worker report (after a restore and after every checkpoint), "
+        "oldest first; counts are totals over the supervisor's workers"
+    )
+
+
+class KeyList(BaseModel):
+    total: int = Field(description="keys matching the search")
+    keys: list[str] = Field(description="their text forms, in order, at most `limit`")
+
+
+class MemoryField(BaseModel):
+    path: str
+    type: str = Field(description="the stored value's type name")
+    value: Any = None
+
+
+class KeyMemory(BaseModel):
+    key: str
+    fields: list[MemoryField]
+    memory: dict[str, Any] = Field(description="as `ratchet inspect --json` shows it")
+
+
+class RunSummary(BaseModel):
+    key: str
+    seq: int
+    completed_at: float
+    status: str
+    tasks: int | None = None
+
+
+class RunsView(BaseModel):
+    in_flight: list[dict[str, Any]] = Field(description="as `ratchet runs list --json`")
+    waiting: list[dict[str, Any]] = Field(description="parked runs and what they wait on")
+    recent: list[RunSummary] = Field(description="completed runs with a kept trace, newest first")
+
+
+class Trace(BaseModel):
+    key: str
+    seq: int
+    completed_at: float
+    status: str
+    started_at: float | None = None
+    tasks: list[Any]
+
+
+class Approval(BaseModel):
+    key: Any
+    seq: int
+    call_id: str
+    signal: str = Field(description="POST /v1/keys/{key}/signals/{signal} decides it")
+    since: float | None = None
+    tool: str | None = None
+    arguments: Any = None
+    description: str | None = None
+
+
 METRICS_MEDIA_TYPE = "text/plain"
 
 
@@ -168,12 +248,17 @@ def create_app(
     redrive: Callable[[bool, str | None, int | None], dict[str, Any]] | None = None,
     prometheus: Callable[[], tuple[bytes, str]] | None = None,
     token: str | None = None,
+    history: Callable[[], list[dict[str, Any]]] | None = None,
+    open_state: Callable[[], Any] | None = None,
 ) -> Any:
     """A FastAPI app that reads the supervisor's view through the callables.
 
     `prometheus` returns the body and content type of `GET /metrics`. With a `token`, every
     endpoint answers 401 without `Authorization: Bearer <token>`; the OpenAPI document
-    (`/openapi.json`, `/docs`, `/redoc`) stays open: it describes the API, not the job.
+    (`/openapi.json`, `/docs`, `/redoc`) stays open: it describes the API, not the job, and so
+    does the dashboard's page (`/` and `/dashboard/*`): it holds no data and asks for the token.
+    `open_state` opens the job's state read-only (`ratchet.open_state`) for the endpoints
+    that read it: keys and memory, runs, traces, dead letters, approvals.
     """
     from fastapi import Depends, FastAPI
     from fastapi.responses import JSONResponse, Response
@@ -201,6 +286,8 @@ def create_app(
             app.docs_url,
             app.redoc_url,
             app.swagger_ui_oauth2_redirect_url,
+            "/",
+            *(f"/dashboard/{name}" for name in DASHBOARD_FILES),
         }
 
         @app.middleware("http")
@@ -336,4 +423,169 @@ def create_app(
             except RatchetError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=400)
 
+    if history is not None:
+        samples = history
+
+        @app.get(
+            "/v1/job/history",
+            response_model=JobHistory,
+            responses=unauthorized,
+            summary="the job's figures over time (the dashboard's charts)",
+        )
+        def get_history() -> Any:
+            return {"samples": samples()}
+
+    if open_state is not None:
+        _state_endpoints(app, open_state, unauthorized)
+
+    _dashboard(app)
     return app
+
+
+DASHBOARD_FILES = {
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+
+
+def _dashboard_file(name: str) -> bytes:
+    from importlib.resources import files
+
+    return (files("ratchet.runtime") / "dashboard" / name).read_bytes()
+
+
+def _dashboard(app: FastAPI) -> None:
+    """The web dashboard: static files of the package (no build step, nothing fetched from
+    elsewhere: it works offline), reading the JSON endpoints of this API."""
+    from fastapi.responses import Response
+
+    @app.get("/", include_in_schema=False)
+    def get_dashboard() -> Any:
+        return Response(_dashboard_file("index.html"), media_type="text/html; charset=utf-8")
+
+    for name, media in DASHBOARD_FILES.items():
+
+        def serve(name: str = name, media: str = media) -> Any:
+            return Response(_dashboard_file(name), media_type=media)
+
+        app.add_api_route(f"/dashboard/{name}", serve, methods=["GET"], include_in_schema=False)
+
+
+def _state_endpoints(
+    app: FastAPI, open_state: Callable[[], Any], unauthorized: dict[int | str, dict[str, Any]]
+) -> None:
+    """Read-only views of the job's state, each in one read transaction (ratchet.open_state):
+    safe while the worker writes, and they see only committed checkpoints."""
+    from fastapi import Query
+    from fastapi.responses import JSONResponse
+
+    from ratchet._errors import StateError
+
+    no_state: dict[int | str, dict[str, Any]] = {
+        503: {"model": Unavailable, "description": "the state cannot be read (not created yet)"},
+        **unauthorized,
+    }
+    not_found: dict[int | str, dict[str, Any]] = {
+        404: {"model": Unavailable, "description": "nothing committed under that name"},
+        **no_state,
+    }
+
+    def read(fn: Callable[[Any], Any]) -> Any:
+        try:
+            with open_state() as state:
+                return fn(state)
+        except StateError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    def missing(what: str) -> Any:
+        return JSONResponse({"detail": what}, status_code=404)
+
+    @app.get(
+        "/v1/keys",
+        response_model=KeyList,
+        responses=no_state,
+        summary="keys with committed memory, optionally those whose text contains a search",
+    )
+    def get_keys(
+        contains: str | None = Query(None, max_length=200, description="case-insensitive"),
+        limit: int = Query(100, ge=0, le=10_000),
+    ) -> Any:
+        return read(lambda s: {"total": s.count_keys(contains), "keys": s.keys(contains, limit)})
+
+    @app.get(
+        "/v1/keys/{key}/memory",
+        response_model=KeyMemory,
+        responses=not_found,
+        summary="a key's committed memory: each field with its type, and the whole as JSON",
+    )
+    def get_memory(key: str) -> Any:
+        def fn(s: Any) -> Any:
+            fields = s.memory_fields(key)
+            if fields is None:
+                return missing(f"key {key!r} has no committed memory")
+            return {"key": key, "fields": fields, "memory": s.memory(key, as_json=True)}
+
+        return read(fn)
+
+    @app.get(
+        "/v1/keys/{key}/runs",
+        response_model=list[RunSummary],
+        responses=no_state,
+        summary="a key's completed runs that have a kept trace, newest first",
+    )
+    def get_key_runs(key: str) -> Any:
+        return read(
+            lambda s: [
+                {k: t[k] for k in ("key", "seq", "completed_at", "status")}
+                | {"tasks": len(t["tasks"])}
+                for t in s.traces(key)
+            ]
+        )
+
+    @app.get(
+        "/v1/keys/{key}/runs/{seq}/trace",
+        response_model=Trace,
+        responses=not_found,
+        summary="the trace of one completed run (`ratchet trace --key K --seq N --json`)",
+    )
+    def get_trace(key: str, seq: int) -> Any:
+        def fn(s: Any) -> Any:
+            found = s.traces(key, seq) if -(2**63) <= seq < 2**63 else []
+            if not found:
+                return missing(f"no kept trace for key {key!r}, input {seq}")
+            return found[0]
+
+        return read(fn)
+
+    @app.get(
+        "/v1/runs",
+        response_model=RunsView,
+        responses=no_state,
+        summary="runs in flight, runs waiting, and the most recently completed runs",
+    )
+    def get_runs(recent: int = Query(50, ge=0, le=1000)) -> Any:
+        return read(
+            lambda s: {
+                "in_flight": s.runs_in_flight(),
+                "waiting": s.waiting(),
+                "recent": s.recent_runs(recent),
+            }
+        )
+
+    @app.get(
+        "/v1/dead-letters",
+        response_model=list[dict[str, Any]],
+        responses=no_state,
+        summary="dead letters, oldest first (`ratchet dead-letters --json`)",
+    )
+    def get_dead_letters() -> Any:
+        return read(lambda s: s.dead_letters())
+
+    @app.get(
+        "/v1/approvals",
+        response_model=list[Approval],
+        responses=no_state,
+        summary="tool calls waiting for a person's decision",
+    )
+    def get_approvals() -> Any:
+        return read(lambda s: s.approvals())

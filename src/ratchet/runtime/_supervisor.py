@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ WORKER_COUNTS = {
 CHECKPOINT_DURATION_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
+HISTORY_SAMPLES = 720
 _LABELLED = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<label>.*)\]$")
 
 
@@ -78,6 +80,9 @@ class SupervisorState:
     worker_counts: dict[str, float] = field(default_factory=dict)
     last_completed_id: int | None = None
     last_report_at: float | None = None
+    # For the dashboard's charts: one sample per worker report (after a restore and after
+    # every checkpoint), the newest HISTORY_SAMPLES of them.
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_SAMPLES))
 
 
 def _counts_of(report: dict[str, Any] | None) -> dict[str, float]:
@@ -281,6 +286,38 @@ class Supervisor:
         if self._durations is not None and isinstance(latest.get("duration_ms"), int | float):
             self._durations.observe(latest["duration_ms"] / 1000.0)
 
+    def _sample(self, report: dict[str, Any]) -> dict[str, Any]:
+        """Under the lock: one point of the dashboard's charts. Counts are totals over this
+        supervisor's workers (as /metrics has them), so a restart does not drop a line to 0."""
+        status = report.get("status") or {}
+        sample: dict[str, Any] = {"t": self.clock.now()}
+        for name in WORKER_COUNTS:
+            sample[name] = self.s.ended_counts.get(name, 0.0) + self.s.worker_counts.get(name, 0.0)
+        sample["in_flight_runs"] = status.get("in_flight_runs")
+        sample["queued_inputs"] = status.get("buffered_inputs")
+        sample["waiting_runs"] = len(status.get("waiting") or [])
+        latest = ((report.get("checkpoints") or {}).get("latest") or {}).get("completed")
+        if isinstance(latest, dict):
+            sample["checkpoint"] = {
+                k: latest.get(k) for k in ("id", "duration_ms", "size_bytes", "trigger_timestamp")
+            }
+        else:
+            sample["checkpoint"] = None
+        sample["restarts"] = self.s.restarts
+        return sample
+
+    def history(self) -> list[dict[str, Any]]:
+        """REST: the samples of the dashboard's charts, oldest first."""
+        with self._lock:
+            return list(self.s.history)
+
+    def open_state(self) -> Any:
+        """REST: a read-only view of the job's state (closed by the caller); StateError while
+        no worker has created it."""
+        from ratchet._state_api import open_state
+
+        return open_state(self.state_dir)
+
     def _end_worker(self, worker: _Worker) -> None:
         """After a worker exited: read its last reports, then keep its counts in the totals."""
         if worker.reader is not None:
@@ -306,6 +343,8 @@ class Supervisor:
             self.redrive,
             prometheus=self.prometheus,
             token=self.rest_token,
+            history=self.history,
+            open_state=self.open_state,
         )
         config = uvicorn.Config(app, host=self.rest_host, port=self.rest_port, log_level="warning")
         server = uvicorn.Server(config)
@@ -319,9 +358,8 @@ class Supervisor:
             self.clock.sleep_sync(0.01)
         if not server.started:
             raise ConfigError(f"the REST API could not listen on {self.rest_host}:{self.rest_port}")
-        print(
-            f"ratchet: REST API on http://{self.rest_host}:{self.rest_port}/v1/job", file=sys.stderr
-        )
+        base = f"http://{self.rest_host}:{self.rest_port}"
+        print(f"ratchet: REST API on {base}/v1/job, dashboard on {base}/", file=sys.stderr)
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -360,6 +398,7 @@ class Supervisor:
                         self.s.worker_counts = _counts_of(report)
                         self.s.last_report_at = self.clock.now()
                         self._observe(report)
+                        self.s.history.append(self._sample(report))
                         if self.s.state in ("starting", "restarting"):
                             self.s.state = "running"
 

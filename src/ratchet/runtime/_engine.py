@@ -292,6 +292,7 @@ class EngineResult:
     tasks_executed: int = 0
     tasks_replayed: int = 0
     restored_runs: int = 0
+    restore_seconds: float | None = None  # reading the state and rebuilding keys and runs
     runs_failed: int = 0  # runs that ended in an error (each also a dead letter)
     dead_letters: int = 0  # dead letters this run recorded (failed runs and bad lines)
     redriven: int = 0  # dead letters this run admitted again
@@ -658,6 +659,7 @@ class Engine:
     # -- restore ----------------------------------------------------------------------------
 
     def _restore(self) -> None:
+        began = self.clock.monotonic()
         b = self.binding
         adopted = self.store.adopt(b.version, dry_run=True)
         loaded = self.store.load()
@@ -716,12 +718,14 @@ class Engine:
         self.stats.latest_restored = persisted["latest_restored"]
         self.result.restored_from = restored
         self.result.restored_runs = len(runs)
+        self.result.restore_seconds = self.clock.monotonic() - began
         if restored is not None:
             log.info(
-                "restored checkpoint %s: %d key(s), %d run(s) in flight (%d on an earlier "
-                "agent version), %d queued input(s), %d unreleased output(s), source at input %d",
-                restored["id"], len(memories), len(runs), len(adopted.pinned),
-                len(queued) - len(runs), len(loaded.outbox), self._next_seq,
+                "restored checkpoint %s in %.3f s: %d key(s), %d run(s) in flight (%d on an "
+                "earlier agent version), %d queued input(s), %d unreleased output(s), source at "
+                "input %d",
+                restored["id"], self.result.restore_seconds, len(memories), len(runs),
+                len(adopted.pinned), len(queued) - len(runs), len(loaded.outbox), self._next_seq,
             )  # fmt: skip
         else:
             log.info("started %s on a new state", b.name)
@@ -1210,6 +1214,7 @@ class Engine:
             "metrics": self.metrics_totals(),
             "waiting": self._waits.describe(),
             "paused": self._waits.paused(),
+            "restore_seconds": self.result.restore_seconds,
         }
 
     def metrics_totals(self) -> dict[str, float]:

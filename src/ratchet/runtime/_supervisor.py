@@ -602,6 +602,15 @@ class _JobCollector:
                     g = GaugeMetricFamily(f"ratchet_checkpoint_last_{metric}", help_text)
                     g.add_metric([], float(value))
                     yield g
+        restore_seconds = (report.get("status") or {}).get("restore_seconds")
+        if isinstance(restore_seconds, int | float) and not isinstance(restore_seconds, bool):
+            g = GaugeMetricFamily(
+                "ratchet_restore_duration_seconds",
+                "how long the current worker's start took to read the state and rebuild its "
+                "keys and runs in flight (its restore, or its start on a new state)",
+            )
+            g.add_metric([], float(restore_seconds))
+            yield g
         restored = latest.get("restored")
         if isinstance(restored, dict) and isinstance(restored.get("restored_at"), int | float):
             g = GaugeMetricFamily(

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-flink lint format bench bench-peers fuzz soak clean bench-ratelimit
+.PHONY: demo test test-flink lint format bench bench-peers fuzz soak clean bench-ratelimit bench-ltm
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
@@ -45,6 +45,11 @@ bench: $(STAMP)
 # A chat model's RateLimit held under load against a local fake provider (about 30 s)
 bench-ratelimit: $(STAMP)
 	$(BIN)/python benchmarks/rate_limit_bench.py
+
+# Long-term memory at 100,000 memories: adds/s and search latency beside plain baselines
+# (about a minute)
+bench-ltm: $(STAMP)
+	$(BIN)/python benchmarks/ltm_bench.py
 
 # ratchet beside LangGraph, DBOS, Flink Agents, PyFlink and plain asyncio: one venv per peer
 # under .bench/ (about 2.8 GB), then one table (about 15 minutes). See docs/benchmarks.md.

@@ -49,6 +49,7 @@ from ratchet.agents import (
     run,
 )
 from ratchet.agents._exceptions import register_type
+from ratchet.agents._ltm import LongTermMemory, LongTermMemoryConfig
 from ratchet.agents._resource import Resource
 from ratchet.agents._retry import Retry
 from ratchet.runtime._engine import EngineConfig, EngineResult
@@ -92,6 +93,8 @@ __all__ = [
     "InvalidTypeError",
     "Job",
     "LegacyReceiptError",
+    "LongTermMemory",
+    "LongTermMemoryConfig",
     "MemoryObject",
     "MessageRole",
     "MigrationError",

@@ -64,6 +64,8 @@ def test_public_names_are_pinned() -> None:
         "InvalidTypeError",
         "Job",
         "LegacyReceiptError",
+        "LongTermMemory",
+        "LongTermMemoryConfig",
         "MemoryObject",
         "MessageRole",
         "MigrationError",

@@ -266,6 +266,40 @@ def test_a_checkpoint_that_fails_applies_nothing(stores: Stores) -> None:
     assert stores.reopen(store).load() == before
 
 
+def test_long_term_memories_are_added_replaced_and_deleted_with_their_checkpoint(
+    stores: Stores,
+) -> None:
+    store = stores.open()
+    store.write_checkpoint(
+        rows(
+            ltm_add=[
+                ("key:a", "m2", "second", b"meta2", b"vec2", 2.0),
+                ("key:a", "m1", "first", b"meta1", b"vec1", 1.0),
+                ("shared:x", "m1", "other scope", b"m", b"v", 1.0),
+            ]
+        ),
+        1.0,
+    )
+    store.write_checkpoint(
+        rows(
+            ltm_add=[("key:a", "m1", "first, replaced", b"meta1", b"vec1b", 1.0)],
+            ltm_delete=[("key:a", "m2"), ("key:a", "never-added")],
+        ),
+        2.0,
+    )
+    store = stores.reopen(store)
+    assert store.ltm_rows("key:a") == [("m1", "first, replaced", b"meta1", b"vec1b", 1.0)]
+    assert store.ltm_rows("shared:x") == [("m1", "other scope", b"m", b"v", 1.0)]
+    assert store.ltm_rows("key:nobody") == []
+    bad = rows(
+        ltm_add=[("key:a", "m3", "third", b"m", b"v", 3.0)],
+        outbox=[("broken", 0)],  # a malformed row: the whole checkpoint fails
+    )
+    with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the backend raises
+        store.write_checkpoint(bad, 3.0)
+    assert [r[0] for r in store.ltm_rows("key:a")] == ["m1"]
+
+
 # -- every backend and a model, in lockstep ------------------------------------------------------
 
 KEYS = [b"\x00", b"a", b"b", b"k\xff"]

@@ -106,6 +106,8 @@ class Agent:
     """
 
     memory_version: ClassVar[int] = 1
+    # `ratchet.LongTermMemoryConfig(embedding=...)` turns on `ctx.long_term_memory`.
+    long_term_memory: ClassVar[Any] = None
 
 
 class AgentSpec:

@@ -38,6 +38,7 @@ from ratchet.agents._events import (
     freeze,
 )
 from ratchet.agents._exceptions import encode_error, rebuild_error
+from ratchet.agents._ltm import LongTermMemory, LongTermMemoryConfig
 from ratchet.agents._memory import MemoryBuffer, MemoryObject
 from ratchet.agents._resource import Resource
 from ratchet.agents._retry import Retry
@@ -108,11 +109,23 @@ class RunnerContext:
         self.events: list[Emitted] = []
         self._trace_calls: list[dict[str, Any]] = []  # durable calls, for the run's trace
         self._notes: list[dict[str, Any]] = []
+        self._ltm: Any = None
+        self._ltm_texts: dict[tuple[str, str], int] = {}
         self.config = config
 
     @property
     def key(self) -> Any:
         return self._task.run.key
+
+    @property
+    def long_term_memory(self) -> LongTermMemory:
+        """The key's long-term memory: texts searched by meaning (docs/runtime.md, "Long-term
+        memory"); `.shared(name)` for one all keys share. Async methods: add, search, get,
+        delete, count."""
+        if self._ltm is None:
+            self._ltm = LongTermMemory(self, f"key:{self._task.run.key}")
+        ltm: LongTermMemory = self._ltm
+        return ltm
 
     @property
     def metrics(self) -> KeyMetrics:
@@ -597,6 +610,13 @@ class AgentBinding:
         )
         self.config = dict(config or {})
         self.metrics = Metrics()
+        ltm = getattr(agent, "long_term_memory", None)
+        if ltm is not None and not isinstance(ltm, LongTermMemoryConfig):
+            raise ConfigError(
+                f"{self.name}.long_term_memory must be a ratchet.LongTermMemoryConfig("
+                f"embedding=...), not {ltm!r}"
+            )
+        self.ltm_config: LongTermMemoryConfig | None = ltm
         self._by_name = {a.name: a for a in self.spec.actions}
         self._listeners: dict[type, list[str]] = {}
         self._modes = {

@@ -136,6 +136,7 @@ class TaskCalls:
         "_patches",
         "waits",
         "attempts",
+        "ltm",
     )
 
     def __init__(
@@ -160,6 +161,7 @@ class TaskCalls:
         self._pending: list[CallRecord] = []  # patch markers, written with the next record
         self._patches: dict[str, bool] = {}
         self.waits: Waits | None = None  # set by an engine that supports durable waits
+        self.ltm: Any = None  # long-term memory (ratchet.agents._ltm.LtmService), if any
         # records of later attempts (retries) of this task, by attempt number
         self.attempts: dict[int, dict[int, CallRecord]] = {}
         if recorded:  # a replayed task: match calls to records (most tasks have none)
@@ -210,6 +212,7 @@ class TaskCalls:
             self._writer,
         )  # fmt: skip
         sub.waits = self.waits
+        sub.ltm = self.ltm
         return sub
 
     def patched(self, change_id: str) -> bool:
@@ -275,11 +278,14 @@ class CallJournal:
             return
         self._by_task.setdefault((record.seq, record.task_id), {})[record.idx] = record
 
-    def calls_for(self, task: Task, writer: CallWriter, waits: Waits | None = None) -> TaskCalls:
+    def calls_for(
+        self, task: Task, writer: CallWriter, waits: Waits | None = None, ltm: Any = None
+    ) -> TaskCalls:
         where = (task.run.seq, task.task_id)
         recorded = self._by_task.pop(where, None) or {}
         calls = TaskCalls(task.run.seq, task.task_id, task.run.key, recorded, writer)
         calls.waits = waits
+        calls.ltm = ltm
         attempts = self._attempts.pop(where, None)
         if attempts:
             calls.attempts = attempts

@@ -48,7 +48,7 @@ from ratchet.runtime._journal import (
     encode_memory,
 )
 from ratchet.runtime._machine import Delta, Machine, Output, RestoredRun, Task
-from ratchet.runtime._memops import expire
+from ratchet.runtime._memops import LTM_ADD, expire
 from ratchet.runtime._otel import RunExporter
 from ratchet.runtime._otel import wanted as otel_wanted
 from ratchet.store import codec
@@ -618,6 +618,16 @@ class Engine:
             self._otel = RunExporter(self.config.otel_endpoint, binding.name)
         if self._retention is not None or self._otel is not None:
             self.machine.describe_event = binding.describe_event
+        self._ltm: Any = None
+        ltm_config = getattr(binding, "ltm_config", None)
+        if ltm_config is not None:
+            from ratchet.agents._ltm import LtmService
+            from ratchet.runtime._ltm import LongTermIndex, numpy
+
+            numpy()  # refused at start, not at the first search, when numpy is missing
+            index = LongTermIndex(self.store.ltm_rows, lambda fn: self._writer.submit(fn))
+            self._ltm = LtmService(index, ltm_config)
+            self.machine.collect_ltm = True
         self.stats = CheckpointStats()
         self.result = EngineResult()
         self._next_seq = 0
@@ -893,6 +903,11 @@ class Engine:
         while True:
             dispatched, _outputs, completed = m.take_effects()
             if completed:
+                if m.ltm_done:
+                    # Visible to the next runs now, as a completed run's memory is; durable
+                    # with the checkpoint that holds the completion.
+                    done, m.ltm_done = m.ltm_done, []
+                    self._ltm.index.completed(done)
                 self.result.runs_completed += len(completed)
                 limit = self.config.max_errors
                 if limit is not None and m.runs_failed > limit and not self._stop:
@@ -901,7 +916,7 @@ class Engine:
             if not dispatched:
                 return
             for task in dispatched:
-                calls = self._calls.calls_for(task, self._writer, self._waits)
+                calls = self._calls.calls_for(task, self._writer, self._waits, self._ltm)
                 outcome = dispatcher.dispatch(task, calls)
                 if outcome is None:
                     continue
@@ -1132,7 +1147,17 @@ class Engine:
             rows.runs.append((seq, enc(run.key), run.base_dispatch, encode_journal(b, run.journal)))
         for out in delta.outputs.values():
             rows.outbox.append((out.id, out.seq, enc(b.output_record(out))))
-        return self.store.write_checkpoint(rows, triggered)
+        for op in delta.ltm:
+            if op[0] == LTM_ADD:
+                _k, scope, ltm_id, text, meta, vector, at = op
+                rows.ltm_add.append((scope, ltm_id, text, enc(meta), vector, at))
+            else:
+                rows.ltm_delete.append((op[1], op[2]))
+        info = self.store.write_checkpoint(rows, triggered)
+        if delta.ltm and self._ltm is not None:
+            # In the writer thread, before any later scope load reads the database.
+            self._ltm.index.committed(len(delta.ltm))
+        return info
 
     async def _release(self, outputs: list[Output]) -> None:
         """Hand outputs of a completed checkpoint to the sink, in order; retried if the sink fails."""

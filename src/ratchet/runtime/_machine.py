@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet._errors import InternalError, InvalidArgumentError, NonDeterminismError
-from ratchet.runtime._memops import apply_ops
+from ratchet.runtime._memops import LTM_ADD, LTM_DELETE, apply_ops
 
 PENDING = 0
 FINISHED = 1
@@ -168,6 +168,8 @@ class Delta:
     traces: dict[int, tuple[Any, bool, float | None, list[dict[str, Any]]]] = field(
         default_factory=dict
     )
+    # long-term memory writes of runs that completed, in commit order (LTM_ADD / LTM_DELETE)
+    ltm: list[tuple[Any, ...]] = field(default_factory=list)
 
     def absorb(self, later: Delta) -> None:
         """Fold a later delta into this one (after a failed checkpoint, both must be written)."""
@@ -177,6 +179,7 @@ class Delta:
         self.failed.update(later.failed)
         self.redriven.update(later.redriven)
         self.traces.update(later.traces)
+        self.ltm.extend(later.ltm)
         for seq, item in later.new_inputs.items():
             self.new_inputs[seq] = item
         for seq in later.done_inputs:
@@ -193,6 +196,7 @@ class Delta:
             or self.runs
             or self.outputs
             or self.redriven
+            or self.ltm
         )
 
 
@@ -249,6 +253,10 @@ class Machine:
         # Keep what each committed task did, for run traces (`describe_event(event)` names an
         # event for the trace); None: no traces.
         self.describe_event: Callable[[Any], str] | None = None
+        # Collect the long-term memory writes of completed runs into the delta (an agent that
+        # uses long-term memory; others pay nothing for it).
+        self.collect_ltm = False
+        self.ltm_done: list[tuple[Any, ...]] = []  # effects: those writes, for the engine's index
         self.timers: list[tuple[Run, str, float]] = []  # effects: delayed events to schedule
         self._listeners = listeners
         self._is_output = is_output
@@ -619,6 +627,11 @@ class Machine:
             trace = [e.task_id for e in run.journal if e.task_id[:1] != "!"]
             d.failed[run.seq] = (run.key, run.input_event, list(run.errors), trace)
         d.keys[run.key] = (ks.memory, ks.next_dispatch, ks.version)
+        for entry in run.journal if self.collect_ltm else ():
+            for op in entry.stm_ops:
+                if op[0] == LTM_ADD or op[0] == LTM_DELETE:
+                    d.ltm.append(op)
+                    self.ltm_done.append(op)
         self._dirty_runs.discard(run.seq)
         d.completed.add(run.seq)
         if d.new_inputs.pop(run.seq, None) is None:

@@ -24,6 +24,12 @@ SET = "s"
 DELETE = "d"
 NEW_OBJECT = "o"
 EXPIRE = "e"  # (EXPIRE, path, expires_at or None): a time-to-live for a path (or none)
+# Long-term memory writes ride in the same op list (so they are journaled, replayed and
+# committed with the run like memory writes) but change no memory map: the engine collects
+# them when the run completes and writes them with that checkpoint.
+LTM_ADD = "L"  # (LTM_ADD, scope, id, text, metadata, float32 vector bytes, added at)
+LTM_DELETE = "X"  # (LTM_DELETE, scope, id)
+LTM_OPS = (LTM_ADD, LTM_DELETE)
 
 # Where a memory map keeps the expiry times of paths set with a ttl: {path: expires_at}.
 # Not a path an action can name ("!" is reserved), so `keys()` and `get()` never see it.
@@ -40,6 +46,8 @@ def parents(path: str) -> Iterator[str]:
 def apply_op(data: dict[str, Any], op: tuple[Any, ...]) -> None:
     """Apply one recorded op to a flat map in place (used at commit and in replay)."""
     kind, path = op[0], op[1]
+    if kind == LTM_ADD or kind == LTM_DELETE:
+        return
     if kind == EXPIRE:
         expires = dict(data.get(EXPIRES) or {})
         if op[2] is None:

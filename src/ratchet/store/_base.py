@@ -50,12 +50,19 @@ class CheckpointRows:
     trace_retention: tuple[int | None, float | None] = (None, None)
     # keys whose traces to cut down to the last N now (the engine asks every so often)
     trace_prune: list[str] = field(default_factory=list)
+    # long-term memory: (scope, id, text, encoded metadata, float32 vector, added at) to add
+    # (or replace), and (scope, id) to delete, applied in that order
+    ltm_add: list[tuple[str, str, str, bytes, bytes, float]] = field(default_factory=list)
+    ltm_delete: list[tuple[str, str]] = field(default_factory=list)
 
     def size(self) -> int:
         n = sum(len(k) + len(t) + 16 + len(m) for k, t, _, m, _v in self.keys)
         n += sum(8 + len(k) + len(e) for _, k, e in self.new_inputs)
         n += sum(8 + len(k) + 8 + len(j) for _, k, _, j in self.runs)
         n += sum(len(i) + 8 + len(r) for i, _, r in self.outbox)
+        n += sum(
+            len(s) + len(i) + len(t) + len(m) + len(v) + 8 for s, i, t, m, v, _ in self.ltm_add
+        )
         return n + 8 * len(self.done_inputs) + sum(len(i) for i in self.released)
 
 
@@ -232,6 +239,11 @@ class CheckpointStore(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """{"counts": {completed, failed, restored}, "latest_completed", "latest_restored"}."""
+        ...
+
+    def ltm_rows(self, scope: str) -> list[tuple[str, str, bytes, bytes, float]]:
+        """Committed long-term memories of `scope`: (id, text, encoded metadata, float32
+        vector, added at), oldest first."""
         ...
 
     def close(self) -> None: ...

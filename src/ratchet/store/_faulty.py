@@ -244,6 +244,9 @@ class FaultyStore:
     def stats(self) -> dict[str, Any]:
         return self._call("stats", self.inner.stats)
 
+    def ltm_rows(self, scope: str) -> list[tuple[str, str, bytes, bytes, float]]:
+        return self._call("ltm_rows", lambda: self.inner.ltm_rows(scope))
+
     def close(self) -> None:
         self.inner.close()
 

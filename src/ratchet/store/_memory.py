@@ -59,6 +59,8 @@ class MemoryStore:
         self.dead: dict[int, list[Any]] = {}
         self.report: dict[str, Any] = {}
         self.traces: dict[tuple[str, int], tuple[float, str, bytes]] = {}
+        # scope -> id -> (text, encoded metadata, vector, added at)
+        self.ltm: dict[str, dict[str, tuple[str, bytes, bytes, float]]] = {}
 
     def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         highest = max((v for *_rest, v in self.keys.values()), default=0)
@@ -126,6 +128,10 @@ class MemoryStore:
         self.outbox, self.calls, self.source = outbox, calls, source
         self.dead = dead
         self.report.update(copy.deepcopy(rows.report))
+        for scope, ltm_id, text, meta, vector, at in rows.ltm_add:
+            self.ltm.setdefault(scope, {})[ltm_id] = (text, meta, vector, at)
+        for scope, ltm_id in rows.ltm_delete:
+            self.ltm.get(scope, {}).pop(ltm_id, None)
         for key_text, seq, at, status, blob in rows.traces:
             self.traces[(key_text, seq)] = (at, status, blob)
         keep, age = rows.trace_retention
@@ -201,6 +207,10 @@ class MemoryStore:
             "latest_completed": dict(self.checkpoints[-1]) if self.checkpoints else None,
             "latest_restored": dict(self.latest_restored) if self.latest_restored else None,
         }
+
+    def ltm_rows(self, scope: str) -> list[tuple[str, str, bytes, bytes, float]]:
+        rows = [(i, t, m, v, a) for i, (t, m, v, a) in self.ltm.get(scope, {}).items()]
+        return sorted(rows, key=lambda r: (r[4], r[0]))
 
     def close(self) -> None:
         self.closed = True

@@ -87,6 +87,11 @@ _MIGRATIONS: list[tuple[str, ...]] = [
             status TEXT NOT NULL, trace BLOB NOT NULL, PRIMARY KEY(key_text, seq))""",
         "CREATE INDEX traces_by_time ON traces(at)",
     ),
+    (  # 7: long-term memory (`ctx.long_term_memory`): texts, metadata and embedding vectors
+        """CREATE TABLE ltm(
+            scope TEXT NOT NULL, id TEXT NOT NULL, text TEXT NOT NULL, metadata BLOB NOT NULL,
+            vector BLOB NOT NULL, at REAL NOT NULL, PRIMARY KEY(scope, id))""",
+    ),
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 _KEEP_CHECKPOINT_ROWS = 100
@@ -600,6 +605,14 @@ class SqliteStore:
                     "UPDATE dead_letters SET redriven_as = ? WHERE id = ? AND redriven_as IS NULL",
                     [(seq, i) for i, seq in rows.redriven],
                 )
+            if rows.ltm_add:
+                c.executemany(
+                    "INSERT OR REPLACE INTO ltm(scope, id, text, metadata, vector, at) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    rows.ltm_add,
+                )
+            if rows.ltm_delete:
+                c.executemany("DELETE FROM ltm WHERE scope = ? AND id = ?", rows.ltm_delete)
             if rows.source:
                 self._set_meta("source", rows.source)
             for name, value in rows.report.items():
@@ -870,6 +883,18 @@ class SqliteStore:
                 }
             )
         return out
+
+    def ltm_rows(self, scope: str) -> list[tuple[str, str, bytes, bytes, float]]:
+        """The long-term memories of one scope: (id, text, encoded metadata, float32 vector,
+        added at), oldest first."""
+        exists = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ltm'").fetchone()
+        if exists is None:
+            return []
+        rows = self.conn.execute(
+            "SELECT id, text, metadata, vector, at FROM ltm WHERE scope = ? ORDER BY at, id",
+            (scope,),
+        ).fetchall()
+        return [(str(i), str(t), bytes(m), bytes(v), float(a)) for i, t, m, v, a in rows]
 
     def traces(self, key_text: str, seq: int | None = None) -> list[dict[str, Any]]:
         """Kept traces of a key's completed runs, newest first (or the one of input `seq`)."""

@@ -435,6 +435,10 @@ class RunnerContext:
         call waits for the resource to come back) instead of failing the action."""
         if resource is not None and not isinstance(resource, Resource):
             raise InvalidTypeError(f"resource= takes a ratchet.Resource, got {resource!r}")
+        if resource is not None and self._calls.waits is None:
+            # An engine with no durable waits (the Flink engine) cannot pause on an outage:
+            # the call is a plain durable call there, and a failure the action's error.
+            resource = None
         entry = self._traced_call(fn)
         try:
             result = await self._execute_async(fn, args, kwargs, reconciler, retry, resource)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -10,6 +11,9 @@ from ratchet._errors import CodecError, ConfigError, StateError
 from ratchet.store import codec
 
 _REGISTRY: dict[str, type[Event]] = {}
+# Families of event names whose classes are made on demand (name prefix -> maker); the Apache
+# Flink Agents compatibility layer routes its string-typed events this way.
+_FAMILIES: dict[str, Callable[[str], type[Event]]] = {}
 
 
 class Event(BaseModel):
@@ -55,10 +59,21 @@ def event_class(name: str) -> type[Event]:
     try:
         return _REGISTRY[name]
     except KeyError:
+        for prefix, make in _FAMILIES.items():
+            if name.startswith(prefix):
+                return make(name)
         raise StateError(
             f"the state directory holds an event of type {name!r}, but no Event subclass with "
             f"that event_name is defined; import the module that defines it before restoring"
         ) from None
+
+
+def register_event_family(prefix: str, make: Callable[[str], type[Event]]) -> None:
+    """Let `event_class` find names starting with `prefix` that no class registered yet:
+    `make(name)` defines (and so registers) the class. For event types named by strings."""
+    if not prefix:
+        raise ConfigError("an event family needs a non-empty name prefix")
+    _FAMILIES[prefix] = make
 
 
 class InputEvent(Event):

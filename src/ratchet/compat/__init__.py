@@ -1,0 +1,1 @@
+"""Compatibility packages: other agent frameworks' APIs, running on ratchet's engines."""

@@ -1,0 +1,1 @@
+"""Part of the Apache Flink Agents compatibility layer (module layout as theirs)."""

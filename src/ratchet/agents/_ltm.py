@@ -76,6 +76,15 @@ async def embed_texts(model: Any, texts: list[str]) -> list[list[float]]:
     return out
 
 
+def _resource_of(model: Any) -> Any:
+    """The model's `ratchet.Resource` (ratchet's embedding models have one): an outage pauses
+    the stream instead of failing the run (docs/runtime.md, "Pause, don't burn")."""
+    from ratchet.agents._resource import Resource
+
+    resource = getattr(model, "resource", None)
+    return resource if isinstance(resource, Resource) else None
+
+
 def _check_text(text: Any, what: str) -> str:
     if not isinstance(text, str) or not text.strip():
         raise InvalidArgumentError(f"{what} must be a non-empty string, not {text!r}")
@@ -154,8 +163,9 @@ class LongTermMemory:
         codec.check_admissible(meta)
         service = self._service()
         ltm_id = self._new_id(text)
+        model = service.config.embedding
         [vector] = await self._ctx.durable_execute_async(
-            embed_texts, service.config.embedding, [text]
+            embed_texts, model, [text], resource=_resource_of(model)
         )
         blob = unit_vector(vector).tobytes()
         self._ctx._stm.ops.append(
@@ -192,7 +202,9 @@ class LongTermMemory:
             )
             return found
 
-        return await self._ctx.durable_execute_async(search, self._scope, query, k, where)
+        return await self._ctx.durable_execute_async(
+            search, self._scope, query, k, where, resource=_resource_of(model)
+        )
 
     async def get(self, ltm_id: str) -> dict[str, Any] | None:
         """One memory by id (`id`, `text`, `metadata`, `added_at`), or None."""

@@ -6,6 +6,13 @@ in sensory memory, so it is in every checkpoint.
 """
 
 from ratchet.agents.chat._agent import ChatAgent, TokenBudget, chat_usage, idempotency_key
+from ratchet.agents.chat._embeddings import (
+    EmbeddingModel,
+    OllamaEmbeddingModel,
+    OpenAIEmbeddingModel,
+    ScriptedEmbeddingModel,
+    embed,
+)
 from ratchet.agents.chat._errors import (
     ChatError,
     ModelCallError,
@@ -21,6 +28,7 @@ from ratchet.agents.chat._events import (
     ToolRequestEvent,
     ToolResponseEvent,
 )
+from ratchet.agents.chat._mcp import MCPPrompt, MCPServer, MCPTool, MCPToolError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import ChatModel, ChatModelSetup, ResourceDescriptor, RetryPolicy
 from ratchet.agents.chat._prompt import Prompt
@@ -34,6 +42,7 @@ from ratchet.agents.chat._resources import (
     ResourceType,
     chat_model_connection,
     chat_model_setup,
+    mcp_server,
     prompt,
 )
 from ratchet.agents.chat._tools import Tool, ToolContext, tool
@@ -59,14 +68,21 @@ __all__ = [
     "ChatModelSetup",
     "ChatRequestEvent",
     "ChatResponseEvent",
+    "EmbeddingModel",
+    "MCPPrompt",
+    "MCPServer",
+    "MCPTool",
+    "MCPToolError",
     "MessageRole",
     "ModelCallError",
     "OllamaChatModel",
     "OllamaChatModelConnection",
     "OllamaChatModelSetup",
+    "OllamaEmbeddingModel",
     "OpenAIChatModel",
     "OpenAIChatModelConnection",
     "OpenAIChatModelSetup",
+    "OpenAIEmbeddingModel",
     "Prompt",
     "PromptArgumentError",
     "RateLimit",
@@ -75,6 +91,7 @@ __all__ = [
     "ResourceType",
     "RetryPolicy",
     "ScriptedChatModel",
+    "ScriptedEmbeddingModel",
     "StructuredOutputError",
     "TokenBudget",
     "TokenBudgetExceededError",
@@ -89,8 +106,10 @@ __all__ = [
     "chat_model_connection",
     "chat_model_setup",
     "chat_usage",
+    "embed",
     "estimate_tokens",
     "idempotency_key",
+    "mcp_server",
     "prompt",
     "tool",
 ]

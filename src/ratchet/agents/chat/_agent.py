@@ -35,6 +35,7 @@ from ratchet.agents.chat._events import (
     ToolRequestEvent,
     ToolResponseEvent,
 )
+from ratchet.agents.chat._mcp import MCPPrompt
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import parse_structured
 from ratchet.agents.chat._prompt import Prompt
@@ -152,7 +153,7 @@ class ChatAgent(Agent):
         setup = self.resources.setup(setup_name)
         return await setup.model.chat(
             messages,
-            tools=list(setup.tools.values()),
+            tools=list((await setup.all_tools()).values()),  # with its MCP servers' tools
             output_schema=setup.schema(output_schema),
             model=setup.model_name,
             options=setup.options,
@@ -162,9 +163,22 @@ class ChatAgent(Agent):
         self, setup_name: str, call: ToolCall, key: str, invalid: str | None, run_key: Any
     ) -> ChatMessage:
         setup = self.resources.setup(setup_name)
-        tool_obj = setup.tools.get(call.name)
+        tools = setup.tools
+        if call.name not in tools and setup.mcp_servers:
+            try:
+                tools = await setup.all_tools()
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model reads the failure
+                return _tool_message(
+                    call,
+                    f"ERROR: tool {call.name!r} is unavailable: cannot list the tools of this "
+                    f"setup's MCP servers ({type(exc).__name__}: {exc})",
+                    error=True,
+                )
+        tool_obj = tools.get(call.name)
         if tool_obj is None:
-            known = ", ".join(sorted(setup.tools)) or "none"
+            known = ", ".join(sorted(tools)) or "none"
             return _tool_message(
                 call, f"ERROR: there is no tool named {call.name!r}; available: {known}", error=True
             )
@@ -188,6 +202,11 @@ class ChatAgent(Agent):
             )
         return _tool_message(call, render_result(value))
 
+    async def _call_prompt(self, setup_name: str, prompt_args: dict[str, Any]) -> list[ChatMessage]:
+        prompt = self.resources.setup(setup_name).prompt
+        assert isinstance(prompt, MCPPrompt)
+        return await prompt.fetch(prompt_args)
+
     # -- built-in actions -------------------------------------------------------------------
 
     @action(ChatRequestEvent, ToolResponseEvent, name="ratchet_chat")
@@ -196,7 +215,16 @@ class ChatAgent(Agent):
         if isinstance(event, ChatRequestEvent):
             rid = _request_id(ctx.task_id)
             setup = self.resources.setup(event.model)
-            messages = self._initial_messages(setup.prompt, event)
+            if isinstance(setup.prompt, MCPPrompt):  # fetched from its server, durably
+                fetched = await ctx.durable_execute_async(
+                    self._call_prompt,
+                    event.model,
+                    dict(event.prompt_args),
+                    resource=setup.prompt.server.resource,
+                )
+                messages = fetched + list(event.messages)
+            else:
+                messages = self._initial_messages(setup.prompt, event)
             state: dict[str, Any] = {
                 "model": event.model,
                 "messages": messages,

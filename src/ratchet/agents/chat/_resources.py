@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ratchet._errors import ConfigError
+from ratchet.agents.chat._mcp import MCPPrompt, MCPServer
 from ratchet.agents.chat._model import (
     ChatModel,
     ChatModelSetup,
@@ -27,6 +28,7 @@ class ResourceType(StrEnum):
     CHAT_MODEL = "chat_model"  # a setup
     TOOL = "tool"
     PROMPT = "prompt"
+    MCP_SERVER = "mcp_server"
 
 
 def _marker(kind: ResourceType) -> Callable[[Any], Any]:
@@ -46,6 +48,7 @@ def _marker(kind: ResourceType) -> Callable[[Any], Any]:
 chat_model_connection = _marker(ResourceType.CHAT_MODEL_CONNECTION)
 chat_model_setup = _marker(ResourceType.CHAT_MODEL)
 prompt = _marker(ResourceType.PROMPT)
+mcp_server = _marker(ResourceType.MCP_SERVER)
 
 
 def _kind_of(obj: Any) -> ResourceType:
@@ -55,6 +58,8 @@ def _kind_of(obj: Any) -> ResourceType:
         return ResourceType.CHAT_MODEL
     if isinstance(obj, Prompt):
         return ResourceType.PROMPT
+    if isinstance(obj, MCPServer):
+        return ResourceType.MCP_SERVER
     if isinstance(obj, Tool) or callable(obj):
         return ResourceType.TOOL
     raise ConfigError(
@@ -74,6 +79,23 @@ class ResolvedSetup:
     output_schema: str | None
     max_turns: int | None
     options: dict[str, Any] = field(default_factory=dict)
+    mcp_servers: list[MCPServer] = field(default_factory=list)
+
+    async def all_tools(self) -> dict[str, Tool]:
+        """`tools` and the tools of the setup's MCP servers (listed on first use)."""
+        if not self.mcp_servers:
+            return self.tools
+        out = dict(self.tools)
+        for server in self.mcp_servers:
+            for t in await server.list_tools():
+                if t.name in out:
+                    raise ConfigError(
+                        f"chat model setup {self.name!r}: tool {t.name!r} of MCP server "
+                        f"{server.name!r} clashes with another tool of that name; give the "
+                        f"server a prefix= or allow only some of its tools (tools=[...])"
+                    )
+                out[t.name] = t
+        return out
 
     def schema(self, name: str | None) -> type[BaseModel] | None:
         name = name or self.output_schema
@@ -145,9 +167,10 @@ class Resources:
         return sorted(self._items[kind])
 
     def _resolve_prompt(self, p: str | Prompt | None) -> Prompt | None:
-        if isinstance(p, str):
-            return self.get(p, ResourceType.PROMPT)  # type: ignore[no-any-return]
-        return p
+        found: Prompt | None = self.get(p, ResourceType.PROMPT) if isinstance(p, str) else p
+        if isinstance(found, MCPPrompt) and isinstance(found.server_ref, str):
+            found.bind(self.get(found.server_ref, ResourceType.MCP_SERVER))
+        return found
 
     def _resolve_setup(self, name: str, setup: ChatModelSetup) -> ResolvedSetup:
         conn = setup.connection
@@ -157,7 +180,21 @@ class Resources:
         if not isinstance(model, ChatModel):
             raise ConfigError(f"chat model setup {name!r}: connection {conn!r} is not a ChatModel")
         tools: dict[str, Tool] = {}
+        servers: list[MCPServer] = []
         for t in setup.tools:
+            server = t if isinstance(t, MCPServer) else None
+            if isinstance(t, str) and t in self._items[ResourceType.MCP_SERVER]:
+                if t in self._items[ResourceType.TOOL]:
+                    raise ConfigError(
+                        f"chat model setup {name!r} lists {t!r}, which names both a tool and an "
+                        f"MCP server of {self.owner}; rename one of them"
+                    )
+                server = self._items[ResourceType.MCP_SERVER][t]
+            if server is not None:
+                if server in servers:
+                    raise ConfigError(f"chat model setup {name!r} lists MCP server {t!r} twice")
+                servers.append(server)
+                continue
             tool_obj = self.get(t, ResourceType.TOOL) if isinstance(t, str) else as_tool(t)
             if tool_obj.name in tools:
                 raise ConfigError(f"chat model setup {name!r} lists tool {tool_obj.name!r} twice")
@@ -171,9 +208,12 @@ class Resources:
             output_schema=setup.output_schema,
             max_turns=setup.max_turns,
             options=dict(setup.options),
+            mcp_servers=servers,
         )
 
     def resolve_all(self) -> None:
+        for p in self._items[ResourceType.PROMPT].values():
+            self._resolve_prompt(p)  # binds MCP prompts to their servers, by name
         for name, setup in self._items[ResourceType.CHAT_MODEL].items():
             self._setups[name] = self._resolve_setup(name, setup)
 

@@ -18,6 +18,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError, StateError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding, install_task_factory
+from ratchet.connectors import is_uri, sink_for, source_for
 from ratchet.runtime._engine import Engine, EngineConfig, EngineResult
 from ratchet.runtime._io import (
     CallbackSink,
@@ -69,6 +70,8 @@ def load_agent(spec: str) -> Agent:
 def _source(inputs: Any, key: str, follow: bool) -> Source:
     if isinstance(inputs, Source):
         return inputs
+    if is_uri(inputs):  # http://, postgresql://, nats:// (docs/connectors.md)
+        return source_for(inputs, key=key, follow=follow)
     if isinstance(inputs, str | os.PathLike):
         path = Path(inputs)
         if path.is_dir() or (_has_glob(str(inputs)) and not path.is_file()):
@@ -87,6 +90,8 @@ def _has_glob(text: str) -> bool:
 
 
 def _sink(output: Any, append: bool) -> Sink:
+    if is_uri(output):
+        return sink_for(output, append=append)
     if isinstance(output, str | os.PathLike):
         return JsonlSink(output, append=append)
     if append:
@@ -158,6 +163,7 @@ class Job:
             history = store.stats()["counts"]["completed"] > 0
             self.job = job_identity(self.state_dir, has_history=history, clock=clock, rng=rng)
             sink.open(self.job)
+            source.open(self.job, checkpoint_interval=self.config.checkpoint_interval)
             self.store = store
             self.engine = Engine(
                 self.binding,
@@ -233,9 +239,11 @@ def run(
     """Run `agent` over `inputs` into `output`, durably in `state_dir`; resumes if it has state.
 
     `inputs`: a JSONL path, a directory or glob pattern of JSONL files (rotated logs, read in
-    order and tracked by identity), an iterable of dicts (replayable in the same order), or a
-    Source.
-    `output`: a JSONL path (exactly once, bound to this state's job), a callable (at least
+    order and tracked by identity), a connector URI (`http://HOST:PORT`,
+    `postgresql://...?table=NAME`, `nats://...?stream=S&subject=SUBJ`; docs/connectors.md),
+    an iterable of dicts (replayable in the same order), or a Source.
+    `output`: a JSONL path (exactly once, bound to this state's job), a connector URI
+    (`postgresql://...?table=NAME`, `nats://...`; exactly once), a callable (at least
     once, with stable ids), or a Sink. `append_output=True` lets a JSONL output that holds
     another job's outputs be appended to (otherwise it is refused).
     `clock`: where the engine reads time (tests pass `ratchet.testing.FakeClock`); `rng`:

@@ -34,9 +34,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--input",
         required=True,
         help="JSON Lines file, one input object per line; or a directory or a quoted glob "
-        "pattern ('logs/app.jsonl*') of files read in order, for logs rotated by renaming",
+        "pattern ('logs/app.jsonl*') of files read in order, for logs rotated by renaming; or a "
+        "connector URI: http://127.0.0.1:PORT (POST /v1/events), "
+        "postgresql://USER@HOST/DB?table=NAME, nats://HOST:PORT?stream=S&subject=SUBJ "
+        "(docs/connectors.md)",
     )
-    run.add_argument("--output", required=True, help="JSON Lines file the outputs are appended to")
+    run.add_argument(
+        "--output",
+        required=True,
+        help="JSON Lines file the outputs are appended to; or a connector URI: "
+        "postgresql://USER@HOST/DB?table=NAME, nats://HOST:PORT?stream=S&subject=SUBJ",
+    )
     run.add_argument(
         "--append-output",
         action="store_true",
@@ -315,10 +323,12 @@ def _status_reporter(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import Job, load_agent, run_owned
+    from ratchet.connectors import is_uri
     from ratchet.runtime._io import check_output_path
 
     # Refused before anything is created (the supervisor creates the state directory).
-    check_output_path(args.output)
+    if not is_uri(args.output):
+        check_output_path(args.output)
     if args.from_savepoint is not None:
         from pathlib import Path
 

@@ -1087,6 +1087,13 @@ class Engine:
             )  # fmt: skip
             self._written_position = position
             self._written_report = report
+            # Connectors (docs/connectors.md): the inputs up to this position are in a completed
+            # checkpoint now, so the source may acknowledge them to its system.
+            taken: Any = position["position"]  # what source.position() returned
+            try:
+                self.source.acknowledge(taken)
+            except Exception:  # noqa: BLE001 - acknowledged again after the next checkpoint
+                log.exception("the source failed to acknowledge checkpointed inputs upstream")
             self.stats.completed += 1
             self.stats.latest_completed = info
             self.result.dead_letters += len(dead) + len(delta.failed)

@@ -43,9 +43,27 @@ class Record:
 
 
 class Source:
-    """Yields records one at a time, so its position is exact at every checkpoint."""
+    """Yields records one at a time, so its position is exact at every checkpoint.
+
+    The connector interface (docs/connectors.md): `open` once the job is known, `restore`
+    the checkpointed position, `next_record` without blocking the event loop, `position` at
+    every checkpoint, and `acknowledge` once the checkpoint holding that position completed.
+    `follow` is read each time `next_record` returns None: True means "nothing now, ask
+    again", False means "the input is exhausted" (a property may compute it).
+    """
 
     follow = False
+
+    def open(self, job: JobIdentity | None, *, checkpoint_interval: float) -> None:
+        """Called by `Job` once the state directory's job is known, before `restore`;
+        `checkpoint_interval` is in seconds (a source that leases inputs checks it)."""
+
+    def acknowledge(self, position: dict[str, Any]) -> None:
+        """Called after the checkpoint that holds `position` (a value `position()` returned)
+        completed: every input read up to it is durable in ratchet's state, so the source may
+        now tell its system (ack a message, prune an inbox). Called on the engine's loop: hand
+        slow work to a thread. An exception is logged, and the next checkpoint calls again with
+        a later position: acknowledge everything up to `position`, not only what is new."""
 
     def restore(self, position: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -237,7 +255,14 @@ def _kind_of(position: dict[str, Any]) -> str:
         return "from a Python iterable"
     if "offset" in position:
         return f"from the file {position.get('path')}"
-    return ""
+    # Connectors (ratchet.connectors): named so a refusal says what the state read before.
+    if "inbox" in position:
+        return "from an HTTP ingestion endpoint (--input http://...)"
+    if "after" in position and "table" in position:
+        return f"from the PostgreSQL table {position.get('table')}"
+    if "pending" in position and "stream" in position:
+        return f"from the JetStream stream {position.get('stream')}"
+    return "from another kind of source"
 
 
 class JsonlSource(Source):

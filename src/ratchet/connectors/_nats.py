@@ -1,0 +1,537 @@
+"""NATS JetStream: a durable pull consumer as a source, publishing with de-duplication as a sink.
+
+Source: `--input nats://HOST:PORT?stream=S&subject=SUBJ[&durable=NAME][&ack_wait=SECONDS]`.
+Messages are fetched by a durable pull consumer (explicit acks) and acknowledged only after
+the checkpoint that holds them completed. The position in ratchet's checkpoint is the set of
+stream sequences admitted but not yet acknowledged (confirmed by the server): after a crash,
+the server redelivers them once their ack-wait runs out, and the source recognises them by
+stream sequence and acknowledges them without admitting them again.
+
+Sink: `--output nats://HOST:PORT?stream=S&subject=SUBJ` publishes each output (its JSON line)
+with the header `Nats-Msg-Id: <job id>:<output id>`, and waits for the stream's
+acknowledgement; a publish repeated after a crash within the stream's duplicate window is
+dropped by the server. docs/connectors.md says what happens after a longer outage.
+
+nats-py is asynchronous; the engine calls sources and sinks synchronously, so each connector
+runs its client on an event loop of its own, in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from ratchet._errors import ConfigError
+from ratchet.connectors import missing_extra, query_of, redact
+from ratchet.runtime._io import (
+    JobIdentity,
+    Record,
+    Sink,
+    Source,
+    _key_of,
+    _kind_of,
+    to_json_line,
+)
+
+try:
+    import nats
+    import nats.errors
+    import nats.js.errors
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+except ImportError as _exc:  # pragma: no cover - exercised by a test that hides nats
+    _IMPORT_ERROR: ImportError | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+log = logging.getLogger("ratchet.connectors.nats")
+
+T = TypeVar("T")
+_SOURCE_PARAMS = frozenset({"stream", "subject", "durable", "ack_wait", "batch"})
+_SINK_PARAMS = frozenset({"stream", "subject"})
+DEFAULT_ACK_WAIT = 30.0
+# The ack-wait must leave room for this many checkpoint intervals (and at least a second):
+# a message is acknowledged after the checkpoint that follows its admission.
+ACK_WAIT_INTERVALS = 10
+_PUBLISH_CHUNK = 256
+# Batches fetched ahead of the engine: it waits `follow_poll` whenever the buffer is empty.
+_PREFETCH = 4
+_TIMEOUT = 30.0
+
+
+def _require(flag: str, uri: str) -> None:
+    if _IMPORT_ERROR is not None:
+        raise missing_extra(flag, uri, "nats", "nats-py", _IMPORT_ERROR)
+
+
+def _parse(uri: str, flag: str, known: frozenset[str]) -> tuple[str, dict[str, str]]:
+    params = query_of(uri, flag, known)
+    parts = urlsplit(uri)
+    for name in ("stream", "subject"):
+        if not params.get(name):
+            raise ConfigError(
+                f"{flag} {redact(uri)}: name the {name}: "
+                f"nats://HOST:PORT?stream=NAME&subject=SUBJECT"
+            )
+    if not parts.hostname:
+        raise ConfigError(f"{flag} {redact(uri)}: name the server, e.g. nats://127.0.0.1:4222")
+    server = parts._replace(path="", query="", fragment="").geturl()
+    return server, params
+
+
+class _Loop:
+    """An event loop in a thread of its own, for the asynchronous NATS client."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = _TIMEOUT) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+async def _connect(server: str, flag: str, uri: str) -> Any:
+    try:
+        return await nats.connect(
+            servers=[server],
+            connect_timeout=5,
+            max_reconnect_attempts=-1,
+            allow_reconnect=True,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        raise ConfigError(f"{flag} {redact(uri)}: cannot connect to NATS: {exc!r}") from exc
+
+
+async def _stream(js: Any, name: str, flag: str, uri: str) -> Any:
+    try:
+        return await js.stream_info(name)
+    except nats.js.errors.NotFoundError as exc:
+        raise ConfigError(
+            f"{flag} {redact(uri)}: JetStream has no stream {name!r}; create it first (for "
+            f"example `nats stream add {name} --subjects ...`), ratchet does not create streams"
+        ) from exc
+
+
+class NatsSource(Source):
+    """A JetStream stream read by a durable pull consumer (see module doc)."""
+
+    def __init__(
+        self,
+        uri: str,
+        server: str,
+        stream: str,
+        subject: str,
+        *,
+        key_field: str = "key",
+        follow: bool = False,
+        durable: str | None = None,
+        ack_wait: float | None = None,
+        batch: int = 256,
+    ) -> None:
+        self.uri, self.server, self.stream, self.subject = uri, server, stream, subject
+        self.key_field = key_field
+        self._follow = follow
+        self.durable = durable
+        self.ack_wait = ack_wait
+        self.batch = batch
+        self._loop: _Loop | None = None
+        self._nc: Any = None
+        self._sub: Any = None
+        self._fetcher: concurrent.futures.Future[None] | None = None
+        self._lock = threading.Lock()
+        self._ready: collections.deque[Any] = collections.deque()  # fetched, not yet read
+        self._handles: dict[int, Any] = {}  # admitted, not yet acknowledged
+        self._acking: dict[int, Any] = {}  # acknowledged after a checkpoint, not yet confirmed
+        self._restored: set[int] = set()  # in a completed checkpoint, unconfirmed by the server
+        self._prev: tuple[int, Any] | None = None
+        self._drained = False
+        self._closing = False
+        self._want: asyncio.Event | None = None
+        self._acks: list[concurrent.futures.Future[None]] = []
+
+    @classmethod
+    def from_uri(cls, uri: str, *, key_field: str, follow: bool) -> NatsSource:
+        _require("--input", uri)
+        server, p = _parse(uri, "--input", _SOURCE_PARAMS)
+        try:
+            ack_wait = float(p["ack_wait"]) if "ack_wait" in p else None
+            batch = int(p.get("batch", 256))
+        except ValueError as exc:
+            raise ConfigError(
+                f"--input {redact(uri)}: ack_wait is seconds and batch a count: {exc}"
+            ) from exc
+        if batch < 1 or (ack_wait is not None and ack_wait <= 0):
+            raise ConfigError(f"--input {redact(uri)}: ack_wait and batch must be positive")
+        return cls(
+            uri, server, p["stream"], p["subject"], key_field=key_field, follow=follow,
+            durable=p.get("durable") or None, ack_wait=ack_wait, batch=batch,
+        )  # fmt: skip
+
+    @property
+    def follow(self) -> bool:  # type: ignore[override]
+        # Without --follow the input ends once the consumer has nothing more to deliver; until
+        # the fetcher knows that, "nothing now" means "ask again".
+        return self._follow or not self._drained
+
+    @property
+    def where(self) -> str:
+        return f"--input {redact(self.uri)}"
+
+    # -- the connector interface ---------------------------------------------------------------
+
+    def open(self, job: JobIdentity | None, *, checkpoint_interval: float) -> None:
+        if self.durable is None:
+            if job is None:
+                raise ConfigError(f"{self.where}: name the consumer with ?durable=NAME")
+            self.durable = f"ratchet-{job.id}"
+        self._loop = _Loop("ratchet-nats-source")
+        try:
+            self._loop.call(self._open(checkpoint_interval))
+        except BaseException:
+            self.close()
+            raise
+        self._fetcher = self._loop.submit(self._fetch_loop())
+
+    async def _open(self, checkpoint_interval: float) -> None:
+        self._want = asyncio.Event()
+        self._nc = await _connect(self.server, "--input", self.uri)
+        js = self._nc.jetstream()
+        await _stream(js, self.stream, "--input", self.uri)
+        least = max(1.0, ACK_WAIT_INTERVALS * checkpoint_interval)
+        try:
+            info = await js.consumer_info(self.stream, self.durable)
+        except nats.js.errors.NotFoundError:
+            wait = self.ack_wait or max(DEFAULT_ACK_WAIT, least)
+            self._check_ack_wait(wait, least, checkpoint_interval, "?ack_wait=SECONDS")
+            info = await js.add_consumer(
+                self.stream,
+                ConsumerConfig(
+                    durable_name=self.durable,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    ack_wait=wait,
+                    filter_subject=self.subject,
+                    max_ack_pending=20_000,
+                ),
+            )
+            log.info("created durable consumer %s on stream %s", self.durable, self.stream)
+        else:
+            cfg = info.config
+            if cfg.filter_subject not in (None, "", self.subject):
+                raise ConfigError(
+                    f"{self.where}: the durable consumer {self.durable!r} reads subject "
+                    f"{cfg.filter_subject!r}, not {self.subject!r}; pass its subject, or another "
+                    f"?durable=NAME"
+                )
+            if self.ack_wait is not None and abs((cfg.ack_wait or 0) - self.ack_wait) > 1e-3:
+                raise ConfigError(
+                    f"{self.where}: the durable consumer {self.durable!r} has ack-wait "
+                    f"{cfg.ack_wait:g} s, not the {self.ack_wait:g} s asked for; change it with "
+                    f"`nats consumer edit`, or drop ?ack_wait"
+                )
+            self._check_ack_wait(
+                float(cfg.ack_wait or 0), least, checkpoint_interval, "`nats consumer edit`"
+            )
+        self._forget_acked(info)
+        self._sub = await js.pull_subscribe_bind(self.durable, self.stream)
+
+    def _check_ack_wait(self, wait: float, least: float, interval: float, fix: str) -> None:
+        if wait < least:
+            raise ConfigError(
+                f"{self.where}: the consumer's ack-wait ({wait:g} s) is too short for the "
+                f"checkpoint interval ({interval * 1000:g} ms): a message is acknowledged after "
+                f"the checkpoint that holds it, so the ack-wait must be at least "
+                f"{ACK_WAIT_INTERVALS} intervals and 1 s ({least:g} s), or the server redelivers "
+                f"every message before it can be acknowledged. Raise it ({fix}) or lower "
+                f"--checkpoint-interval"
+            )
+
+    def _forget_acked(self, info: Any) -> None:
+        """Stream sequences at or below the consumer's ack floor are acknowledged for good:
+        they are never redelivered, so the position need not remember them."""
+        floor = int(getattr(info.ack_floor, "stream_seq", 0) or 0)
+        with self._lock:
+            self._restored = {s for s in self._restored if s > floor}
+            self._acking = {s: m for s, m in self._acking.items() if s > floor}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        if not position:
+            return
+        if position.get("stream") != self.stream or "pending" not in position:
+            raise ConfigError(
+                f"this state directory read its inputs {_kind_of(position)}, not from the "
+                f"JetStream stream {self.stream}; pass the same --input as before, or use a new "
+                f"--state"
+            )
+        if position.get("durable") != self.durable:
+            raise ConfigError(
+                f"this state directory read stream {self.stream} through the consumer "
+                f"{position.get('durable')!r}, not {self.durable!r}; pass "
+                f"?durable={position.get('durable')} to resume it"
+            )
+        with self._lock:
+            self._restored |= {int(s) for s in position["pending"]}
+
+    def position(self) -> dict[str, Any]:
+        with self._lock:
+            pending = sorted(self._restored | self._handles.keys() | self._acking.keys())
+        return {"stream": self.stream, "durable": self.durable, "pending": pending}
+
+    def next_record(self) -> Record | None:
+        while True:
+            with self._lock:
+                msg = self._ready.popleft() if self._ready else None
+                low = len(self._ready) < self.batch * _PREFETCH // 2
+            if low and self._want is not None and self._loop is not None:
+                self._loop.loop.call_soon_threadsafe(self._want.set)
+            if msg is None:
+                if self._fetcher is not None and self._fetcher.done():
+                    self._fetcher.result()  # re-raises what stopped it
+                return None
+            seq = int(msg.metadata.sequence.stream)
+            with self._lock:
+                if seq in self._handles:
+                    self._handles[seq] = msg  # admitted, not checkpointed yet: ack it later
+                    continue
+                if seq in self._restored or seq in self._acking:
+                    # Already in a completed checkpoint: a redelivery, acknowledged again.
+                    self._acks.append(self._loop_ack([msg]))
+                    continue
+                self._handles[seq] = msg
+            self._prev = (seq, msg)
+            try:
+                value = json.loads(msg.data)
+            except ValueError as exc:
+                return Record(seq, error=f"stream {self.stream} message {seq}: invalid JSON ({exc})",
+                              raw=msg.data[:65536].decode("utf-8", errors="replace"))  # fmt: skip
+            key, err = _key_of(value, self.key_field, f"stream {self.stream} message {seq}")
+            if err is not None:
+                return Record(seq, error=err, raw=msg.data[:65536].decode("utf-8", "replace"))
+            return Record(seq, key=key, value=value)
+
+    def unread(self) -> None:
+        if self._prev is not None:
+            seq, msg = self._prev
+            with self._lock:
+                self._handles.pop(seq, None)
+                self._ready.appendleft(msg)
+            self._prev = None
+
+    def acknowledge(self, position: dict[str, Any]) -> None:
+        batch = []
+        with self._lock:
+            for seq in position.get("pending", ()):
+                msg = self._handles.pop(seq, None)
+                if msg is not None:
+                    self._acking[seq] = msg
+                    batch.append(msg)
+        if batch:
+            self._acks.append(self._loop_ack(batch))
+        self._acks = [f for f in self._acks if not f.done()]
+
+    def _loop_ack(self, msgs: list[Any]) -> concurrent.futures.Future[None]:
+        assert self._loop is not None
+        return self._loop.submit(self._ack(msgs))
+
+    async def _ack(self, msgs: list[Any]) -> None:
+        """Send the acks, flush them, then learn the consumer's ack floor: a sequence leaves the
+        position only once the server's floor passed it. An ack that is lost keeps its
+        sequence in the position, so its redelivery is recognised."""
+        try:
+            for m in msgs:
+                await m.ack()
+            await self._nc.flush(timeout=10)
+            info = await self._nc.jetstream().consumer_info(self.stream, self.durable)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("acknowledging %d message(s) of %s failed: %r", len(msgs), self.stream, exc)
+            return
+        self._forget_acked(info)
+
+    async def _fetch_loop(self) -> None:
+        assert self._want is not None
+        while not self._closing:
+            with self._lock:
+                full = len(self._ready) >= self.batch * _PREFETCH
+            if full:
+                self._want.clear()
+                try:
+                    await asyncio.wait_for(self._want.wait(), 1.0)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                msgs = await self._sub.fetch(self.batch, timeout=0.5)
+            except (nats.errors.TimeoutError, TimeoutError):
+                await self._idle()
+                continue
+            except nats.errors.ConnectionClosedError:
+                return
+            except nats.errors.Error as exc:
+                log.warning("fetching from stream %s failed, will retry: %r", self.stream, exc)
+                await asyncio.sleep(1.0)
+                continue
+            with self._lock:
+                self._ready.extend(msgs)
+            if len(msgs) < self.batch and not self._follow:
+                await self._idle()  # maybe the end of the input already
+
+    async def _idle(self) -> None:
+        """Nothing came: learn whether the consumer is drained (the end of a job without
+        --follow), and forget restored sequences the server has acknowledged for good."""
+        try:
+            info = await self._nc.jetstream().consumer_info(self.stream, self.durable)
+        except nats.errors.Error as exc:
+            log.warning("consumer info of %s failed: %r", self.durable, exc)
+            return
+        self._forget_acked(info)
+        with self._lock:
+            ours = len(self._handles) + len(self._acking) + len(self._restored) + len(self._ready)
+            if info.num_pending == 0 and (info.num_ack_pending or 0) <= ours:
+                self._drained = True
+
+    def close(self) -> None:
+        self._closing = True
+        loop = self._loop
+        if loop is None:
+            return
+        for fut in list(self._acks):
+            try:
+                fut.result(timeout=15)
+            except Exception as exc:  # noqa: BLE001 - the position keeps what was not acked
+                log.warning("an acknowledgement did not complete: %r", exc)
+        if self._fetcher is not None:
+            self._fetcher.cancel()  # stops it at its next await
+            try:
+                self._fetcher.result(timeout=5)
+            except (Exception, concurrent.futures.CancelledError):  # noqa: BLE001, S110
+                pass  # stopping: what it fetched is naked below
+        if self._nc is not None:
+            try:
+                loop.call(self._close(), timeout=15)
+            except Exception as exc:  # noqa: BLE001 - closing anyway
+                log.warning("closing the NATS connection failed: %r", exc)
+        loop.close()
+        self._loop = None
+
+    async def _close(self) -> None:
+        with self._lock:
+            unread, self._ready = list(self._ready), collections.deque()
+        # Fetched but never read: delivered again at once rather than after the ack-wait.
+        await asyncio.gather(*(m.nak() for m in unread), return_exceptions=True)
+        await _close_connection(self._nc)
+
+
+async def _close_connection(nc: Any) -> None:
+    """Send what is buffered (acks, naks), then close; a subscription with a pull request
+    still open would hold up a drain."""
+    try:
+        await nc.flush(timeout=5)
+    finally:
+        await nc.close()
+
+
+class NatsSink(Sink):
+    """Outputs published to a JetStream subject, de-duplicated by message id (module doc)."""
+
+    def __init__(self, uri: str, server: str, stream: str, subject: str) -> None:
+        self.uri, self.server, self.stream, self.subject = uri, server, stream, subject
+        self._loop: _Loop | None = None
+        self._nc: Any = None
+        self._js: Any = None
+        self._job: str | None = None
+        self.duplicate_window: float | None = None
+        self.duplicates = 0
+
+    @classmethod
+    def from_uri(cls, uri: str) -> NatsSink:
+        _require("--output", uri)
+        server, p = _parse(uri, "--output", _SINK_PARAMS)
+        return cls(uri, server, p["stream"], p["subject"])
+
+    def open(self, job: JobIdentity | None) -> None:
+        if self._loop is not None:
+            return
+        self._job = job.id if job is not None else None
+        self._loop = _Loop("ratchet-nats-sink")
+        try:
+            self._loop.call(self._open())
+        except BaseException:
+            self.close()
+            raise
+
+    async def _open(self) -> None:
+        self._nc = await _connect(self.server, "--output", self.uri)
+        self._js = self._nc.jetstream()
+        info = await _stream(self._js, self.stream, "--output", self.uri)
+        self.duplicate_window = info.config.duplicate_window
+        log.info(
+            "publishing outputs to %s (stream %s, duplicate window %s s)",
+            self.subject, self.stream, self.duplicate_window,
+        )  # fmt: skip
+
+    def _payload(self, record: dict[str, Any]) -> bytes:
+        if self._job is not None:
+            record = {"id": record["id"], "job": self._job, **record}
+        return to_json_line(record).encode("utf-8")
+
+    def validate(self, record: dict[str, Any]) -> str | None:
+        try:
+            self._payload(record)
+        except Exception as exc:  # noqa: BLE001 - whatever fails is the reason
+            return f"it cannot be written as JSON: {type(exc).__name__}: {exc}"
+        return None
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if self._loop is None:
+            self.open(None)
+        assert self._loop is not None
+        self._loop.call(self._publish(records), timeout=_TIMEOUT + 5)
+
+    async def _publish(self, records: list[dict[str, Any]]) -> None:
+        for i in range(0, len(records), _PUBLISH_CHUNK):
+            chunk = records[i : i + _PUBLISH_CHUNK]
+            acks = await asyncio.gather(
+                *(
+                    self._js.publish(
+                        self.subject,
+                        self._payload(r),
+                        timeout=_TIMEOUT,
+                        stream=self.stream,
+                        headers={
+                            "Nats-Msg-Id": f"{self._job}:{r['id']}" if self._job else r["id"],
+                            "Ratchet-Output-Id": r["id"],
+                            **({"Ratchet-Job": self._job} if self._job else {}),
+                        },
+                    )
+                    for r in chunk
+                )
+            )
+            self.duplicates += sum(1 for a in acks if getattr(a, "duplicate", False))
+
+    def close(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if self._nc is not None:
+            try:
+                loop.call(_close_connection(self._nc), timeout=15)
+            except Exception as exc:  # noqa: BLE001 - closing anyway
+                log.warning("closing the NATS connection failed: %r", exc)
+        loop.close()
+        self._loop = None

@@ -1,0 +1,379 @@
+"""PostgreSQL: a table of inputs read by an increasing id, and a table of outputs.
+
+Source: `--input postgresql://USER@HOST:PORT/DB?table=NAME[&id_column=id][&poll=0.5]` reads
+the rows in order of an integer id column; the last id read is ratchet's position, in its
+checkpoint (the table is never written). With `--follow` it polls for rows above that id.
+
+Sink: `--output postgresql://USER@HOST:PORT/DB?table=NAME` inserts each output once: the
+output id is the primary key, each release is one transaction, and a row that is already
+there (a release repeated after a crash) is skipped by `ON CONFLICT DO NOTHING`.
+
+psycopg is imported here, so `ratchet[postgres]` is needed only by those who use this.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._errors import ConfigError
+from ratchet.connectors import missing_extra, redact
+from ratchet.runtime._io import (
+    JobIdentity,
+    Record,
+    Sink,
+    Source,
+    _key_of,
+    _kind_of,
+    to_json_line,
+)
+
+try:
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict
+except ImportError as _exc:  # pragma: no cover - exercised by a test that hides psycopg
+    _IMPORT_ERROR: ImportError | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+log = logging.getLogger("ratchet.connectors.postgres")
+
+# The columns of an output table, with the type information_schema reports for each.
+OUTPUT_COLUMNS = {
+    "id": "text",
+    "job": "text",
+    "key": "text",
+    "seq": "bigint",
+    "task": "text",
+    "record": "jsonb",
+}
+_INTEGER_TYPES = ("smallint", "integer", "bigint")
+_SOURCE_PARAMS = frozenset({"table", "id_column", "poll"})
+_SINK_PARAMS = frozenset({"table"})
+_READ_BATCH = 500
+
+
+def _require(flag: str, uri: str) -> None:
+    if _IMPORT_ERROR is not None:
+        raise missing_extra(flag, uri, "postgres", "psycopg", _IMPORT_ERROR)
+
+
+def _split(uri: str, flag: str, known: frozenset[str]) -> tuple[str, dict[str, str], list[str]]:
+    """(libpq connection URI without ratchet's parameters, ratchet's parameters, table name
+    parts). libpq's own parameters (sslmode=...) stay in the connection URI."""
+    params = dict(parse_qsl(urlsplit(uri).query, keep_blank_values=True))
+    ours = {k: v for k, v in params.items() if k in known}
+    table = ours.get("table", "")
+    parts = table.split(".")
+    if not table or len(parts) > 2 or not all(parts):
+        raise ConfigError(
+            f"{flag} {redact(uri)}: name the table with ?table=NAME (or ?table=SCHEMA.NAME)"
+        )
+    rest = urlencode({k: v for k, v in params.items() if k not in known})
+    conninfo = urlunsplit(urlsplit(uri)._replace(query=rest))
+    try:
+        conninfo_to_dict(conninfo)  # libpq's parameters (sslmode=...) are checked here
+    except psycopg.ProgrammingError as exc:
+        raise ConfigError(
+            f"{flag} {redact(uri)}: {str(exc).strip()}; ratchet's parameters are "
+            f"{', '.join(sorted(known))}, the others go to libpq"
+        ) from exc
+    return conninfo, ours, parts
+
+
+def _connect(conninfo: str, flag: str, uri: str) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+    except psycopg.Error as exc:
+        raise ConfigError(f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {exc}") from exc
+
+
+def _columns(conn: psycopg.Connection[Any], parts: list[str]) -> dict[str, str] | None:
+    """The table's columns and their types, or None if there is no such table."""
+    name = ".".join(parts)
+    row = conn.execute("SELECT to_regclass(%s)::oid", (name,)).fetchone()
+    if row is None or row[0] is None:
+        return None
+    rows = conn.execute(
+        "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute "
+        "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+        (row[0],),
+    ).fetchall()
+    return {str(n): str(t) for n, t in rows}
+
+
+def _primary_key(conn: psycopg.Connection[Any], parts: list[str]) -> list[str]:
+    rows = conn.execute(
+        "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid "
+        "AND a.attnum = ANY(i.indkey) WHERE i.indrelid = to_regclass(%s) AND i.indisprimary",
+        (".".join(parts),),
+    ).fetchall()
+    return sorted(str(r[0]) for r in rows)
+
+
+def _shape(columns: dict[str, str]) -> str:
+    return ", ".join(f"{n} {t}" for n, t in columns.items())
+
+
+class PostgresSink(Sink):
+    """Outputs as rows of a table keyed by output id, each written once (see module doc)."""
+
+    def __init__(self, uri: str, conninfo: str, table: list[str]) -> None:
+        self.uri = uri
+        self.conninfo = conninfo
+        self.table = table
+        self.ident = sql.Identifier(*table)
+        self._conn: psycopg.Connection[Any] | None = None
+        self._job: str | None = None
+
+    @classmethod
+    def from_uri(cls, uri: str) -> PostgresSink:
+        _require("--output", uri)
+        conninfo, _params, table = _split(uri, "--output", _SINK_PARAMS)
+        return cls(uri, conninfo, table)
+
+    @property
+    def where(self) -> str:
+        return f"--output {redact(self.uri)} (table {'.'.join(self.table)})"
+
+    def open(self, job: JobIdentity | None) -> None:
+        if self._conn is not None:
+            return
+        self._job = job.id if job is not None else None
+        conn = _connect(self.conninfo, "--output", self.uri)
+        try:
+            self._prepare(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def _prepare(self, conn: psycopg.Connection[Any]) -> None:
+        columns = _columns(conn, self.table)
+        if columns is None:
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (id text PRIMARY KEY, job text NOT NULL, "
+                    "key text, seq bigint, task text, record jsonb NOT NULL, "
+                    "written_at timestamptz NOT NULL DEFAULT now())"
+                ).format(self.ident)
+            )
+            log.info("created the output table %s", ".".join(self.table))
+            return
+        wrong = {n: t for n, t in OUTPUT_COLUMNS.items() if columns.get(n) != t}
+        pk = _primary_key(conn, self.table)
+        if wrong or pk != ["id"]:
+            raise ConfigError(
+                f"{self.where} exists with another shape: it has the columns "
+                f"({_shape(columns)}) and primary key ({', '.join(pk) or 'none'}); an output "
+                f"table needs the columns ({_shape(OUTPUT_COLUMNS)}) with primary key (id). "
+                f"Name a new table (it is created), or drop this one"
+            )
+        if self._job is not None:
+            other = conn.execute(
+                sql.SQL("SELECT job FROM {} WHERE job <> %s LIMIT 1").format(self.ident),
+                (self._job,),
+            ).fetchone()
+            if other is not None:
+                raise ConfigError(
+                    f"{self.where} holds outputs of job {other[0]}, and this state directory is "
+                    f"job {self._job}: a new job repeats the earlier one's output ids, so its "
+                    f"outputs would be taken for duplicates. Write to a new table, or pass that "
+                    f"job's --state directory to resume it"
+                )
+
+    def validate(self, record: dict[str, Any]) -> str | None:
+        try:
+            line = to_json_line(record)
+        except Exception as exc:  # noqa: BLE001 - whatever fails is the reason
+            return f"it cannot be written as JSON: {type(exc).__name__}: {exc}"
+        if "\\u0000" in line:
+            return "it holds a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
+        return None
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if self._conn is None:
+            self.open(None)  # used without a Job (a Sink built by hand): not bound to one
+        elif self._conn.closed:
+            self._conn = _connect(self.conninfo, "--output", self.uri)  # after a lost connection
+        assert self._conn is not None
+        rows = [
+            (
+                r["id"],
+                self._job or "",
+                None if r.get("key") is None else str(r.get("key")),
+                r.get("seq"),
+                r.get("task"),
+                to_json_line(r),
+            )
+            for r in records
+        ]
+        stmt = sql.SQL(
+            "INSERT INTO {} (id, job, key, seq, task, record) VALUES (%s, %s, %s, %s, %s, "
+            "%s::jsonb) ON CONFLICT (id) DO NOTHING"
+        ).format(self.ident)
+        try:
+            with self._conn.transaction(), self._conn.cursor() as cur:
+                cur.executemany(stmt, rows)
+        except psycopg.OperationalError:
+            self._conn.close()  # reconnected at the next release
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class PostgresSource(Source):
+    """Rows of a table in order of an increasing integer id (see module doc)."""
+
+    def __init__(
+        self,
+        uri: str,
+        conninfo: str,
+        table: list[str],
+        *,
+        key_field: str = "key",
+        follow: bool = False,
+        id_column: str = "id",
+        poll: float = 0.5,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.uri = uri
+        self.conninfo = conninfo
+        self.table = table
+        self.key_field = key_field
+        self.follow = follow
+        self.id_column = id_column
+        self.poll = poll
+        self.clock = clock
+        self._conn: psycopg.Connection[Any] | None = None
+        self._after: int = 0
+        self._buffer: list[tuple[int, str]] = []
+        self._next = 0
+        self._before = 0
+        self._polled_at: float | None = None
+        self._database: str | None = None
+        self._query = sql.SQL(
+            "SELECT {id}, row_to_json(t)::text FROM {table} AS t WHERE {id} > %s "
+            "ORDER BY {id} LIMIT %s"
+        ).format(id=sql.Identifier(id_column), table=sql.Identifier(*table))
+
+    @classmethod
+    def from_uri(cls, uri: str, *, key_field: str, follow: bool) -> PostgresSource:
+        _require("--input", uri)
+        conninfo, params, table = _split(uri, "--input", _SOURCE_PARAMS)
+        try:
+            poll = float(params.get("poll", 0.5))
+        except ValueError as exc:
+            raise ConfigError(f"--input {redact(uri)}: poll is in seconds, a number") from exc
+        if poll < 0:
+            raise ConfigError(f"--input {redact(uri)}: poll must be >= 0 seconds")
+        return cls(
+            uri, conninfo, table, key_field=key_field, follow=follow,
+            id_column=params.get("id_column") or "id", poll=poll,
+        )  # fmt: skip
+
+    @property
+    def where(self) -> str:
+        return f"--input {redact(self.uri)} (table {'.'.join(self.table)})"
+
+    def open(self, job: JobIdentity | None, *, checkpoint_interval: float) -> None:
+        conn = _connect(self.conninfo, "--input", self.uri)
+        try:
+            columns = _columns(conn, self.table)
+            if columns is None:
+                raise ConfigError(f"{self.where} does not exist")
+            kind = columns.get(self.id_column)
+            if kind not in _INTEGER_TYPES:
+                raise ConfigError(
+                    f"{self.where} has no integer column {self.id_column!r} to read it in order "
+                    f"by (its columns: {_shape(columns)}); pass ?id_column=NAME naming an "
+                    f"increasing smallint, integer or bigint column"
+                )
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self._database = conn.info.dbname
+
+    def restore(self, position: dict[str, Any]) -> None:
+        if not position:
+            return
+        table = ".".join(self.table)
+        if position.get("table") != table or position.get("id_column") != self.id_column:
+            raise ConfigError(
+                f"this state directory read its inputs {_kind_of(position)} by "
+                f"{position.get('id_column')!r}, not from the PostgreSQL table {table} by "
+                f"{self.id_column!r}; pass the same --input as before, or use a new --state"
+                if "after" in position
+                else f"this state directory read its inputs {_kind_of(position)}, not from the "
+                f"PostgreSQL table {table}; pass the same --input as before, or use a new --state"
+            )
+        was = position.get("database")
+        if was is not None and self._database is not None and was != self._database:
+            raise ConfigError(
+                f"this state directory read table {table} of the database {was!r}, not of "
+                f"{self._database!r}; pass the same --input as before, or use a new --state"
+            )
+        self._after = int(position["after"])
+
+    def position(self) -> dict[str, Any]:
+        return {
+            "database": self._database,
+            "table": ".".join(self.table),
+            "id_column": self.id_column,
+            "after": self._after,
+        }
+
+    def next_record(self) -> Record | None:
+        if self._next >= len(self._buffer):
+            now = self.clock.monotonic()
+            if self.follow and self._polled_at is not None and now - self._polled_at < self.poll:
+                return None
+            self._polled_at = now
+            self._buffer, self._next = self._fetch(), 0
+            if not self._buffer:
+                return None
+            self._polled_at = None  # rows came: read on without waiting
+        row_id, text = self._buffer[self._next]
+        self._next += 1
+        self._before, self._after = self._after, row_id
+        value = json.loads(text)
+        where = f"{'.'.join(self.table)} row {self.id_column}={row_id}"
+        key, err = _key_of(value, self.key_field, where)
+        if err is not None:
+            return Record(row_id, error=err, raw=text)
+        return Record(row_id, key=key, value=value)
+
+    def _fetch(self) -> list[tuple[int, str]]:
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = _connect(self.conninfo, "--input", self.uri)
+            rows = self._conn.execute(self._query, (self._after, _READ_BATCH)).fetchall()
+        except psycopg.OperationalError as exc:
+            if self._conn is not None:
+                self._conn.close()
+            if self.follow:
+                log.warning("%s: reading failed, will retry: %s", self.where, exc)
+                return []
+            raise ConfigError(
+                f"{self.where}: reading failed ({exc}); everything read before is checkpointed: "
+                f"run again to resume"
+            ) from exc
+        return [(int(i), str(t)) for i, t in rows]
+
+    def unread(self) -> None:
+        if self._next > 0:
+            self._next -= 1
+            self._after = self._before
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

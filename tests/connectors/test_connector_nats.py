@@ -1,0 +1,166 @@
+"""NATS JetStream source and sink against a real `nats-server -js`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from connector_servers import Nats
+
+from ratchet._errors import ConfigError
+from ratchet.connectors import sink_for, source_for
+from ratchet.connectors._nats import NatsSink, NatsSource
+from ratchet.runtime._io import JobIdentity
+
+_names = itertools.count()
+
+
+def streams(server: Nats) -> str:
+    s = f"N{next(_names)}"
+    server.add_stream(f"IN{s}", [f"in.{s}"])
+    server.add_stream(f"OUT{s}", [f"out.{s}"])
+    return s
+
+
+def source(server: Nats, s: str, tmp: Path, interval: float = 0.05, **params: Any) -> NatsSource:
+    query = "".join(f"&{k}={v}" for k, v in params.items())
+    src = source_for(f"{server.url}?stream=IN{s}&subject=in.{s}{query}", key="key", follow=True)
+    assert isinstance(src, NatsSource)
+    src.open(JobIdentity("job1", tmp), checkpoint_interval=interval)
+    return src
+
+
+def next_values(src: NatsSource, n: int) -> list[Any]:
+    """The next `n` records' values (waiting for the fetcher, which runs in its thread)."""
+    out: list[Any] = []
+    deadline = time.monotonic() + 60
+    while len(out) < n:
+        rec = src.next_record()
+        if rec is None:
+            assert time.monotonic() < deadline, f"only {out}"
+            time.sleep(0.01)
+        else:
+            out.append(rec.value)
+    return out
+
+
+def consumer(server: Nats, s: str, durable: str) -> Any:
+    async def info(js: Any) -> Any:
+        return await js.consumer_info(f"IN{s}", durable)
+
+    return server.run(info)
+
+
+def test_redeliveries_are_recognised_by_stream_sequence_and_not_admitted_again(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": i}).encode() for i in range(3)])
+    first = source(nats_server, s, tmp_path, ack_wait=1)
+    first.restore({})
+    assert [v["i"] for v in next_values(first, 3)] == [0, 1, 2]
+    position = first.position()
+    assert position == {"stream": f"IN{s}", "durable": "ratchet-job1", "pending": [1, 2, 3]}
+    first.close()  # as after a crash: the checkpoint holds 1-3, none was acknowledged
+
+    again = source(nats_server, s, tmp_path)
+    again.restore(position)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "b", "i": 3}).encode()])
+    # 1-3 come back once their ack-wait (1 s) ran out: recognised, acknowledged, skipped.
+    assert [v["i"] for v in next_values(again, 1)] == [3]
+    assert again.position()["pending"] == [1, 2, 3, 4]
+    deadline = time.monotonic() + 30
+    # 1-3 are acknowledged as they come back; the position forgets them once the server
+    # confirmed it. None of them is a record.
+    while again.position()["pending"] != [4]:
+        assert again.next_record() is None
+        assert time.monotonic() < deadline, again.position()
+        time.sleep(0.01)
+    assert consumer(nats_server, s, "ratchet-job1").num_ack_pending == 1  # only 4 is not acked
+    again.acknowledge(again.position())
+    again.close()  # waits for the acknowledgements
+    info = consumer(nats_server, s, "ratchet-job1")
+    assert (info.num_ack_pending, info.num_pending, info.ack_floor.stream_seq) == (0, 0, 4)
+
+
+def test_an_ack_wait_shorter_than_the_checkpoint_interval_allows_is_refused(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    s = streams(nats_server)
+    with pytest.raises(
+        ConfigError, match=r"ack-wait \(2 s\) is too short for the checkpoint interval \(500 ms\)"
+    ):
+        source(nats_server, s, tmp_path, interval=0.5, ack_wait=2)
+    # A consumer made by someone else is checked the same way.
+    from nats.js.api import ConsumerConfig
+
+    async def add(js: Any) -> None:
+        await js.add_consumer(f"IN{s}", ConsumerConfig(durable_name="theirs", ack_wait=1.5,
+                                                       filter_subject=f"in.{s}"))  # fmt: skip
+
+    nats_server.run(add)
+    with pytest.raises(
+        ConfigError, match=r"ack-wait \(1.5 s\) is too short .*\(`nats consumer edit`\)"
+    ):
+        source(nats_server, s, tmp_path, interval=0.2, durable="theirs")
+
+
+def test_a_missing_stream_is_refused(nats_server: Nats, tmp_path: Path) -> None:
+    src = source_for(f"{nats_server.url}?stream=NOPE&subject=x", key="key", follow=False)
+    with pytest.raises(ConfigError, match="JetStream has no stream 'NOPE'; create it first"):
+        src.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)
+    out = sink_for(f"{nats_server.url}?stream=NOPE&subject=x", append=False)
+    with pytest.raises(ConfigError, match="JetStream has no stream 'NOPE'"):
+        out.open(JobIdentity("job1", tmp_path))
+
+
+def test_the_sink_publishes_with_the_output_id_and_the_server_drops_a_republish(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    s = streams(nats_server)
+    out = sink_for(f"{nats_server.url}?stream=OUT{s}&subject=out.{s}", append=False)
+    assert isinstance(out, NatsSink)
+    out.open(JobIdentity("job1", tmp_path))
+    rec = {"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": {"v": 1}}
+    try:
+        out.write([rec])
+        out.write([rec])  # released again after a crash
+        assert out.duplicates == 1 and out.duplicate_window == 120
+    finally:
+        out.close()
+    [(data, headers)] = nats_server.messages(f"OUT{s}")
+    assert json.loads(data) == {"id": "a:0:r>x:0", "job": "job1", **rec}
+    assert headers["Nats-Msg-Id"] == "job1:a:0:r>x:0"
+    assert headers["Ratchet-Output-Id"] == "a:0:r>x:0"
+
+
+def test_messages_are_acknowledged_only_when_the_engine_says_their_checkpoint_completed(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": i}).encode() for i in range(3)])
+    src = source(nats_server, s, tmp_path)
+    src.restore({})
+    try:
+        next_values(src, 2)
+        taken = src.position()  # what a checkpoint would hold now
+        next_values(src, 1)  # admitted after that checkpoint was taken
+        info = consumer(nats_server, s, "ratchet-job1")
+        assert (info.num_ack_pending, info.ack_floor.stream_seq) == (3, 0)  # nothing acked yet
+        src.acknowledge(taken)
+        deadline = time.monotonic() + 30
+        while consumer(nats_server, s, "ratchet-job1").ack_floor.stream_seq < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        info = consumer(nats_server, s, "ratchet-job1")
+        assert (info.num_ack_pending, info.ack_floor.stream_seq) == (1, 2)
+        while src.position()["pending"] != [3]:  # 1-2 forgotten once it saw the floor pass
+            assert src.next_record() is None
+            assert time.monotonic() < deadline, src.position()
+            time.sleep(0.01)
+    finally:
+        src.close()

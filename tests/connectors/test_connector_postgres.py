@@ -1,0 +1,159 @@
+"""PostgreSQL source and sink against a real server: shapes, job identity, follow, refusals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from connector_servers import AGENT, RATCHET, Postgres
+
+from ratchet._errors import ConfigError
+from ratchet.connectors import sink_for, source_for
+from ratchet.connectors._postgres import PostgresSink, PostgresSource
+from ratchet.runtime._io import JobIdentity
+
+_names = itertools.count()
+
+
+def table() -> str:
+    return f"pgt_{next(_names)}"
+
+
+def sink(server: Postgres, name: str) -> PostgresSink:
+    s = sink_for(f"{server.dsn}?table={name}", append=False)
+    assert isinstance(s, PostgresSink)
+    return s
+
+
+def test_the_sink_creates_its_table_and_writes_each_output_once(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    name = table()
+    s = sink(postgres, name)
+    s.open(JobIdentity("job1", tmp_path))
+    rec = {"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": {"v": 1}}
+    try:
+        s.write([rec])
+        s.write([rec, {**rec, "id": "a:1:r>x:0", "seq": 1}])  # a release repeated after a crash
+    finally:
+        s.close()
+    rows = postgres.execute(f"SELECT id, job, key, seq, task, record FROM {name} ORDER BY seq")
+    assert rows == [
+        ("a:0:r>x:0", "job1", "a", 0, "r>x", rec),
+        ("a:1:r>x:0", "job1", "a", 1, "r>x", {**rec, "id": "a:1:r>x:0", "seq": 1}),
+    ]
+
+
+def test_a_table_of_the_wrong_shape_is_refused_naming_the_columns(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id integer PRIMARY KEY, body text)")
+    with pytest.raises(ConfigError) as err:
+        sink(postgres, name).open(JobIdentity("job1", tmp_path))
+    msg = str(err.value)
+    assert (
+        f"(table {name}) exists with another shape: it has the columns (id integer, body text)"
+        in msg
+    )
+    assert "and primary key (id)" in msg
+    assert (
+        "needs the columns (id text, job text, key text, seq bigint, task text, record jsonb)"
+        in msg
+    )
+
+
+def test_a_table_of_another_job_is_refused(postgres: Postgres, tmp_path: Path) -> None:
+    name = table()
+    first = sink(postgres, name)
+    first.open(JobIdentity("job1", tmp_path))
+    first.write([{"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": 1}])
+    first.close()
+    with pytest.raises(
+        ConfigError, match="holds outputs of job job1, and this state directory is job job2"
+    ):
+        sink(postgres, name).open(JobIdentity("job2", tmp_path))
+
+
+def test_an_output_jsonb_cannot_hold_is_named(postgres: Postgres) -> None:
+    s = sink(postgres, table())
+    problem = s.validate({"id": "a:0:r>x:0", "output": "nul \x00 here"})
+    assert problem == "it holds a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
+    assert s.validate({"id": "a:0:r>x:0", "output": "fine"}) is None
+
+
+def test_the_source_follows_new_rows_and_resumes_after_its_position(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, key text, v int)")
+    postgres.execute(f"INSERT INTO {name} (key, v) VALUES ('a', 1), ('b', 2)")
+    src = source_for(f"{postgres.dsn}?table={name}&poll=0", key="key", follow=True)
+    assert isinstance(src, PostgresSource)
+    src.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)
+    src.restore({})
+    try:
+        assert [r.value for r in (src.next_record(), src.next_record())] == [
+            {"id": 1, "key": "a", "v": 1},
+            {"id": 2, "key": "b", "v": 2},
+        ]
+        assert src.next_record() is None
+        postgres.execute(f"INSERT INTO {name} (key, v) VALUES ('c', 3)")
+        rec = src.next_record()
+        assert rec is not None and rec.value == {"id": 3, "key": "c", "v": 3}
+        position = src.position()
+    finally:
+        src.close()
+    assert position == {"database": "postgres", "table": name, "id_column": "id", "after": 3}
+    postgres.execute(f"INSERT INTO {name} (key, v) VALUES ('d', 4)")
+    again = source_for(f"{postgres.dsn}?table={name}", key="key", follow=False)
+    again.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)
+    again.restore(position)
+    try:
+        rec = again.next_record()
+        assert rec is not None and rec.key == "d"
+        assert again.next_record() is None and not again.follow
+        with pytest.raises(ConfigError, match="not from the PostgreSQL table other by 'id'"):
+            source_for(f"{postgres.dsn}?table=other", key="key", follow=False).restore(position)
+    finally:
+        again.close()
+
+
+def test_the_source_refuses_a_missing_table_or_a_non_integer_id(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    job = JobIdentity("job1", tmp_path)
+    with pytest.raises(ConfigError, match=r"\(table nope_nothing\) does not exist"):
+        source_for(f"{postgres.dsn}?table=nope_nothing", key="key", follow=False).open(
+            job, checkpoint_interval=0.2
+        )
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id text PRIMARY KEY, key text)")
+    with pytest.raises(
+        ConfigError, match=r"has no integer column 'id' .*\(its columns: id text, key text\)"
+    ):
+        source_for(f"{postgres.dsn}?table={name}", key="key", follow=False).open(
+            job, checkpoint_interval=0.2
+        )
+
+
+def test_the_cli_refuses_a_wrong_table_with_exit_2_and_no_traceback(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id integer PRIMARY KEY)")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"key": "a", "i": 0}) + "\n")
+    proc = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(src), "--output", f"{postgres.dsn}?table={name}",
+         "--state", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert (
+        f"ratchet: error: --output {postgres.dsn}?table={name} (table {name}) exists" in proc.stderr
+    )

@@ -15,6 +15,7 @@ from ratchet import (
     Agent,
     BadInputError,
     ConfigError,
+    EngineConfig,
     InputEvent,
     OutputEvent,
     StateError,
@@ -443,3 +444,25 @@ def test_a_pattern_that_matches_nothing_is_refused_unless_followed(tmp_path: Pat
     rec = src.next_record()
     assert rec is not None and rec.value == {"key": "k", "i": 0}
     src.close()
+
+
+class _Unstorable:
+    pass
+
+
+def test_an_iterable_input_the_state_cannot_store_is_bad_input_named(tmp_path: Path) -> None:
+    """A JSONL line is always storable; a Python object in an iterable may not be. It is bad
+    input, named by its position, with the usual choices; not a failing checkpoint."""
+    items = [{"key": "a", "i": 0}, {"key": "b", "v": _Unstorable()}, {"key": "c", "i": 2}]
+    with pytest.raises(BadInputError, match=r"input item 2\.v.*_Unstorable"):
+        run(Echo(), inputs=items, output=tmp_path / "out.jsonl", state_dir=tmp_path / "s")
+    assert [r["output"] for r in lines(tmp_path / "out.jsonl")] == [{"key": "a", "i": 0}]
+    res = run(
+        Echo(),
+        inputs=items,
+        output=tmp_path / "out.jsonl",
+        state_dir=tmp_path / "s",
+        config=EngineConfig(on_bad_input="skip"),
+    )
+    assert len(res.bad_inputs) == 1 and "input item 2" in res.bad_inputs[0]
+    assert [r["output"]["key"] for r in lines(tmp_path / "out.jsonl")] == ["a", "c"]

@@ -26,6 +26,7 @@ from typing import IO, Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import BadInputError, CodecError, ConfigError, StateError
+from ratchet.store import codec
 from ratchet.store._files import atomic_json
 
 log = logging.getLogger("ratchet.io")
@@ -631,6 +632,12 @@ class IterableSource(Source):
         key, err = _key_of(value, self.key_field, f"input item {self._index}")
         if err:
             return Record(self._index, error=err)
+        try:
+            # A JSONL line is JSON, always storable; a Python object in an iterable may not be:
+            # bad input here, named, not a checkpoint that fails until the job stops.
+            codec.check_admissible(value, f"input item {self._index}")
+        except CodecError as exc:
+            return Record(self._index, error=str(exc))
         return Record(self._index, key=key, value=value)
 
 

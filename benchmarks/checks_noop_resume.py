@@ -6,8 +6,10 @@ no-op run is timed, in this process, as the median of a few repeats. ratchet's n
 is its own time: nothing executes in a no-op resume. The printed ratio is ratchet / doit.
 
 Not like for like: doit decides "up to date" from file timestamps (it hashes only files
-whose mtime moved); ratchet re-reads and re-hashes every input file, re-hashes every
-reused log, and writes a sealed receipt. Run:
+whose mtime moved); ratchet re-hashes a file unless its stat cache entry matches all of
+device, inode, size, mtime_ns and ctime_ns (files that changed within 2 s of being hashed
+are always re-read), lists every repository with git, re-hashes every reused log, and
+writes a sealed receipt after each stage. Run:
 
     .venv/bin/python benchmarks/checks_noop_resume.py [--stages 50 --files 5000 --repos 5]
 """

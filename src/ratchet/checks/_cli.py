@@ -7,16 +7,22 @@ arguments into calls of the run (`_run`), `recover` and `explain`, with the real
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RatchetError
+from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, RatchetError
 from ratchet.checks import _report
+from ratchet.checks._ci import ci_report, write_junit
 from ratchet.checks._errors import ProjectError, ReceiptError
 from ratchet.checks._explain import explain
+from ratchet.checks._gc import collect_garbage
 from ratchet.checks._plan import load_project, plan_stages
 from ratchet.checks._receipts import read_receipt, state_dir_for
 from ratchet.checks._recover import recover
@@ -45,13 +51,57 @@ def exit_code(result: dict[str, Any]) -> int:
     return EXIT_OK if result.get("status") in ("passed", "planned") else EXIT_FAILED
 
 
-def dispatch(parsed: argparse.Namespace) -> int:
-    """Run the chosen handler and print its result; errors print one line and exit 2."""
+class RunInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: the run stops as it does on Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _terminate_like_interrupt() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP (what `timeout`, CI cancellation and systemd send) into an
+    interrupt of the main thread, so the run kills its stages' process groups and writes an
+    `interrupted` receipt. A second signal while that happens is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not fired:
+            fired.append(signum)
+            raise RunInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in _TERMINATING}
     try:
-        result = parsed.handler(parsed)
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+def dispatch(parsed: argparse.Namespace) -> int:
+    """Run the chosen handler and print its result; errors print one line and exit 2; an
+    interrupted run (Ctrl-C, SIGTERM, SIGHUP) exits 128 + the signal number."""
+    try:
+        with _terminate_like_interrupt():
+            result = parsed.handler(parsed)
     except (RatchetError, ValueError, OSError) as exc:
         print(f"ratchet checks: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, RunInterrupted) else int(signal.SIGINT)
+        print(
+            f"ratchet checks: interrupted by {signal.Signals(signum).name}: the stages' process "
+            "groups were killed and the run's receipt says 'interrupted'",
+            file=sys.stderr,
+        )
+        return 128 + signum
     if getattr(parsed, "json", False):
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
@@ -84,14 +134,21 @@ def _handle_run(parsed: argparse.Namespace) -> dict[str, Any]:
     repos = parsed.repo
     if isinstance(repos, str):
         repos = [repos]
+    if getattr(parsed, "base", None) and not parsed.changed:
+        raise ConfigError("--base REF needs --changed (it says what 'changed' is measured from)")
     stages = plan_stages(
         project,
         workspace_root=root,
         profile=parsed.profile,
         repos=repos,
         changed=bool(parsed.changed),
+        base=getattr(parsed, "base", None),
     )
-    return run_checks(parsed, stages)
+    result = run_checks(parsed, stages)
+    if getattr(parsed, "junit", None):
+        write_junit(result, Path(parsed.junit))
+    ci_report(result)
+    return result
 
 
 def _handle_recover(parsed: argparse.Namespace) -> dict[str, Any]:
@@ -101,11 +158,28 @@ def _handle_recover(parsed: argparse.Namespace) -> dict[str, Any]:
         parsed.run_id,
         apply=parsed.apply,
         confirm_processes_stopped=parsed.confirm_processes_stopped,
+        stop_stages=getattr(parsed, "stop_stages", False),
     )
 
 
 def _handle_explain(parsed: argparse.Namespace) -> dict[str, Any]:
     return explain(parsed.workspace_root, parsed.state_dir, parsed.run_id, parsed.stage)
+
+
+def _handle_gc(parsed: argparse.Namespace) -> dict[str, Any]:
+    root = Path(parsed.workspace_root).resolve()
+    state_dir = state_dir_for(root, parsed.state_dir)
+    if parsed.max_age_days < 0 or parsed.keep_runs < 0:
+        raise ConfigError("gc: --max-age-days and --keep-runs must not be negative")
+    where = parsed.cache_dir or os.environ.get("RATCHET_CHECKS_CACHE_DIR")
+    cache_root = Path(where) if where else state_dir / "cache"
+    return collect_garbage(
+        state_dir,
+        cache_root,
+        max_age_seconds=parsed.max_age_days * 86400.0,
+        keep_runs=parsed.keep_runs,
+        dry_run=parsed.dry_run,
+    )
 
 
 def _handle_list(parsed: argparse.Namespace) -> dict[str, Any]:
@@ -180,11 +254,56 @@ def register(subparsers: Any) -> None:
         "--changed", action="store_true", help="only checks covering repos with uncommitted changes"
     )
     run_p.add_argument(
-        "--resume", default=None, metavar="RUN_ID", help="reuse verified checkpoints"
+        "--base",
+        default=None,
+        metavar="REF",
+        help="with --changed: changes since this commit (e.g. origin/main), not just uncommitted",
     )
+    run_p.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_ID",
+        help="reuse verified checkpoints of this run ('latest': the newest finished run)",
+    )
+    run_p.add_argument("--junit", default=None, metavar="PATH", help="also write JUnit XML here")
     run_p.add_argument("--jobs", "-j", type=int, default=1, help="stages run in parallel")
+    run_p.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a stage waits for a resource another run holds (default 600; 0: fail)",
+    )
     run_p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
-    run_p.set_defaults(handler=_handle_run)
+    run_p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="accept a plan that selects no checks as a pass (default: exit 2)",
+    )
+    run_p.add_argument(
+        "--no-cache",
+        dest="cache",
+        action="store_false",
+        help="neither read nor write the content-addressed cache",
+    )
+    run_p.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="the cache folder, e.g. a shared mount (default: $RATCHET_CHECKS_CACHE_DIR, "
+        "else the state folder's cache/)",
+    )
+    run_p.add_argument(
+        "--cache-read-only",
+        action="store_true",
+        help="reuse from the cache but never write to it (untrusted jobs)",
+    )
+    run_p.add_argument(
+        "--strict-env",
+        action="store_true",
+        help="pass stages only the fingerprinted variables and their declared `env`",
+    )
+    run_p.set_defaults(handler=_handle_run, cache=True)
 
     rec_p = subparsers.add_parser("recover", help="mark a crashed run interrupted")
     add_common_arguments(rec_p, suppress=True)
@@ -195,6 +314,11 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="confirm the run's processes are gone",
     )
+    rec_p.add_argument(
+        "--stop-stages",
+        action="store_true",
+        help="kill the recorded stage process groups that are still alive",
+    )
     rec_p.set_defaults(handler=_handle_recover)
 
     exp_p = subparsers.add_parser("explain", help="why a stage re-ran or was reused")
@@ -202,6 +326,24 @@ def register(subparsers: Any) -> None:
     exp_p.add_argument("run_id", metavar="RUN_ID")
     exp_p.add_argument("stage", metavar="STAGE")
     exp_p.set_defaults(handler=_handle_explain)
+
+    gc_p = subparsers.add_parser("gc", help="bound the cache and the kept runs")
+    add_common_arguments(gc_p, suppress=True)
+    gc_p.add_argument("--cache-dir", default=None, metavar="DIR", help="the cache folder")
+    gc_p.add_argument(
+        "--max-age-days",
+        type=float,
+        default=30.0,
+        help="drop cache entries stored longer ago than this (default 30)",
+    )
+    gc_p.add_argument(
+        "--keep-runs",
+        type=int,
+        default=50,
+        help="keep the folders of this many most recent finished runs (default 50)",
+    )
+    gc_p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    gc_p.set_defaults(handler=_handle_gc)
 
     list_p = subparsers.add_parser("list", help="list checks, profiles and recent runs")
     add_common_arguments(list_p, suppress=True)

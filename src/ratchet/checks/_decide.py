@@ -31,9 +31,15 @@ __all__ = [
 FINGERPRINT_VERSION = 1
 CHECKPOINT_VERSION = 1
 
-Action = Literal["run", "reuse", "refuse", "hash-log"]
+Action = Literal["run", "reuse", "refuse", "hash-log", "hash-outputs"]
 Outcome = Literal["passed", "failed", "stale"]
-_WORD = {"run": "ran", "reuse": "reused", "refuse": "refused", "hash-log": "undecided"}
+_WORD = {
+    "run": "ran",
+    "reuse": "reused",
+    "refuse": "refused",
+    "hash-log": "undecided",
+    "hash-outputs": "undecided",
+}
 
 
 def digest(value: Any) -> str:
@@ -46,11 +52,15 @@ def cache_components(
     inputs: Any,
     dep_checkpoints: Mapping[str, str | None],
     environment: str,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a stage's cache key is made of; `inputs` is its probed input identity and
-    `dep_checkpoints` maps each data dependency to its checkpoint in this run."""
+    `dep_checkpoints` maps each data dependency to what it produced in this run (its output
+    digest when it declares outputs, else its checkpoint). `extra` holds the components
+    only some stages have (declared outputs, hashed env values, runtime inputs)."""
     scope = stage.get("inputs")
     return {
+        **dict(extra or {}),
         "fingerprint_version": FINGERPRINT_VERSION,
         "command": list(stage["argv"]),
         "cwd": stage["cwd"],
@@ -85,12 +95,14 @@ class Facts:
     resumed_from: str | None  # the previous run's id; None for a fresh run
     previous: Mapping[str, Any] | None  # the previous run's record of this stage
     log: LogEvidence | None = None  # the previous log's re-hash, once the decision asked
+    outputs: str | None = None  # the declared outputs' digest on disk, once asked
 
 
 @dataclass(frozen=True)
 class Decision:
-    """`run`, `reuse`, `refuse` (fail the stage without running it), or `hash-log`: hash
-    the log at `log_path` and decide again with the evidence in `Facts.log`."""
+    """`run`, `reuse`, `refuse` (fail the stage without running it), `hash-log` (hash the
+    log at `log_path` and decide again with the evidence in `Facts.log`) or `hash-outputs`
+    (hash the declared outputs on disk and decide again with `Facts.outputs`)."""
 
     action: Action
     reasons: tuple[str, ...] = ()
@@ -143,6 +155,18 @@ def decide(facts: Facts) -> Decision:
         problem = (
             f"log evidence {log_path} was altered (sha256 {facts.log.sha256}, sealed {expected})"
         )
+    elif old.get("outputs_digest"):
+        if facts.outputs is None:
+            return Decision("hash-outputs")
+        if facts.outputs != old["outputs_digest"]:
+            return Decision(
+                "run",
+                (
+                    f"declared outputs on disk differ from the checkpoint of run {prev_id} "
+                    "(changed or removed since): re-running to produce them",
+                ),
+            )
+        return Decision("reuse")
     else:
         return Decision("reuse")
     return Decision(

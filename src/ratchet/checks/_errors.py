@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ratchet._errors import (
+    ConfigError,
     LegacyReceiptError,
     ProjectError,
     ReceiptError,
@@ -11,9 +12,14 @@ from ratchet._errors import (
 )
 
 __all__ = [
+    "EmptyPlanError",
     "LegacyReceiptError",
     "ProjectError",
     "ReceiptError",
     "ResumeRefusedError",
     "StageTimeoutError",
 ]
+
+
+class EmptyPlanError(ConfigError):
+    """The plan selected no check: an empty run verifies nothing, so it is not a pass."""

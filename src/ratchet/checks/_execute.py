@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,10 +19,47 @@ from typing import Any
 
 from ratchet.checks._errors import StageTimeoutError
 
-__all__ = ["SubprocessExecutor", "execute_stage_command", "kill_live_processes"]
+__all__ = [
+    "RunStoppedError",
+    "SubprocessExecutor",
+    "execute_stage_command",
+    "kill_live_processes",
+]
+
+
+class RunStoppedError(RuntimeError):
+    """A stage was about to start after the run was interrupted."""
+
 
 _LIVE: set[subprocess.Popen[bytes]] = set()
 _LIVE_GUARD = threading.Lock()
+# Set by `SubprocessExecutor.run` for the worker thread: told each command's pid (= its
+# process group, since it leads a new session) once it started.
+_STARTED = threading.local()
+PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Callable[[int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl: Callable[[int, int], int] = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def _child_setup() -> None:
+    """In the forked child, before exec: die with SIGKILL when the ratchet thread that
+    started it dies, so a killed ratchet does not leave its stage running."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -52,9 +90,14 @@ def execute_stage_command(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=dict(env) if env is not None else None,
+            preexec_fn=_child_setup if _PRCTL is not None else None,
         )
         with _LIVE_GUARD:
             _LIVE.add(proc)
+        hook = getattr(_STARTED, "hook", None)
+        if hook is not None:
+            with contextlib.suppress(Exception):
+                hook(proc.pid)
         try:
             try:
                 # The kernel times the wait: a stage's timeout is real time by nature.
@@ -84,10 +127,11 @@ class SubprocessExecutor:
     """The real executor: `command` (default `execute_stage_command`) runs a stage, and
     `kill_all` ends every live stage process of an interrupted run."""
 
-    __slots__ = ("_command",)
+    __slots__ = ("_command", "_stopped")
 
     def __init__(self, command: Callable[..., int] | None = None) -> None:
         self._command = command or execute_stage_command
+        self._stopped = False
 
     def run(
         self,
@@ -97,8 +141,17 @@ class SubprocessExecutor:
         log_path: Path,
         timeout: float | None,
         env: Mapping[str, str] | None,
+        on_start: Callable[[int], None] | None = None,
     ) -> int:
-        return self._command(stage, cwd=cwd, log_path=log_path, timeout=timeout, env=env)
+        """Run the stage; `on_start(pgid)` is called once its process group exists."""
+        if self._stopped:
+            raise RunStoppedError("the run was interrupted before this stage started")
+        _STARTED.hook = on_start
+        try:
+            return self._command(stage, cwd=cwd, log_path=log_path, timeout=timeout, env=env)
+        finally:
+            _STARTED.hook = None
 
     def kill_all(self) -> None:
+        self._stopped = True
         kill_live_processes()

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from ratchet.checks._errors import ProjectError
 from ratchet.checks._receipts import read_receipt
-from ratchet.checks.checkpoints import diff_manifests
+from ratchet.checks.checkpoints import WORKSPACE_REST, diff_manifests
 
 MAX_FILES = 20
 
@@ -130,6 +130,8 @@ def describe(change: Mapping[str, Any]) -> str:
         return f"declared input scope changed: {change.get('old')} -> {change.get('new')}"
     if kind == "inputs":
         if "path" in change:
+            if change["repo"] == WORKSPACE_REST:
+                return f"input file {change['path']} (workspace root) {change['change']}"
             return f"input file {change['repo']}/{change['path']} {change['change']}"
         return f"inputs of repository {change.get('repo')!r} changed ({change.get('change')})"
     if kind == "dependency":

@@ -8,8 +8,9 @@ pulls in their data dependencies and orders them topologically.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,15 @@ _CHECK_FIELDS = {
     "resources",
     "reuse",
     "timeout_seconds",
+    "outputs",
+    "env",
+    "runtime_inputs",
 }
+_OPTIONAL_FIELDS = ("outputs", "env", "runtime_inputs")
 _STAGE_FIELDS = {
+    "outputs",
+    "env",
+    "runtime_inputs",
     "id",
     "title",
     "argv",
@@ -157,6 +165,7 @@ def validate_project(raw: Any) -> dict[str, Any]:
                 check.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS), f"{field}.timeout_seconds"
             ),
         }
+        normal.update(_optional(check, field))
         if not isinstance(normal["title"], str):
             raise _fail(f"{field}.title", "must be a string")
         if "repos" in check:
@@ -200,6 +209,55 @@ def _argv(value: Any, field: str) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
         raise _fail(field, f"must be a non-empty list of strings, got {value!r}")
     return list(value)
+
+
+def _outputs(value: Any, field: str) -> list[str]:
+    patterns = _string_list(value, field)
+    for i, pattern in enumerate(patterns):
+        _relative_path(pattern, f"{field}[{i}]")
+    return patterns
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _env_names(value: Any, field: str) -> list[str]:
+    names = _string_list(value, field)
+    for name in names:
+        if not _ENV_NAME.match(name):
+            raise _fail(field, f"{name!r} is not an environment variable name")
+    return names
+
+
+def _runtime_inputs(value: Any, field: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise _fail(field, f"must be a list of {{'argv': [...]}} or {{'path': ...}}, got {value!r}")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        here = f"{field}[{i}]"
+        if not isinstance(item, Mapping) or len(item) != 1 or set(item) - {"argv", "path"}:
+            raise _fail(here, f"must be {{'argv': [...]}} or {{'path': '...'}}, got {item!r}")
+        if "argv" in item:
+            out.append({"argv": _argv(item["argv"], f"{here}.argv")})
+        else:
+            out.append({"path": _relative_path(item["path"], f"{here}.path")})
+    return out
+
+
+_OPTIONAL_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "outputs": _outputs,
+    "env": _env_names,
+    "runtime_inputs": _runtime_inputs,
+}
+
+
+def _optional(raw: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """The optional fields `outputs`, `env` and `runtime_inputs`, validated, when present."""
+    return {
+        key: check(raw[key], f"{field}.{key}")
+        for key, check in _OPTIONAL_CHECKS.items()
+        if raw.get(key) is not None
+    }
 
 
 def _reuse(value: Any, field: str) -> str:
@@ -282,6 +340,7 @@ def normalize_stages(stages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
             "resources": _string_list(list(raw.get("resources") or []), f"{field}.resources"),
             "reuse": _reuse(raw.get("reuse") or "auto", f"{field}.reuse"),
         }
+        stage.update(_optional(raw, field))
         # Fields this runner does not know are kept (they enter the plan fingerprint).
         for key in sorted(set(raw) - _STAGE_FIELDS):
             stage[key] = raw[key]
@@ -317,20 +376,39 @@ def check_to_stage(check: Mapping[str, Any]) -> dict[str, Any]:
     }
     if "repos" in check:
         stage["inputs"] = {"repos": list(check["repos"])}
+    for key in _OPTIONAL_FIELDS:
+        if key in check:
+            stage[key] = check[key]
     return stage
 
 
-def _dirty_repos(workspace_root: Path, project: Mapping[str, Any]) -> set[str]:
+def _git_out(path: Path, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", "-C", str(path), *argv], capture_output=True, check=False)
+
+
+def _dirty_repos(
+    workspace_root: Path, project: Mapping[str, Any], base: str | None = None
+) -> set[str]:
+    """Repositories with changes: uncommitted ones, or with `base`, anything that differs
+    from that commit (committed or not) plus untracked files."""
     dirty: set[str] = set()
     for repo in project["repositories"]:
         path = workspace_root / repo["path"]
-        proc = subprocess.run(
-            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=all"],
-            capture_output=True,
-            check=False,
-        )
-        # Not a git repository, or git failed: we cannot tell, so treat it as changed.
-        if proc.returncode != 0 or proc.stdout.strip():
+        if base is None:
+            proc = _git_out(path, "status", "--porcelain", "--untracked-files=all")
+            # Not a git repository, or git failed: we cannot tell, so treat it as changed.
+            if proc.returncode != 0 or proc.stdout.strip():
+                dirty.add(repo["name"])
+            continue
+        if _git_out(path, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}").returncode:
+            raise _fail(
+                "base",
+                f"repository {repo['name']!r} ({path}) has no commit {base!r}: fetch it "
+                "(e.g. `git fetch origin main`) or pass another --base",
+            )
+        diff = _git_out(path, "diff", "--quiet", base, "--", ".")
+        others = _git_out(path, "ls-files", "--others", "--exclude-standard", "--", ".")
+        if diff.returncode != 0 or others.returncode != 0 or others.stdout.strip():
             dirty.add(repo["name"])
     return dirty
 
@@ -342,12 +420,14 @@ def plan_stages(
     profile: str | None = None,
     repos: Sequence[str] | None = None,
     changed: bool = False,
+    base: str | None = None,
 ) -> list[dict[str, Any]]:
     """Select checks and return their stages in order.
 
     `profile` picks the listed checks; `repos` picks checks whose scope covers one of those
     repositories (a check without `repos` covers all of them); `changed` picks checks whose
-    scope covers a repository with uncommitted changes, plus their data consumers. Every
+    scope covers a repository with uncommitted changes (or, with `base`, changes since
+    that commit), plus their data consumers. Every
     selected check pulls in its `deps` (they produce its inputs); `after` edges to checks
     that are not selected are dropped, since they only order.
     """
@@ -369,7 +449,7 @@ def plan_stages(
                 raise _fail("repo", f"unknown repository {r!r} (known: {', '.join(all_repos)})")
         selected = [cid for cid in selected if scope(cid) & set(repos)]
     if changed:
-        dirty = _dirty_repos(Path(workspace_root), project)
+        dirty = _dirty_repos(Path(workspace_root), project, base)
         touched = {cid for cid in selected if scope(cid) & dirty}
         grew = True
         while grew:

@@ -19,6 +19,7 @@ from typing import Any
 from ratchet._clock import Clock, utc_iso
 from ratchet.checks._decide import CHECKPOINT_VERSION, FINGERPRINT_VERSION
 from ratchet.checks._errors import LegacyReceiptError, ReceiptError
+from ratchet.checks._signing import KEY_ENV, KEY_FILE_ENV, signing_key
 from ratchet.checks.common import read_json, state_root
 from ratchet.store import seal, verify_seal
 
@@ -27,6 +28,7 @@ __all__ = [
     "ReceiptWriter",
     "blank_record",
     "check_run_id",
+    "latest_run_id",
     "new_run_id",
     "read_receipt",
     "receipt_path",
@@ -41,8 +43,9 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def seal_receipt(receipt: Mapping[str, Any]) -> dict[str, Any]:
-    """The receipt with its seal: a SHA-256 over its canonical JSON (minus the seal)."""
-    return seal(dict(receipt))
+    """The receipt with its seal over its canonical JSON (minus the seal): an HMAC-SHA256
+    under the signing key when one is configured (`_signing`), else a plain SHA-256."""
+    return seal(dict(receipt), signing_key())
 
 
 def new_run_id(clock: Clock, rng: random.Random) -> str:
@@ -88,7 +91,26 @@ def read_receipt(
             f"receipt of run {run_id!r} predates checkpoints (no fingerprint_version): "
             "it grants no reuse; run without --resume"
         )
-    if not verify_seal(receipt):
+    key = signing_key()
+    recorded = receipt.get("seal")
+    signed = isinstance(recorded, str) and recorded.startswith("hmac-")
+    if key is not None and not signed:
+        raise ReceiptError(
+            f"receipt of run {run_id!r} at {path} is not signed, and a signing key is "
+            f"configured ({KEY_ENV}/{KEY_FILE_ENV}): it is refused; anyone who can write the "
+            "state directory could have written it"
+        )
+    if key is None and signed:
+        raise ReceiptError(
+            f"receipt of run {run_id!r} at {path} is signed, but no signing key is configured: "
+            f"set {KEY_ENV} or {KEY_FILE_ENV} to verify it"
+        )
+    if key is not None and not verify_seal(receipt, key):
+        raise ReceiptError(
+            f"receipt of run {run_id!r} at {path} does not match its signature under the "
+            "configured key: it was altered, or signed with another key, and is not trusted"
+        )
+    if key is None and not verify_seal(receipt):
         raise ReceiptError(
             f"receipt of run {run_id!r} at {path} does not match its seal: "
             "it was altered or corrupted and is not trusted"
@@ -100,6 +122,29 @@ def read_receipt(
             f"{FINGERPRINT_VERSION}, so it grants no reuse; run without --resume"
         )
     return receipt
+
+
+def latest_run_id(workspace_root: Path, state_dir: Path) -> str:
+    """The most recently started run that finished (any status but `running`) and whose
+    receipt is trusted: what `--resume latest` resumes from."""
+    runs_dir = state_dir / "runs"
+    best: tuple[str, str] | None = None
+    for child in runs_dir.iterdir() if runs_dir.is_dir() else []:
+        try:
+            receipt = read_receipt(workspace_root, state_dir, child.name)
+        except ReceiptError:
+            continue
+        if receipt.get("status") == "running":
+            continue
+        stamp = (str(receipt.get("started_at") or ""), child.name)
+        if best is None or stamp > best:
+            best = stamp
+    if best is None:
+        raise ReceiptError(
+            f"--resume latest: no finished run with a trusted receipt in {runs_dir}; "
+            "run without --resume first"
+        )
+    return best[1]
 
 
 def blank_record(stage: Mapping[str, Any]) -> dict[str, Any]:

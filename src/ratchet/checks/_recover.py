@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +63,7 @@ def recover(
     confirm_processes_stopped: bool = False,
     clock: Clock = SYSTEM_CLOCK,
     writer: ReceiptWriter = _default_writer,
+    stop_stages: bool = False,
 ) -> dict[str, Any]:
     """Turn a receipt left `running` by a crash into `interrupted`.
 
@@ -85,11 +87,19 @@ def recover(
     was_running = [s["id"] for s in stages if s.get("status") == "running"]
     not_started = [s["id"] for s in stages if s.get("status") == "pending"]
     kept = [s["id"] for s in stages if s.get("checkpoint_verified") is True]
+    live = _live_groups(receipt)
     plan = {
         "mark_failed": was_running,
         "mark_skipped": not_started,
         "verified_checkpoints_kept": kept,
+        "live_process_groups": live,
     }
+    if live and apply and stop_stages:
+        for group in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group["pgid"], signal.SIGKILL)
+        live = _wait_gone(receipt, clock)
+        plan["live_process_groups"] = live
     if not apply:
         return {
             **base,
@@ -114,6 +124,19 @@ def recover(
                 f"refusing to recover run {run_id} without --confirm-processes-stopped: make "
                 f"sure its ratchet process (pid {receipt.get('pid')} on {receipt.get('host')}) "
                 "and its stage processes are stopped first"
+            ),
+        }
+    if live:
+        names = ", ".join(f"{g['stage']} (process group {g['pgid']})" for g in live)
+        return {
+            **base,
+            **plan,
+            "ok": False,
+            "action": "refused",
+            "status": "running",
+            "error": (
+                f"refusing to recover run {run_id}: stage process groups are still alive: "
+                f"{names}; stop them (`kill -KILL -- -PGID`) or pass --stop-stages"
             ),
         }
     if _still_alive(receipt, run_id):
@@ -163,6 +186,54 @@ def recover(
         "status": "interrupted",
         "text": f"run {run_id} marked interrupted; resume it with --resume {run_id}",
     }
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process group has a live member; zombies (dead, not yet reaped by an init
+    that may never reap them) do not count."""
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+            except OSError:
+                continue
+            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                return True
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _live_groups(receipt: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recorded stage process groups that still exist on this host."""
+    if receipt.get("host") != socket.gethostname():
+        return []
+    out = []
+    for s in receipt.get("stages", []):
+        pgid = s.get("pgid")
+        if s.get("status") == "running" and isinstance(pgid, int) and pgid > 1:
+            if _group_alive(pgid):
+                out.append({"stage": s.get("id"), "pgid": pgid})
+    return out
+
+
+def _wait_gone(receipt: dict[str, Any], clock: Clock, attempts: int = 200) -> list[dict[str, Any]]:
+    # SIGKILL is asynchronous: give the kernel a moment to tear the groups down.
+    live = _live_groups(receipt)
+    for _ in range(attempts):
+        if not live:
+            break
+        clock.sleep_sync(0.01)
+        live = _live_groups(receipt)
+    return live
 
 
 def _still_alive(receipt: dict[str, Any], run_id: str) -> bool:

@@ -1,14 +1,17 @@
-"""What people see: live progress on a TTY and the summary table at the end (rich)."""
+"""What people see: live progress on a TTY and the summary table at the end (rich).
+
+rich is imported only when something is shown, so `--json` runs do not pay for it.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.progress import Progress
+    from rich.table import Table
 
 _STYLE = {
     "passed": "green",
@@ -18,6 +21,9 @@ _STYLE = {
     "running": "cyan",
     "pending": "dim",
     "interrupted": "magenta",
+    "reuse": "green",
+    "run": "cyan",
+    "fail": "red",
 }
 _FINAL = {"passed", "failed", "stale", "skipped"}
 
@@ -37,6 +43,15 @@ class LiveProgress:
 
     def __enter__(self) -> LiveProgress:
         if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
             self._progress = Progress(
                 TextColumn("[bold]checks[/]"),
                 BarColumn(),
@@ -64,6 +79,8 @@ class LiveProgress:
 
 def summary_table(result: Mapping[str, Any]) -> Table:
     """One row per stage: status, exit code, reuse, time, error."""
+    from rich.table import Table
+
     status = str(result.get("status"))
     if result.get("dry_run"):
         title, caption = "plan (dry run)", "nothing was run"
@@ -76,7 +93,7 @@ def summary_table(result: Mapping[str, Any]) -> Table:
     for col in ("stage", "status", "exit", "reused from", "seconds", "error"):
         table.add_column(col, overflow="fold")
     for s in result.get("stages", []):
-        st = str(s.get("status"))
+        st = str(s.get("prediction") or s.get("status"))
         secs = s.get("duration_seconds")
         table.add_row(
             str(s.get("id")),
@@ -84,13 +101,15 @@ def summary_table(result: Mapping[str, Any]) -> Table:
             "" if s.get("exit_code") is None else str(s.get("exit_code")),
             str(s.get("reused_from") or ""),
             "" if secs is None else f"{secs:.2f}",
-            str(s.get("error") or s.get("snapshot_error") or ""),
+            str(s.get("error") or s.get("snapshot_error") or "; ".join(s.get("reasons") or [])),
         )
     return table
 
 
 def render(result: Mapping[str, Any], stream: TextIO | None = None) -> None:
     """Print a handler's result for people (a run gets the summary table)."""
+    from rich.console import Console
+
     console = Console(file=stream if stream is not None else sys.stdout)
     if "stages" in result and "run_id" in result:
         console.print(summary_table(result))

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import socket
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 from ratchet._clock import utc_iso
 from ratchet._errors import ConfigError
 from ratchet.checks import _explain
+from ratchet.checks._cache import CheckCache
 from ratchet.checks._decide import (
     FINGERPRINT_VERSION,
     Decision,
@@ -35,12 +38,19 @@ from ratchet.checks._decide import (
     outcome,
     run_status,
 )
-from ratchet.checks._errors import ReceiptError, ResumeRefusedError, StageTimeoutError
+from ratchet.checks._errors import (
+    EmptyPlanError,
+    ReceiptError,
+    ResumeRefusedError,
+    StageTimeoutError,
+)
+from ratchet.checks._execute import SubprocessExecutor
 from ratchet.checks._plan import load_project, normalize_stages, plan_fingerprint
 from ratchet.checks._receipts import (
     ReceiptBook,
     blank_record,
     check_run_id,
+    latest_run_id,
     new_run_id,
     read_receipt,
     receipt_path,
@@ -49,14 +59,18 @@ from ratchet.checks._receipts import (
 from ratchet.checks._recover import active, process_start
 from ratchet.checks._report import LiveProgress
 from ratchet.checks._schedule import schedule
-from ratchet.checks._seams import Prober, Seams
-from ratchet.checks.checkpoints import MISSING_REPOSITORY
+from ratchet.checks._seams import ENV_KEYS, Prober, Seams, extra_env_keys
+from ratchet.checks._signing import SECRET_ENV, hash_value, signing_key
+from ratchet.checks.checkpoints import MISSING_REPOSITORY, outputs_manifest, runtime_identity
 from ratchet.checks.common import resource_lock, state_root
 from ratchet.store import sha256_bytes
 
 __all__ = ["project_path", "run_checks"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
+# How long a stage waits for a resource another process holds (--lock-timeout).
+DEFAULT_LOCK_TIMEOUT_SECONDS = 600.0
+LOCK_POLL_SECONDS = 0.05
 
 
 def run_checks(
@@ -73,18 +87,50 @@ def run_checks(
     state_dir = state_dir_for(workspace_root, getattr(args, "state_dir", None))
     project = project_path(workspace_root, getattr(args, "project", None))
     planned = normalize_stages(stages)
+    if not planned and not getattr(args, "allow_empty", False):
+        raise EmptyPlanError(
+            "the plan selects no checks (nothing matched the profile, --repo or --changed "
+            "selection), so nothing would be verified; pass --allow-empty to accept an empty "
+            "run as a pass"
+        )
     repositories = _resolve_repositories(workspace_root, project, planned)
     prober = seams.prober(workspace_root, repositories, state_dir, clock=seams.clock)
+    exclude = getattr(prober, "exclude_from_workspace", None)
+    if project is not None and exclude is not None:
+        exclude(project)
     for stage in planned:
         prober.scope(stage)  # unknown repositories fail before anything runs
     resume = getattr(args, "resume", None)
-
-    if getattr(args, "dry_run", False):
-        return _dry_run(planned, resume, workspace_root, state_dir)
+    if resume == "latest":
+        resume = latest_run_id(workspace_root, state_dir)
 
     previous = _load_previous(workspace_root, state_dir, resume) if resume else None
+    key = signing_key()
     env = seams.environment()
-    env = env if isinstance(env, str) else dict(env)
+    env = env if isinstance(env, str) else _hide_values(env, key)
+    strict_env = bool(getattr(args, "strict_env", False))
+    if getattr(args, "dry_run", False):
+        dry = _Run(
+            book=ReceiptBook(
+                header={
+                    "run_id": "dry-run",
+                    "environment": env,
+                    "environment_fingerprint": env if isinstance(env, str) else digest(env),
+                },
+                records=[blank_record(s) for s in planned],
+                path=state_dir / "runs" / "dry-run" / "receipt.json",
+                writer=_never_write,
+            ),
+            stages=planned,
+            previous=previous,
+            prober=prober,
+            seams=seams,
+            workspace_root=workspace_root,
+            strict_env=strict_env,
+            key=key,
+            cache=_open_cache(args, state_dir, read_only=True),
+        )
+        return _dry_run(dry, planned, resume)
     run_id = check_run_id(getattr(args, "run_id", None) or new_run_id(seams.clock, seams.rng))
     path = receipt_path(state_dir, run_id)
     if path.exists():
@@ -110,6 +156,8 @@ def run_checks(
         "plan_fingerprint": plan_fingerprint(planned),
         "environment_fingerprint": env if isinstance(env, str) else digest(env),
         "environment": env,
+        "strict_env": strict_env,
+        "signed": key is not None,
         "fingerprint_version": FINGERPRINT_VERSION,
         "started_at": utc_iso(seams.clock),
         "finished_at": None,
@@ -131,6 +179,10 @@ def run_checks(
         prober=prober,
         seams=seams,
         workspace_root=workspace_root,
+        strict_env=strict_env,
+        key=key,
+        cache=_open_cache(args, state_dir),
+        lock_timeout=_lock_timeout(args),
     )
     book.persist()
     jobs = max(1, int(getattr(args, "jobs", 1) or 1))
@@ -158,8 +210,17 @@ class _Run:
         prober: Prober,
         seams: Seams,
         workspace_root: Path,
+        strict_env: bool = False,
+        key: bytes | None = None,
+        cache: CheckCache | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS,
     ) -> None:
         self.book = book
+        self.cache = cache
+        self.lock_timeout = lock_timeout
+        self.stopping = threading.Event()
+        self.strict_env = strict_env
+        self.key = key
         self.stages = {s["id"]: s for s in stages}
         self.previous = previous
         self.previous_id: str | None = previous["run_id"] if previous else None
@@ -178,6 +239,11 @@ class _Run:
     def now(self) -> str:
         return utc_iso(self.clock)
 
+    def interrupt(self) -> None:
+        """The run was interrupted: stop waiting for locks, kill the stage commands."""
+        self.stopping.set()
+        self.seams.executor.kill_all()
+
     def elapsed(self, started: float) -> float:
         return round(self.clock.monotonic() - started, 3)
 
@@ -193,7 +259,7 @@ def _finish(run: _Run, jobs: int, progress_enabled: bool) -> dict[str, Any]:
                 jobs=jobs,
                 waiter=run.seams.waiter,
                 progress=progress,
-                on_interrupt=run.seams.executor.kill_all,
+                on_interrupt=run.interrupt,
             )
     except BaseException:
         book.set_header(status="interrupted", phase="interrupted", finished_at=run.now())
@@ -232,7 +298,7 @@ def _stage_worker(run: _Run, sid: str) -> None:
     try:
         with contextlib.ExitStack() as locks:
             for name in sorted(stage["resources"]):
-                locks.enter_context(resource_lock(run.locks_dir, name))
+                _take_lock(run, sid, locks, name)
             _stage_locked(run, stage, started)
     except Exception as exc:
         if run.book.status(sid) in ("pending", "running"):
@@ -248,6 +314,36 @@ def _stage_worker(run: _Run, sid: str) -> None:
                 run.book.persist()
 
 
+def _take_lock(run: _Run, sid: str, locks: contextlib.ExitStack, name: str) -> None:
+    """Hold resource `name` for the stage, waiting up to the run's lock timeout while
+    another process (another run, another clone's run) holds it. The wait is real time, as
+    a stage's timeout is; it ends early if the run is interrupted."""
+    polls = max(0, math.ceil(run.lock_timeout / LOCK_POLL_SECONDS))
+    for attempt in range(polls + 1):
+        try:
+            locks.enter_context(resource_lock(run.locks_dir, name))
+        except RuntimeError as exc:
+            if "busy" not in str(exc):
+                raise
+            if attempt == polls:
+                raise RuntimeError(
+                    f"{exc}; gave up after waiting {run.lock_timeout:g} s "
+                    "(raise it with --lock-timeout SECONDS)"
+                ) from exc
+            if attempt == 0:
+                run.book.update(sid, waiting_for_resource=name)
+                with contextlib.suppress(Exception):
+                    run.book.persist()
+            if run.stopping.wait(LOCK_POLL_SECONDS):
+                raise RuntimeError(
+                    f"the run was interrupted while waiting for resource {name!r}"
+                ) from exc
+            continue
+        if attempt:
+            run.book.update(sid, waiting_for_resource=None)
+        return
+
+
 def _decide_stage(
     run: _Run, stage: Mapping[str, Any], components: dict[str, Any], cache_key: str
 ) -> tuple[Decision, dict[str, Any]]:
@@ -258,7 +354,12 @@ def _decide_stage(
     if decision.action == "hash-log":
         assert decision.log_path is not None
         evidence = _observe_log(run.prober, decision.log_path)
-        decision = decide(dataclasses.replace(facts, log=evidence))
+        facts = dataclasses.replace(facts, log=evidence)
+        decision = decide(facts)
+    if decision.action == "hash-outputs":
+        patterns = list(stage.get("outputs") or [])
+        on_disk = digest(outputs_manifest(run.workspace_root, patterns)) if patterns else ""
+        decision = decide(dataclasses.replace(facts, outputs=on_disk))
     explanation = decision.explanation(run.previous_id)
     if decision.key_changed:
         assert old is not None and run.previous is not None
@@ -296,15 +397,35 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
         )
         book.persist()
         return
+    env = _stage_env(run, stage)
+    try:
+        extra = _extra_components(run, stage, env)
+    except Exception as exc:
+        book.update(
+            sid,
+            status="failed",
+            error=f"could not probe the stage's runtime inputs: {type(exc).__name__}: {exc}",
+            finished_at=run.now(),
+        )
+        book.persist()
+        return
     components = cache_components(
         stage,
         ident,
-        {d: book.record(d)["checkpoint_id"] for d in stage["deps"]},
+        {d: _produced(book.record(d)) for d in stage["deps"]},
         book.header["environment_fingerprint"],
+        extra,
     )
     cache_key = digest(components)
     decision, explanation = _decide_stage(run, stage, components, cache_key)
 
+    if (
+        decision.action == "run"
+        and run.cache is not None
+        and stage["reuse"] == "auto"
+        and _reuse_from_cache(run, stage, components, cache_key, explanation, started)
+    ):
+        return
     if decision.action == "reuse":
         old = run.previous_records[sid]
         rec = book.record(sid)
@@ -315,6 +436,7 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
             log_sha256=old["log_sha256"],
             checkpoint_verified=True,
             checkpoint_id=old["checkpoint_id"],
+            outputs_digest=old.get("outputs_digest"),
             cache_key=cache_key,
             cache_components=components,
             origin_run_id=old.get("origin_run_id") or run.previous_id,
@@ -354,7 +476,7 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
     )
     book.persist()
 
-    exit_code, error = _execute(run, stage, log_path)
+    exit_code, error = _execute(run, stage, log_path, env)
     done = {"finished_at": run.now(), "duration_seconds": run.elapsed(started)}
     command_ok = error is None and exit_code == 0
     try:
@@ -394,12 +516,34 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
         )
         book.persist()
         return
+    outputs_digest = None
+    if stage.get("outputs"):
+        produced = outputs_manifest(run.workspace_root, stage["outputs"])
+        if not produced:
+            book.update(
+                sid,
+                status="failed",
+                exit_code=exit_code,
+                checkpoint_verified=False,
+                error=(
+                    f"the command passed but its declared outputs {stage['outputs']} match no "
+                    "file: fix the command or the outputs patterns"
+                ),
+                **done,
+            )
+            book.persist()
+            return
+        outputs_digest = digest(produced)
+        _keep_manifest(run, outputs_digest, produced)
+    else:
+        produced = None
     log_sha = prober.log_digest(log_path)
     rec = book.record(sid)
     rec.update(
         status="passed",
         exit_code=exit_code,
         log_sha256=log_sha,
+        outputs_digest=outputs_digest,
         checkpoint_verified=True,
         checkpoint_id=checkpoint_id(cache_key, log_sha, book.run_id),
         origin_run_id=book.run_id,
@@ -407,25 +551,201 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
         **done,
     )
     _persist_checkpoint(run, sid, rec)
+    if run.cache is not None and stage["reuse"] == "auto" and book.status(sid) == "passed":
+        try:
+            run.cache.store(
+                cache_key,
+                rec,
+                workspace_root=run.workspace_root,
+                outputs=produced,
+                stage_id=sid,
+                clock=run.clock,
+            )
+        except (OSError, ValueError) as exc:
+            book.update(sid, cache_error=f"not stored in the cache: {exc}")
 
 
-def _execute(run: _Run, stage: Mapping[str, Any], log_path: Path) -> tuple[int | None, str | None]:
-    """(exit code, error) of the stage's command; a timeout or a failure to start is an error."""
-    env = {
-        **os.environ,
+def _reuse_from_cache(
+    run: _Run,
+    stage: Mapping[str, Any],
+    components: dict[str, Any],
+    cache_key: str,
+    explanation: dict[str, Any],
+    started: float,
+) -> bool:
+    """Reuse a verified checkpoint the cache holds under `cache_key`, after re-hashing its
+    log and making sure its declared outputs are on disk (restoring them from the cache's
+    blobs when they are not). False (the stage runs) on a miss or any doubt."""
+    assert run.cache is not None
+    sid = stage["id"]
+    entry, why = run.cache.lookup(cache_key)
+    if entry is None:
+        explanation["cache"] = why
+        return False
+    restored = False
+    patterns = list(stage.get("outputs") or [])
+    if entry.get("outputs_digest"):
+        if digest(outputs_manifest(run.workspace_root, patterns)) != entry["outputs_digest"]:
+            problem = run.cache.restore_outputs(run.workspace_root, entry.get("outputs") or {})
+            on_disk = digest(outputs_manifest(run.workspace_root, patterns))
+            if problem is None and on_disk != entry["outputs_digest"]:
+                problem = "the declared outputs hold other files besides the cached ones"
+            if problem is not None:
+                explanation["cache"] = f"cache entry not usable: {problem}"
+                return False
+            restored = True
+    elif patterns:
+        explanation["cache"] = "cache entry has no outputs digest"
+        return False
+    origin = entry.get("origin_run_id")
+    how = "its log re-hashed" + ("; its outputs were restored from the cache" if restored else "")
+    rec = run.book.record(sid)
+    rec.update(
+        status="passed",
+        exit_code=entry.get("exit_code"),
+        log_path=str(run.cache.blob_path(entry["log_sha256"])),
+        log_sha256=entry["log_sha256"],
+        checkpoint_verified=True,
+        checkpoint_id=entry["checkpoint_id"],
+        outputs_digest=entry.get("outputs_digest"),
+        cache_key=cache_key,
+        cache_components=components,
+        origin_run_id=origin,
+        reused_from=origin,
+        cache_hit=True,
+        explain={
+            "resumed_from": run.previous_id,
+            "decision": "reused",
+            "reasons": [
+                f"cache hit: run {origin} left a verified checkpoint with this cache key ({how})"
+            ],
+        },
+        error=None,
+        started_at=run.now(),
+        finished_at=run.now(),
+        duration_seconds=run.elapsed(started),
+    )
+    _persist_checkpoint(run, sid, rec)
+    return True
+
+
+def _lock_timeout(args: argparse.Namespace) -> float:
+    value = getattr(args, "lock_timeout", None)
+    if value is None:
+        return DEFAULT_LOCK_TIMEOUT_SECONDS
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"lock timeout must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _open_cache(
+    args: argparse.Namespace, state_dir: Path, *, read_only: bool = False
+) -> CheckCache | None:
+    """The cache this run reads and writes: `cache_dir` (or RATCHET_CHECKS_CACHE_DIR), else
+    the state folder's `cache/`; None when `cache` is off (the Python API's default)."""
+    if not getattr(args, "cache", False):
+        return None
+    where = getattr(args, "cache_dir", None) or os.environ.get("RATCHET_CHECKS_CACHE_DIR")
+    root = Path(where) if where else state_dir / "cache"
+    read_only = read_only or bool(getattr(args, "cache_read_only", False))
+    return CheckCache(root, read_only=read_only)
+
+
+def _stage_env(run: _Run, stage: Mapping[str, Any]) -> dict[str, str]:
+    """The environment a stage's command (and its runtime inputs) see. Never the signing
+    key; in strict mode only the fingerprinted variables and the stage's declared `env`."""
+    if run.strict_env:
+        names = {*ENV_KEYS, *extra_env_keys(), *stage.get("env", ())}
+        base = {k: v for k, v in os.environ.items() if k in names}
+    else:
+        base = dict(os.environ)
+    for secret in SECRET_ENV:
+        base.pop(secret, None)
+    return {
+        **base,
         "RATCHET_RUN_ID": run.book.run_id,
         "RATCHET_STAGE_ID": stage["id"],
         "RATCHET_WORKSPACE_ROOT": str(run.workspace_root),
     }
-    run.prober.command_started()
-    try:
-        exit_code = run.seams.executor.run(
-            stage,
+
+
+def _extra_components(
+    run: _Run, stage: Mapping[str, Any], env: Mapping[str, str]
+) -> dict[str, Any]:
+    """The cache-key components only some stages have: declared outputs, declared env
+    variables (values hashed, never stored), runtime inputs, and strict env mode."""
+    extra: dict[str, Any] = {}
+    if stage.get("outputs"):
+        extra["outputs"] = sorted(stage["outputs"])
+    if stage.get("env"):
+        extra["env"] = {
+            name: None if name not in os.environ else hash_value(os.environ[name], run.key)
+            for name in sorted(stage["env"])
+        }
+    if stage.get("runtime_inputs"):
+        extra["runtime"] = runtime_identity(
+            stage["runtime_inputs"],
+            workspace_root=run.workspace_root,
             cwd=run.workspace_root / stage["cwd"],
-            log_path=log_path,
-            timeout=stage["timeout_seconds"],
             env=env,
         )
+    if run.strict_env:
+        extra["env_mode"] = "strict"
+    return extra
+
+
+def _produced(record: Mapping[str, Any]) -> str | None:
+    """What a consumer keys on for a dependency: its outputs' digest when it declares
+    outputs (a re-run producing the same bytes changes nothing: early cutoff), else its
+    checkpoint."""
+    if record.get("outputs_digest"):
+        return "outputs:" + str(record["outputs_digest"])
+    return record.get("checkpoint_id")
+
+
+def _keep_manifest(run: _Run, key: str, manifest: Mapping[str, str]) -> None:
+    store = getattr(run.prober, "keep_manifest", None)
+    if store is not None:
+        with contextlib.suppress(OSError):
+            store(key, dict(manifest))
+
+
+def _hide_values(env: Mapping[str, str], key: bytes | None) -> dict[str, str]:
+    """The environment fingerprint as receipts keep it: variables' values hashed."""
+    return {k: hash_value(v, key) if k.startswith("env:") else v for k, v in env.items()}
+
+
+def _execute(
+    run: _Run, stage: Mapping[str, Any], log_path: Path, env: Mapping[str, str]
+) -> tuple[int | None, str | None]:
+    """(exit code, error) of the stage's command; a timeout or a failure to start is an error."""
+    sid = stage["id"]
+
+    def started(pgid: int) -> None:
+        # Recorded so `recover` can see (and stop) a group a killed ratchet left behind.
+        run.book.update(sid, pgid=pgid, pgid_start=process_start(pgid))
+        run.book.persist()
+
+    executor = run.seams.executor
+    run.prober.command_started()
+    try:
+        if isinstance(executor, SubprocessExecutor):
+            exit_code = executor.run(
+                stage,
+                cwd=run.workspace_root / stage["cwd"],
+                log_path=log_path,
+                timeout=stage["timeout_seconds"],
+                env=env,
+                on_start=started,
+            )
+        else:
+            exit_code = executor.run(
+                stage,
+                cwd=run.workspace_root / stage["cwd"],
+                log_path=log_path,
+                timeout=stage["timeout_seconds"],
+                env=env,
+            )
     except StageTimeoutError as exc:
         return None, str(exc)
     except Exception as exc:
@@ -551,10 +871,23 @@ def _progress_enabled(args: argparse.Namespace) -> bool:
     return sys.stderr.isatty()
 
 
-def _dry_run(
-    stages: list[dict[str, Any]], resume: str | None, workspace_root: Path, state_dir: Path
-) -> dict[str, Any]:
-    previous = _load_previous(workspace_root, state_dir, resume) if resume else None
+def _never_write(path: Path, payload: dict[str, Any]) -> None:
+    raise AssertionError(f"a dry run writes no receipt (asked to write {path})")
+
+
+def _dry_run(run: _Run, stages: list[dict[str, Any]], resume: str | None) -> dict[str, Any]:
+    """The plan, with each stage's predicted decision (`reuse`, `run` or `fail`) and why.
+
+    It probes inputs and runtime inputs and re-hashes the evidence a reuse would rest on,
+    as a run would, but runs no stage and writes no receipt. A stage whose data dependency
+    would run is predicted to run (its dependency's new checkpoint is not known yet).
+    """
+    produced: dict[str, str | None] = {}
+    out = []
+    for stage in stages:
+        sid = stage["id"]
+        prediction, reasons, produced[sid] = _predict(run, stage, produced)
+        out.append({**stage, "status": "planned", "prediction": prediction, "reasons": reasons})
     return {
         "run_id": None,
         "status": "planned",
@@ -562,6 +895,48 @@ def _dry_run(
         "resumed_from": resume,
         "plan_fingerprint": plan_fingerprint(stages),
         "fingerprint_version": FINGERPRINT_VERSION,
-        "previous_status": previous.get("status") if previous else None,
-        "stages": [{**s, "status": "planned"} for s in stages],
+        "previous_status": run.previous.get("status") if run.previous else None,
+        "stages": out,
     }
+
+
+def _predict(
+    run: _Run, stage: Mapping[str, Any], produced: Mapping[str, str | None]
+) -> tuple[str, list[str], str | None]:
+    """(prediction, reasons, what the stage would produce for its consumers)."""
+    sid = stage["id"]
+    waiting = [d for d in stage["deps"] if produced.get(d) is None]
+    if waiting:
+        return "run", [f"dependency {waiting[0]!r} would run, so what it produces is new"], None
+    try:
+        ident = run.prober.identity(stage)
+        extra = _extra_components(run, stage, _stage_env(run, stage))
+    except Exception as exc:
+        return "fail", [f"its inputs cannot be probed: {type(exc).__name__}: {exc}"], None
+    components = cache_components(
+        stage,
+        ident,
+        {d: produced[d] for d in stage["deps"]},
+        run.book.header["environment_fingerprint"],
+        extra,
+    )
+    cache_key = digest(components)
+    decision, explanation = _decide_stage(run, stage, components, cache_key)
+    if decision.action == "reuse":
+        old = run.previous_records[sid]
+        return "reuse", [f"its checkpoint in run {run.previous_id} matches"], _produced(old)
+    if decision.action == "refuse":
+        return "fail", list(explanation["reasons"]), None
+    reasons = list(explanation["reasons"])
+    if run.cache is not None and stage["reuse"] == "auto":
+        entry, why = run.cache.lookup(cache_key)
+        if entry is not None:
+            note = f"cache hit: run {entry.get('origin_run_id')} left a verified checkpoint"
+            patterns = list(stage.get("outputs") or [])
+            if entry.get("outputs_digest") and patterns:
+                on_disk = digest(outputs_manifest(run.workspace_root, patterns))
+                if on_disk != entry["outputs_digest"]:
+                    note += " (its outputs would be restored from the cache)"
+            return "reuse", [note], _produced(entry)
+        reasons.append(f"cache: {why}")
+    return "run", reasons, None

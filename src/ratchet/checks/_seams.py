@@ -23,6 +23,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.checks._execute import SubprocessExecutor
 from ratchet.checks._explain import ManifestSource
 from ratchet.checks._receipts import ReceiptWriter
+from ratchet.checks._signing import SECRET_ENV
 from ratchet.checks.checkpoints import Checkpoints
 from ratchet.checks.common import atomic_json
 
@@ -35,6 +36,7 @@ __all__ = [
     "Seams",
     "Waiter",
     "environment_fingerprint",
+    "extra_env_keys",
 ]
 
 # Environment variables that enter every cache key; RATCHET_ENV_KEYS (comma-separated) adds more.
@@ -109,6 +111,12 @@ class Waiter(Protocol):
     ) -> tuple[set[Future[None]], set[Future[None]]]: ...
 
 
+def extra_env_keys() -> list[str]:
+    """The names RATCHET_ENV_KEYS adds to the fingerprint (never the signing key's)."""
+    names = os.environ.get("RATCHET_ENV_KEYS", "").split(",")
+    return [k.strip() for k in names if k.strip() and k.strip() not in SECRET_ENV]
+
+
 def environment_fingerprint() -> dict[str, str]:
     """What of the machine enters every cache key: the interpreter, platform, chosen env vars."""
     env = {
@@ -118,8 +126,7 @@ def environment_fingerprint() -> dict[str, str]:
         "machine": platform.machine(),
         "system": platform.system(),
     }
-    extra = [k.strip() for k in os.environ.get("RATCHET_ENV_KEYS", "").split(",") if k.strip()]
-    for key in (*ENV_KEYS, *extra):
+    for key in (*ENV_KEYS, *extra_env_keys()):
         if key in os.environ:
             env[f"env:{key}"] = os.environ[key]
     return env

@@ -2,33 +2,54 @@
 
 A repository's identity is the digest of its manifest (every non-ignored file's path and
 content hash, as git lists them: tracked plus untracked, minus ignored). A stage's
-identity maps each repository in its declared scope to that digest. Nothing is trusted
-from timestamps: every fresh probe re-reads the bytes.
+identity maps each repository in its declared scope to that digest. A file's bytes are
+re-read unless `StatCache` holds its identity for exactly the same device, inode, size,
+mtime_ns and ctime_ns, recorded when the file had been still for `RACY_SECONDS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
 import stat
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.checks._errors import ProjectError
-from ratchet.store import atomic_write_bytes, canonical_json, sha256_bytes, sha256_file
+from ratchet.store import (
+    atomic_write_bytes,
+    canonical_json,
+    seal,
+    sha256_bytes,
+    sha256_file,
+    verify_seal,
+)
 
-__all__ = ["Checkpoints", "diff_manifests"]
+__all__ = [
+    "WORKSPACE_REST",
+    "Checkpoints",
+    "diff_manifests",
+    "outputs_manifest",
+    "runtime_identity",
+]
 
 # A memoised repository digest is reused only while no stage command runs or has run since,
 # and only briefly; the end-of-run snapshot always starts fresh.
 MEMO_MAX_AGE_SECONDS = 1.0
 MISSING_REPOSITORY = "missing-repository"
+STAT_CACHE_VERSION = 1
+RACY_SECONDS = 2.0
+RUNTIME_INPUT_TIMEOUT_SECONDS = 120.0
+# The pseudo-repository of a default-scope stage: workspace files outside every repository.
+WORKSPACE_REST = "<workspace-root>"
 
 
 def _git_files(root: Path) -> list[str] | None:
@@ -39,6 +60,7 @@ def _git_files(root: Path) -> list[str] | None:
     )
     if proc.returncode != 0:
         return None
+    # Names are bytes; surrogateescape keeps a non-UTF-8 name openable (see `_key`).
     names = {n for n in proc.stdout.decode("utf-8", "surrogateescape").split("\0") if n}
     return sorted(names)
 
@@ -52,21 +74,43 @@ def _walk_files(root: Path, exclude: tuple[Path, ...]) -> list[str]:
         )
         for f in filenames:
             out.append((here / f).relative_to(root).as_posix())
+        if not filenames and not dirnames and here != root:
+            out.append((here).relative_to(root).as_posix() + "/")  # an empty directory
     return sorted(out)
+
+
+def _key(rel: str) -> str:
+    """A manifest key for a relative path; a non-UTF-8 name (surrogate-escaped by the OS
+    layer) becomes its bytes with backslash escapes and a marker, so JSON can hold it."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = rel.encode("utf-8", "surrogateescape")
+        return raw.decode("utf-8", "backslashreplace") + " [non-UTF-8 name]"
+    return rel
 
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
-def _entry(path: str) -> str:
-    """One file's identity: its content hash (and exec bit), a link target, or a marker."""
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _entry(path: str, root: str | None = None) -> str:
+    """One file's identity: its content hash (and exec bit), a link target, or a marker.
+
+    A symlink is identified by its target text while the target stays inside `root` (the
+    target is then an input of its own); a link leaving `root` is followed and its
+    target's bytes are hashed, since nothing else would notice them change.
+    """
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         return "missing"
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: its target is its content
-            return "link:" + os.readlink(path)
+            return _link_entry(path, root)
         raise
     try:
         st = os.fstat(fd)
@@ -82,6 +126,223 @@ def _entry(path: str) -> str:
         os.close(fd)
     prefix = "x:" if st.st_mode & stat.S_IXUSR else ""
     return f"{prefix}sha256:{digest.hexdigest()}"
+
+
+def _link_entry(path: str, root: str | None) -> str:
+    target = os.readlink(path)
+    label = "link:" + _key(target)
+    if root is None:
+        return label
+    resolved = os.path.realpath(path)
+    if _inside(resolved, os.path.realpath(root)):
+        return label
+    if os.path.isdir(resolved):
+        tree = _manifest(Path(resolved), (), use_git=False)
+        return f"{label}->tree:{sha256_bytes(canonical_json(tree))}"
+    try:
+        return f"{label}->{_entry(resolved)}"
+    except OSError as exc:
+        return f"{label}->unreadable:{exc.strerror or exc}"
+
+
+def _manifest(
+    root: Path,
+    exclude: tuple[Path, ...],
+    *,
+    use_git: bool = True,
+    depth: int = 0,
+    entry_of: Callable[[str, str], str] | None = None,
+) -> dict[str, str]:
+    """Relative path -> identity for every file under `root`.
+
+    git lists the files when `root` is in a git work tree (ignored files are left out); a
+    directory git lists as one entry (a submodule, a nested repository) is expanded with its
+    own listing; when git lists nothing (the folder is ignored by an enclosing repository)
+    or `root` is not in a work tree, every file is walked and hashed.
+    """
+    files: list[str] | set[str] | None = _git_files(root) if use_git else None
+    if not files:
+        files = _walk_files(root, exclude)
+    base = str(root) + os.sep
+    listed = set(files)
+    identify = entry_of or _entry
+    skip = []
+    for e in exclude:
+        with contextlib.suppress(ValueError):
+            skip.append(e.relative_to(root).as_posix())
+    out: dict[str, str] = {}
+    for rel in sorted(listed):
+        rel = rel.rstrip("/")
+        if any(rel == p or rel.startswith(p + "/") for p in skip if p != "."):
+            continue  # excluded (a repository of its own, the state folder): never read
+        full = base + rel
+        entry = "dir" if rel + "/" in listed else identify(full, str(root))
+        if entry == "dir":
+            sub_root = Path(full)
+            if depth > 32 or any(sub_root == e for e in exclude):
+                out[_key(rel) + "/"] = "dir"
+                continue
+            sub = _manifest(sub_root, exclude, use_git=use_git, depth=depth + 1, entry_of=entry_of)
+            if not sub:
+                out[_key(rel) + "/"] = "dir:empty"
+            for k, v in sub.items():
+                out[_key(rel) + "/" + k] = v
+        else:
+            out[_key(rel)] = entry
+    return out
+
+
+class StatCache:
+    """File identities remembered by what `lstat` says about the file (device, inode,
+    size, mtime_ns, ctime_ns), so an unchanged file is not read again.
+
+    Fail closed, as git does with its index: a file whose mtime or ctime is less than
+    `RACY_SECONDS` older than the moment it was hashed may still be changing within the
+    timestamp's granularity, so it is never remembered and is re-hashed every time. Only
+    regular files are remembered. The cache is kept in the state folder sealed like a
+    receipt (signed when a signing key is configured); one that does not verify is
+    dropped, never trusted.
+    """
+
+    def __init__(self, path: Path | None, clock: Clock) -> None:
+        self.path = path
+        self.clock = clock
+        self._guard = threading.Lock()
+        self._entries: dict[str, list[Any]] = {}
+        self._dirty = False
+        self._loaded = False
+
+    def _load(self) -> None:
+        self._loaded = True
+        if self.path is None:
+            return
+        try:
+            data = json.loads(self.path.read_bytes())
+        except (OSError, ValueError):
+            return
+        from ratchet.checks._signing import signing_key
+
+        key = signing_key()
+        if not isinstance(data, dict) or data.get("version") != STAT_CACHE_VERSION:
+            return
+        if not verify_seal(data, key):
+            return
+        entries = data.get("entries")
+        if isinstance(entries, dict):
+            self._entries = entries
+
+    def entry(self, path: str, root: str) -> str:
+        with self._guard:
+            if not self._loaded:
+                self._load()
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return _entry(path, root)
+        if not stat.S_ISREG(st.st_mode):
+            return _entry(path, root)
+        sig = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        hit = self._entries.get(path)
+        if hit is not None and hit[:5] == sig:
+            return str(hit[5])
+        now = self.clock.now()
+        identity = _entry(path, root)
+        settled = max(st.st_mtime_ns, st.st_ctime_ns) / 1e9 < now - RACY_SECONDS
+        try:
+            again = os.lstat(path)
+        except OSError:
+            return identity
+        if (
+            settled
+            and [again.st_dev, again.st_ino, again.st_size, again.st_mtime_ns, again.st_ctime_ns]
+            == sig
+        ):
+            with self._guard:
+                self._entries[path] = [*sig, identity]
+                self._dirty = True
+        return identity
+
+    def save(self) -> None:
+        """Write the cache if it learned anything (best effort: it is only a speed-up)."""
+        if self.path is None:
+            return
+        with self._guard:
+            if not self._dirty:
+                return
+            self._dirty = False
+            payload = {"version": STAT_CACHE_VERSION, "entries": dict(self._entries)}
+        from ratchet.checks._signing import signing_key
+
+        try:
+            atomic_write_bytes(self.path, canonical_json(seal(payload, signing_key())))
+        except (OSError, ValueError):
+            pass
+
+
+def outputs_manifest(workspace_root: str | os.PathLike[str], patterns: list[str]) -> dict[str, str]:
+    """Declared outputs as they are on disk: workspace-relative path -> identity, for every
+    file a pattern (a path or a glob; `**` recurses) matches; a matched directory counts
+    with every file under it."""
+    root = Path(workspace_root)
+    out: dict[str, str] = {}
+    for pattern in patterns:
+        for rel in sorted(glob.glob(pattern, root_dir=root, recursive=True)):
+            full = root / rel
+            rel_key = _key(Path(rel).as_posix())
+            if full.is_dir() and not full.is_symlink():
+                for k, v in _manifest(full, (), use_git=False).items():
+                    out[f"{rel_key}/{k}"] = v
+            else:
+                out[rel_key] = _entry(str(full), str(root))
+    return out
+
+
+def runtime_identity(
+    items: list[dict[str, Any]],
+    *,
+    workspace_root: Path,
+    cwd: Path,
+    env: Mapping[str, str],
+    timeout: float = RUNTIME_INPUT_TIMEOUT_SECONDS,
+) -> dict[str, str]:
+    """Declared runtime inputs: label -> digest. A `path` is hashed like an input (a file,
+    or every file of a folder, ignored or not); an `argv` is run and its exit code, stdout
+    and stderr are hashed (`python --version`). A command that cannot run raises OSError."""
+    out: dict[str, str] = {}
+    for item in items:
+        if "path" in item:
+            full = workspace_root / item["path"]
+            if full.is_dir():
+                value = "tree:" + sha256_bytes(canonical_json(_manifest(full, (), use_git=False)))
+            else:
+                value = _entry(str(full), str(workspace_root))
+            out[f"path:{item['path']}"] = value
+            continue
+        argv = list(item["argv"])
+        try:
+            proc = subprocess.run(
+                argv,
+                cwd=cwd,
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise OSError(f"runtime input {argv!r} did not finish in {timeout:g} s") from exc
+        except OSError as exc:
+            raise OSError(f"runtime input {argv!r} could not run: {exc}") from exc
+        out["argv:" + canonical_json(argv).decode("utf-8")] = sha256_bytes(
+            canonical_json(
+                {
+                    "exit": proc.returncode,
+                    "stdout": sha256_bytes(proc.stdout),
+                    "stderr": sha256_bytes(proc.stderr),
+                }
+            )
+        )
+    return out
 
 
 def diff_manifests(old: Mapping[str, str], new: Mapping[str, str]) -> list[dict[str, str]]:
@@ -118,6 +379,17 @@ class Checkpoints:
         self._epoch = 0
         self._active = 0
         self._memo: dict[str, tuple[int, float, str]] = {}
+        self._exclude_files: list[Path] = []
+        stat_path = self.state_dir / "stat-cache.json" if self.state_dir is not None else None
+        self.stat_cache = StatCache(stat_path, clock)
+        # The workspace root's own files are an input unless a repository is the root.
+        root = self.workspace_root.resolve()
+        self._has_rest = all(p.resolve() != root for p in self.repositories.values())
+
+    def exclude_from_workspace(self, path: str | os.PathLike[str]) -> None:
+        """Leave `path` (the project file: its checks are keyed one by one) out of the
+        workspace root's files."""
+        self._exclude_files.append(Path(path))
 
     # --- what the runner tells us -------------------------------------------------------
     def command_started(self) -> None:
@@ -142,7 +414,8 @@ class Checkpoints:
         """The repository names a stage declares as inputs (absent = the whole workspace)."""
         inputs = stage.get("inputs")
         if inputs is None:
-            return sorted(self.repositories)
+            rest = [WORKSPACE_REST] if self._has_rest else []
+            return sorted([*self.repositories, *rest])
         names = list(inputs.get("repos") or [])
         for name in names:
             if name not in self.repositories:
@@ -161,7 +434,8 @@ class Checkpoints:
 
     def source_identity(self) -> dict[str, str]:
         """Every repository's digest: the whole workspace."""
-        return {name: self.repository_digest(name) for name in sorted(self.repositories)}
+        rest = [WORKSPACE_REST] if self._has_rest else []
+        return {name: self.repository_digest(name) for name in sorted([*self.repositories, *rest])}
 
     def log_digest(self, path: str | os.PathLike[str]) -> str:
         """A log's SHA-256, read afresh (OSError, e.g. FileNotFoundError, when it cannot be)."""
@@ -204,15 +478,46 @@ class Checkpoints:
         return loaded if isinstance(loaded, dict) else None
 
     def _compute(self, name: str) -> tuple[str, dict[str, str]]:
+        if name == WORKSPACE_REST:
+            manifest = self._workspace_rest()
+            return sha256_bytes(canonical_json(manifest)), manifest
         root = self.repositories[name]
         if not root.is_dir():
             return MISSING_REPOSITORY, {}
-        files = _git_files(root)
-        if files is None:
-            files = _walk_files(root, self._exclude)
-        base = str(root) + os.sep
-        manifest = {rel: _entry(base + rel) for rel in files}
+        manifest = _manifest(root, self._exclude, entry_of=self.stat_cache.entry)
+        self.stat_cache.save()
+        if not manifest:
+            raise ProjectError(
+                f"repository {name!r} at {root} has no files to hash: an empty input set "
+                "would never invalidate anything; add its files, or remove it from the "
+                "project's repositories"
+            )
         return sha256_bytes(canonical_json(manifest)), manifest
+
+    def _workspace_rest(self) -> dict[str, str]:
+        """Files at the workspace root outside every declared repository (a `tools/ci.py`
+        a check runs): git's listing when the root is a work tree, else a walk."""
+        root = self.workspace_root
+        skip = tuple(p for p in self.repositories.values()) + self._exclude
+        skip += tuple(self._exclude_files)
+        full = _manifest(root, skip, entry_of=self.stat_cache.entry)
+        self.stat_cache.save()
+        prefixes = []
+        for p in skip:
+            try:
+                rel = p.relative_to(root).as_posix()
+            except ValueError:
+                continue
+            prefixes.append(rel)
+        return {
+            k: v
+            for k, v in full.items()
+            if not any(k == pre or k.startswith(pre.rstrip("/") + "/") for pre in prefixes)
+        }
+
+    def keep_manifest(self, digest: str, manifest: dict[str, str]) -> None:
+        """Record a manifest by digest (declared outputs), so `explain` can name files."""
+        self._store_manifest(digest, manifest)
 
     def _store_manifest(self, digest: str, manifest: dict[str, str]) -> None:
         # Kept only so `explain` can name changed files; content-addressed, written once.

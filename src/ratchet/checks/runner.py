@@ -93,6 +93,7 @@ def recover(
     *,
     apply: bool = False,
     confirm_processes_stopped: bool = False,
+    stop_stages: bool = False,
 ) -> dict[str, Any]:
     """Turn a receipt left `running` by a crash into `interrupted` (see `_recover.recover`);
     the new receipt is written through this module's `atomic_json`."""
@@ -104,4 +105,5 @@ def recover(
         confirm_processes_stopped=confirm_processes_stopped,
         clock=SYSTEM_CLOCK,
         writer=_write,
+        stop_stages=stop_stages,
     )

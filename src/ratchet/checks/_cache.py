@@ -1,0 +1,216 @@
+"""The content-addressed cache: verified checkpoints stored by cache key.
+
+An entry holds what a passed stage proved: its cache key, checkpoint id, exit code, the
+digest of its log and of its declared outputs, and the run it came from. The log and the
+output files are stored as blobs named by their SHA-256, so an entry does not depend on
+the run folder that produced it. An entry is sealed like a receipt (signed under the
+signing key when one is configured) and trusted only while its seal matches; its blobs are
+re-hashed before every reuse. A damaged or missing entry is a miss: the stage runs.
+
+The cache is a plain directory, so a folder every machine mounts is a shared cache. A
+read-only cache (for jobs that must not be able to poison it) is read and never written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ratchet._clock import Clock
+from ratchet.checks._receipts import seal_receipt
+from ratchet.checks._signing import signing_key
+from ratchet.checks.common import atomic_json, read_json
+from ratchet.store import sha256_file, verify_seal
+
+__all__ = ["CACHE_VERSION", "CheckCache", "gc"]
+
+CACHE_VERSION = 1
+_HEX = set("0123456789abcdef")
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
+
+
+class CheckCache:
+    """One cache directory: `entries/<cache key>.json` and `blobs/<sha256>`."""
+
+    def __init__(self, root: Path, *, read_only: bool = False) -> None:
+        self.root = root
+        self.read_only = read_only
+
+    # --- paths --------------------------------------------------------------------------
+    def entry_path(self, cache_key: str) -> Path:
+        return self.root / "entries" / cache_key[:2] / f"{cache_key}.json"
+
+    def blob_path(self, sha256: str) -> Path:
+        return self.root / "blobs" / sha256[:2] / sha256
+
+    # --- reading ------------------------------------------------------------------------
+    def lookup(self, cache_key: str) -> tuple[dict[str, Any] | None, str]:
+        """The verified entry for `cache_key`, or None and why there is none."""
+        if not _is_digest(cache_key):
+            return None, "no cache key"
+        path = self.entry_path(cache_key)
+        try:
+            entry = read_json(path)
+        except FileNotFoundError:
+            return None, "no cache entry"
+        except (OSError, ValueError) as exc:
+            return None, f"cache entry {path} is unreadable ({exc})"
+        if not isinstance(entry, dict):
+            return None, f"cache entry {path} is not an object"
+        key = signing_key()
+        recorded = entry.get("seal")
+        signed = isinstance(recorded, str) and recorded.startswith("hmac-")
+        if key is not None and not signed:
+            return None, f"cache entry {path} is not signed and a signing key is configured"
+        if not verify_seal(entry, key) if key is not None else not verify_seal(entry):
+            return None, f"cache entry {path} does not match its seal"
+        if entry.get("cache_key") != cache_key or entry.get("version") != CACHE_VERSION:
+            return None, f"cache entry {path} is for another key or version"
+        log_sha = entry.get("log_sha256")
+        if not _is_digest(log_sha):
+            return None, f"cache entry {path} has no log evidence"
+        blob = self.blob_path(str(log_sha))
+        try:
+            actual = sha256_file(blob)
+        except OSError:
+            return None, f"the cached log {blob} is missing"
+        if actual != log_sha:
+            return None, f"the cached log {blob} was altered"
+        return entry, "hit"
+
+    def restore_outputs(self, workspace_root: Path, manifest: Mapping[str, str]) -> str | None:
+        """Write the files of an outputs manifest from blobs; None, or why it cannot."""
+        plan: list[tuple[Path, str, bool]] = []
+        for rel, ident in manifest.items():
+            if rel.endswith(" [non-UTF-8 name]"):
+                return f"output {rel} has a name the cache cannot restore"
+            target = workspace_root / rel
+            if rel.endswith("/") and ident == "dir:empty":
+                plan.append((target, "", False))
+                continue
+            executable = ident.startswith("x:")
+            body = ident[2:] if executable else ident
+            if not body.startswith("sha256:"):
+                return f"output {rel} ({ident.split(':', 1)[0]}) cannot be restored from blobs"
+            sha = body[len("sha256:") :]
+            blob = self.blob_path(sha)
+            try:
+                if sha256_file(blob) != sha:
+                    return f"the cached output {rel} was altered"
+            except OSError:
+                return f"the cached output {rel} is missing"
+            plan.append((target, sha, executable))
+        for target, sha, executable in plan:
+            if not sha:
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            _copy_atomic(self.blob_path(sha), target)
+            os.chmod(target, 0o755 if executable else 0o644)
+        return None
+
+    # --- writing ------------------------------------------------------------------------
+    def store(
+        self,
+        cache_key: str,
+        record: Mapping[str, Any],
+        *,
+        workspace_root: Path,
+        outputs: Mapping[str, str] | None,
+        stage_id: str,
+        clock: Clock,
+    ) -> None:
+        """Keep a verified checkpoint (and its log and output bytes) under its cache key."""
+        if self.read_only or not _is_digest(cache_key):
+            return
+        log_sha = str(record["log_sha256"])
+        self._put_blob(Path(record["log_path"]), log_sha)
+        for rel, ident in (outputs or {}).items():
+            body = ident[2:] if ident.startswith("x:") else ident
+            if body.startswith("sha256:"):
+                self._put_blob(workspace_root / rel, body[len("sha256:") :])
+        entry = {
+            "version": CACHE_VERSION,
+            "cache_key": cache_key,
+            "stage_id": stage_id,
+            "checkpoint_id": record["checkpoint_id"],
+            "exit_code": record.get("exit_code"),
+            "log_sha256": log_sha,
+            "outputs_digest": record.get("outputs_digest"),
+            "outputs": dict(outputs) if outputs else None,
+            "origin_run_id": record.get("origin_run_id"),
+            "stored_at": clock.now(),
+        }
+        atomic_json(self.entry_path(cache_key), seal_receipt(entry))
+
+    def _put_blob(self, source: Path, sha256: str) -> None:
+        blob = self.blob_path(sha256)
+        with contextlib.suppress(OSError):
+            if sha256_file(blob) == sha256:
+                return  # already there, intact (a damaged one is replaced below)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        _copy_atomic(source, blob)
+        if sha256_file(blob) != sha256:  # the file changed under us: keep nothing
+            blob.unlink()
+            raise OSError(f"{source} changed while it was copied into the cache")
+
+
+def _copy_atomic(source: Path, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    os.close(fd)
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def gc(
+    cache_root: Path, *, max_age_seconds: float, now: float, dry_run: bool = False
+) -> dict[str, Any]:
+    """Drop entries stored more than `max_age_seconds` ago (and unreadable ones), then every
+    blob no remaining entry names. Returns what was (or would be) removed."""
+    entries_dir, blobs_dir = cache_root / "entries", cache_root / "blobs"
+    removed_entries, kept_blobs = 0, set()
+    for path in sorted(entries_dir.glob("*/*.json")) if entries_dir.is_dir() else []:
+        try:
+            entry = read_json(path)
+            stored = float(entry.get("stored_at"))
+        except (OSError, ValueError, TypeError, AttributeError):
+            entry, stored = None, float("-inf")
+        if entry is None or now - stored > max_age_seconds:
+            removed_entries += 1
+            if not dry_run:
+                path.unlink(missing_ok=True)
+            continue
+        kept_blobs.add(str(entry.get("log_sha256")))
+        for ident in (entry.get("outputs") or {}).values():
+            body = ident[2:] if str(ident).startswith("x:") else str(ident)
+            if body.startswith("sha256:"):
+                kept_blobs.add(body[len("sha256:") :])
+    removed_blobs, freed = 0, 0
+    for blob in sorted(blobs_dir.glob("*/*")) if blobs_dir.is_dir() else []:
+        if blob.name in kept_blobs:
+            continue
+        removed_blobs += 1
+        with contextlib.suppress(OSError):
+            freed += blob.stat().st_size
+            if not dry_run:
+                blob.unlink()
+    return {
+        "removed_entries": removed_entries,
+        "removed_blobs": removed_blobs,
+        "freed_bytes": freed,
+    }

@@ -49,6 +49,17 @@ class Resources(ResourceContext):
         self._built: dict[tuple[ResourceType, str], Resource] = {}
         self._lock = threading.RLock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Shipped to Flink's Python workers as declarations: built resources and the lock
+        # stay here, each worker builds its own on first use.
+        return {"_declared": self._declared, "_config": self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._declared = state["_declared"]
+        self._config = state["_config"]
+        self._built = {}
+        self._lock = threading.RLock()
+
     def get_resource(self, name: str, type: ResourceType) -> Resource:  # noqa: A002
         with self._lock:
             found = self._built.get((type, name))
@@ -95,6 +106,12 @@ class Hooks:
         self.errors: list[tuple[Any, int, BaseException]] = []
         self.tool_requests: list[Event] = []
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # what a worker sees starts empty (the local environment reads these)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
 
     def failed(self, key: Any, seq: int, exc: BaseException) -> None:
         with self._lock:

@@ -4,7 +4,9 @@ Progress only moves forward: committed work survives `kill -9`, is never done tw
 every "already done" is re-verified before it is trusted.
 """
 
-from ratchet._clock import Clock
+import importlib
+from typing import TYPE_CHECKING
+
 from ratchet._errors import (
     BadInputError,
     ChatError,
@@ -34,37 +36,63 @@ from ratchet._errors import (
     TurnLimitError,
     UnknownTypeError,
 )
-from ratchet._state_api import State, open_state
-from ratchet.agents import (
-    Agent,
-    ErrorEvent,
-    Event,
-    InputEvent,
-    Job,
-    MemoryObject,
-    OutputEvent,
-    RunnerContext,
-    action,
-    migration,
-    run,
-)
-from ratchet.agents._exceptions import register_type
-from ratchet.agents._ltm import LongTermMemory, LongTermMemoryConfig
-from ratchet.agents._resource import Resource
-from ratchet.agents._retry import Retry
-from ratchet.runtime._engine import EngineConfig, EngineResult
-from ratchet.runtime._signals import send_signal
+
+if TYPE_CHECKING:
+    from ratchet._clock import Clock
+    from ratchet._state_api import State, open_state
+    from ratchet.agents import (
+        Agent,
+        ErrorEvent,
+        Event,
+        InputEvent,
+        Job,
+        MemoryObject,
+        OutputEvent,
+        RunnerContext,
+        action,
+        migration,
+        run,
+    )
+    from ratchet.agents._exceptions import register_type
+    from ratchet.agents._ltm import LongTermMemory, LongTermMemoryConfig
+    from ratchet.agents._resource import Resource
+    from ratchet.agents._retry import Retry
+    from ratchet.agents.chat import (
+        AnthropicChatModel,
+        ChatAgent,
+        ChatMessage,
+        ChatModel,
+        ChatModelSetup,
+        ChatRequestEvent,
+        ChatResponseEvent,
+        MessageRole,
+        OllamaChatModel,
+        OpenAIChatModel,
+        Prompt,
+        RateLimit,
+        ReActAgent,
+        ResourceDescriptor,
+        ResourceType,
+        RetryPolicy,
+        ScriptedChatModel,
+        TokenBudget,
+        TokenUsage,
+        Tool,
+        ToolApprovalRequestEvent,
+        ToolCall,
+        ToolContext,
+        ToolRequestEvent,
+        ToolResponseEvent,
+        chat_model_connection,
+        chat_model_setup,
+        chat_usage,
+        prompt,
+        tool,
+    )
+    from ratchet.runtime._engine import EngineConfig, EngineResult
+    from ratchet.runtime._signals import send_signal
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        from ratchet.agents import chat
-
-        return getattr(chat, name)
-    raise AttributeError(f"module 'ratchet' has no attribute {name!r}")
-
 
 __all__ = [
     "Agent",
@@ -148,6 +176,52 @@ __all__ = [
     "tool",
 ]
 
-# The chat layer is imported on first use (`ratchet run` of an agent without models starts
-# faster); its public names are the ones in __all__ not defined above.
-_LAZY = frozenset(name for name in __all__ if name not in globals())
+# Everything but the error classes is imported on first use, so `import ratchet` (and with
+# it `ratchet checks`, which never touches an agent) does not load the agent side, the
+# engine, pydantic or msgpack. `import ratchet; ratchet.Agent` works as an eager import did.
+_HOME = {
+    "Clock": "ratchet._clock",
+    "State": "ratchet._state_api",
+    "open_state": "ratchet._state_api",
+    "register_type": "ratchet.agents._exceptions",
+    "LongTermMemory": "ratchet.agents._ltm",
+    "LongTermMemoryConfig": "ratchet.agents._ltm",
+    "Resource": "ratchet.agents._resource",
+    "Retry": "ratchet.agents._retry",
+    "EngineConfig": "ratchet.runtime._engine",
+    "EngineResult": "ratchet.runtime._engine",
+    "send_signal": "ratchet.runtime._signals",
+    **dict.fromkeys(
+        (
+            "Agent",
+            "ErrorEvent",
+            "Event",
+            "InputEvent",
+            "Job",
+            "MemoryObject",
+            "OutputEvent",
+            "RunnerContext",
+            "action",
+            "migration",
+            "run",
+        ),
+        "ratchet.agents",
+    ),
+}
+# The chat layer's public names: the ones in __all__ that no other module above provides.
+_HOME.update(
+    (name, "ratchet.agents.chat") for name in __all__ if name not in _HOME and name not in globals()
+)
+
+
+def __getattr__(name: str) -> object:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ratchet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

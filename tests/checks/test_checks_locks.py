@@ -12,8 +12,9 @@ from checks_helpers import Workspace, by_id, check
 from ratchet.checks.common import state_root
 
 _HOLDER = """
-import json, pathlib, sys, time
+import pathlib, sys, time
 from ratchet.checks.common import resource_lock
+from ratchet.checks.runner import read_receipt
 locks, runs, ready, mode = sys.argv[1:5]
 deadline = time.monotonic() + 60
 with resource_lock(locks, "db"):
@@ -21,8 +22,9 @@ with resource_lock(locks, "db"):
     while time.monotonic() < deadline:
         if mode == "until-waited":
             for receipt in pathlib.Path(runs).glob("*/receipt.json"):
-                try:
-                    stages = json.loads(receipt.read_text())["stages"]
+                try:  # receipt.json and its journal, folded
+                    state = pathlib.Path(runs).parent
+                    stages = read_receipt(state, state, receipt.parent.name)["stages"]
                 except (OSError, ValueError, KeyError):
                     continue
                 if any(s.get("waiting_for_resource") == "db" for s in stages):

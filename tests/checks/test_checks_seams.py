@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import random
 import threading
 from collections.abc import Callable, Mapping
@@ -27,7 +28,9 @@ from ratchet.checks._decide import (
     outcome,
     run_status,
 )
+from ratchet.checks._receipts import append_record
 from ratchet.checks.common import atomic_json
+from ratchet.store import seal
 from ratchet.testing import FakeClock
 
 T0 = "2027-01-15T08:00:00.000Z"  # FakeClock's default start
@@ -119,8 +122,10 @@ class FakeExecutor:
 
 
 class FaultyWriter:
-    """Writes receipts for real, except the writes `fail(index, payload)` chooses, which
-    raise before touching the disk. Remembers every outcome."""
+    """Writes receipts (`__call__`) and appends journal records (`append`) for real, except
+    the writes `fail(index, payload)` chooses, which raise before touching the disk;
+    `payload` is the receipt as a reader would see it after the write (for an append, the
+    journal folded). Remembers every outcome, and every receipt that reached the disk."""
 
     def __init__(self, fail: Callable[[int, dict[str, Any]], bool]) -> None:
         self.fail = fail
@@ -137,6 +142,28 @@ class FaultyWriter:
             atomic_json(path, payload)
             self.outcomes.append(True)
             self.written.append(payload)
+
+    def append(self, path: Path, line: bytes) -> None:
+        with self._lock:
+            index = len(self.outcomes)
+            record = json.loads(line)
+            last = self.written[-1]  # the whole receipt written when the run started
+            header = {k: v for k, v in last.items() if k not in ("stages", "seal")}
+            header.update(record.get("header") or {})
+            new = {r["id"]: r for r in record["stages"]}
+            stages = [new.get(r["id"], r) for r in last["stages"]]
+            folded = seal({**header, "stages": stages})
+            if self.fail(index, folded):
+                self.outcomes.append(False)
+                raise OSError(f"injected fault at write {index}")
+            append_record(path, line)
+            self.outcomes.append(True)
+            self.written.append(folded)
+
+    def seams(self, mode: str, **fields: Any) -> Seams:
+        """Seams writing through this writer: whole receipts only, or with the journal."""
+        journal = self.append if mode == "journal" else None
+        return Seams(writer=self, journal=journal, **fields)
 
     def durable(self) -> dict[str, str]:
         """Stage id -> checkpoint id of every verified checkpoint a write put on disk."""
@@ -409,7 +436,7 @@ def test_lower_errors_are_translated_at_the_boundary(ws: Workspace) -> None:
     assert not list(ws.state_dir.glob("runs/*"))
 
     writer = FaultyWriter(lambda _, payload: payload["phase"] == "done")
-    seams = Seams(prober=FakeProber(), executor=FakeExecutor(), writer=writer)
+    seams = writer.seams("journal", prober=FakeProber(), executor=FakeExecutor())
     with pytest.raises(ReceiptError, match="recover it before resuming"):
         runner.run_checks(ws.args(), plan, seams=seams)
     run_id = writer.written[-1]["run_id"]
@@ -440,8 +467,11 @@ def _faulty_plan() -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.parametrize("mode", ["journal", "whole"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_failed_receipt_write_never_yields_a_trusted_checkpoint(ws: Workspace, seed: int) -> None:
+def test_a_failed_receipt_write_never_yields_a_trusted_checkpoint(
+    ws: Workspace, seed: int, mode: str
+) -> None:
     rng = random.Random(seed)
     fail_at = set(rng.sample(range(14), rng.randint(1, 3)))
     writer = FaultyWriter(lambda index, _: index in fail_at)
@@ -450,8 +480,8 @@ def test_a_failed_receipt_write_never_yields_a_trusted_checkpoint(ws: Workspace,
     preds = {s["id"]: [*s["deps"], *s["after"]] for s in plan}
     starts: list[tuple[str, dict[str, str]]] = []
     executor = FakeExecutor(clock, on_run=lambda st: starts.append((st["id"], writer.durable())))
-    seams = Seams(
-        clock=clock, rng=random.Random(seed), prober=FakeProber(), executor=executor, writer=writer
+    seams = writer.seams(
+        mode, clock=clock, rng=random.Random(seed), prober=FakeProber(), executor=executor
     )
     result: dict[str, Any] | None = None
     failure: Exception | None = None
@@ -459,7 +489,7 @@ def test_a_failed_receipt_write_never_yields_a_trusted_checkpoint(ws: Workspace,
         result = runner.run_checks(ws.args(), plan, seams=seams)
     except (OSError, ReceiptError) as exc:
         failure = exc
-    where = f"seed={seed} fail_at={sorted(fail_at)} writes={writer.outcomes}"
+    where = f"mode={mode} seed={seed} fail_at={sorted(fail_at)} writes={writer.outcomes}"
 
     # No stage starts before the checkpoints of its deps and `after` predecessors are on disk.
     for sid, durable in starts:
@@ -500,9 +530,12 @@ def test_a_failed_receipt_write_never_yields_a_trusted_checkpoint(ws: Workspace,
             assert durable_on_disk.get(sid) == rec["checkpoint_id"], f"{where}: reused {sid!r}"
 
 
-def test_a_failed_checkpoint_write_fails_the_stage_with_the_writers_error(ws: Workspace) -> None:
+@pytest.mark.parametrize("mode", ["journal", "whole"])
+def test_a_failed_checkpoint_write_fails_the_stage_with_the_writers_error(
+    ws: Workspace, mode: str
+) -> None:
     writer = FaultyWriter(lambda _, payload: by_id(payload)["only"]["checkpoint_verified"])
-    seams = Seams(prober=FakeProber(), executor=FakeExecutor(), writer=writer)
+    seams = writer.seams(mode, prober=FakeProber(), executor=FakeExecutor())
     result = runner.run_checks(ws.args(), [stage("only", inputs={"repos": []})], seams=seams)
     assert writer.outcomes.count(False) == 1
     rec = by_id(result)["only"]

@@ -19,7 +19,6 @@ import pytest
 from checks_helpers import Workspace, by_id, check
 
 from ratchet.checks import runner
-from ratchet.checks.common import read_json
 from ratchet.cli import main as ratchet_main
 
 
@@ -84,7 +83,13 @@ def _start(ws: Workspace) -> tuple[subprocess.Popen[bytes], Path, int, int]:
     _wait_for(lambda: pids.exists() and " " in pids.read_text(), "the slow stage to start")
     (run_dir,) = (ws.state_dir / "runs").iterdir()
     receipt = run_dir / "receipt.json"
-    _wait_for(lambda: by_id(read_json(receipt))["slow"].get("pgid") is not None, "the pgid")
+    _wait_for(
+        lambda: (
+            by_id(runner.read_receipt(ws.root, ws.state_dir, run_dir.name))["slow"].get("pgid")
+            is not None
+        ),
+        "the pgid",
+    )
     stage_pid, helper_pid = (int(p) for p in pids.read_text().split())
     return proc, receipt, stage_pid, helper_pid
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.checks.checkpoints import RACY_SECONDS, StatCache, _entry
-from ratchet.store import seal
+from ratchet.checks.checkpoints import RACY_SECONDS, StatCache, _entry, seal_stat_cache
 from ratchet.testing import FakeClock
 
 
@@ -24,10 +23,10 @@ def _later(path: Path) -> FakeClock:
 
 
 def _poison(cache_file: Path, path: Path, identity: str, *, key: bytes | None = None) -> None:
-    data = json.loads(cache_file.read_bytes())
-    data["entries"][str(path)][5] = identity
-    data.pop("seal")
-    cache_file.write_bytes(json.dumps(seal(data, key)).encode())
+    """Edit one remembered identity and seal the file again (under `key`, or unkeyed)."""
+    entries = json.loads(cache_file.read_bytes().partition(b"\n")[2])
+    entries[str(path)] = entries[str(path)].rsplit(" ", 1)[0] + " " + identity
+    cache_file.write_bytes(seal_stat_cache(entries, key))
 
 
 def test_a_settled_file_is_remembered_and_any_change_to_it_is_seen(tmp_path: Path) -> None:
@@ -72,7 +71,7 @@ def test_a_stat_cache_that_does_not_verify_is_dropped(
     # Someone who can write the state folder (but has no key) edits an identity.
     _poison(cache_file, f, "sha256:forged")
     if not keyed:  # without a key only a broken seal gives it away
-        data = json.loads(cache_file.read_bytes())
-        data["seal"] = "sha256:" + "0" * 64
-        cache_file.write_text(json.dumps(data))
+        head, _, body = cache_file.read_bytes().partition(b"\n")
+        broken = {**json.loads(head), "seal": "sha256:" + "0" * 64}
+        cache_file.write_bytes(json.dumps(broken).encode() + b"\n" + body)
     assert StatCache(cache_file, _later(f)).entry(str(f), str(tmp_path)) == _entry(str(f))

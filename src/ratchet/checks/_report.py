@@ -41,6 +41,11 @@ class LiveProgress:
         self._total = total
         self._stream = stream
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is shown (the scheduler gathers records only then)."""
+        return self._progress is not None
+
     def __enter__(self) -> LiveProgress:
         if self.enabled:
             from rich.console import Console

@@ -171,6 +171,7 @@ def run_checks(
         records=[blank_record(s) for s in planned],
         path=path,
         writer=seams.writer,
+        journal=seams.journal,
     )
     run = _Run(
         book=book,
@@ -219,6 +220,7 @@ class _Run:
         self.cache = cache
         self.lock_timeout = lock_timeout
         self.stopping = threading.Event()
+        self.commands_started = 0  # stage commands started in this run
         self.strict_env = strict_env
         self.key = key
         self.stages = {s["id"]: s for s in stages}
@@ -264,7 +266,7 @@ def _finish(run: _Run, jobs: int, progress_enabled: bool) -> dict[str, Any]:
     except BaseException:
         book.set_header(status="interrupted", phase="interrupted", finished_at=run.now())
         with contextlib.suppress(Exception):
-            book.persist()
+            book.write_receipt()
         raise
     book.set_header(phase="verifying")
     snapshot_ok = _final_snapshot(run)
@@ -277,7 +279,7 @@ def _finish(run: _Run, jobs: int, progress_enabled: bool) -> dict[str, Any]:
         finished_at=run.now(),
     )
     try:
-        book.persist()
+        book.write_receipt()
     except Exception as exc:
         raise ReceiptError(
             f"run {book.run_id!r} finished ({status}) but its final receipt could not be "
@@ -727,6 +729,7 @@ def _execute(
         run.book.persist()
 
     executor = run.seams.executor
+    run.commands_started += 1
     run.prober.command_started()
     try:
         if isinstance(executor, SubprocessExecutor):
@@ -782,8 +785,13 @@ def _log_name(sid: str) -> str:
 
 
 def _final_snapshot(run: _Run) -> bool:
-    """Probe every passed stage's inputs again; True only if none changed."""
-    run.prober.forget()
+    """Probe every passed stage's inputs again; True only if none changed.
+
+    When no stage command ran in this run (a no-op resume), nothing the run did can have
+    changed an input, so the prober's snapshot from the start of the run (what every reuse
+    was decided on) stands: it is not read again. Otherwise every input is re-read."""
+    if run.commands_started:
+        run.prober.forget()
     ok = True
     for rec in run.book.all_records():
         if rec["status"] != "passed":

@@ -9,6 +9,7 @@ an injected `Waiter`, so a test can watch the loop without patching it.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 from ratchet.checks._receipts import ReceiptBook
 from ratchet.checks._seams import Waiter
 
-__all__ = ["SCHEDULER_TICK_SECONDS", "Progress", "blocked_by", "ready", "schedule"]
+__all__ = ["SCHEDULER_TICK_SECONDS", "Progress", "schedule"]
 
 SCHEDULER_TICK_SECONDS = 0.05
 _STOPPED = ("failed", "skipped", "stale")
@@ -25,21 +26,75 @@ _STOPPED = ("failed", "skipped", "stale")
 class Progress(Protocol):
     """What the scheduler reports to after each look at the run (`LiveProgress`)."""
 
+    @property
+    def active(self) -> bool:
+        """False when nothing is shown: the scheduler then never gathers the records."""
+        ...
+
     def update(self, records: Sequence[Mapping[str, Any]]) -> None: ...
 
 
-def blocked_by(stage: Mapping[str, Any], status: Callable[[str], str]) -> str | None:
-    """Why `stage` can never start (a predecessor did not pass), or None."""
-    for kind, preds in (("depends on", stage["deps"]), ("comes after", stage["after"])):
-        for pred in preds:
-            if (st := status(pred)) in _STOPPED:
-                return f"{kind} {pred!r}, which is {st}"
-    return None
+class _Graph:
+    """Which pending stages may start, kept up to date as stages finish: each finished
+    stage touches only its own consumers, so a plan of N stages costs O(N + edges), not a
+    scan of every pending stage after every finish (O(N^2))."""
 
+    def __init__(self, order: Sequence[str], stages: Mapping[str, Mapping[str, Any]]) -> None:
+        self.index = {sid: i for i, sid in enumerate(order)}
+        self.stages = stages
+        self.waiting = {sid: {*stages[sid]["deps"], *stages[sid]["after"]} for sid in order}
+        self.consumers: dict[str, list[str]] = {sid: [] for sid in order}
+        for sid in order:
+            for pred in self.waiting[sid]:
+                self.consumers[pred].append(sid)
+        self.pending = set(order)
+        self.ready = [self.index[sid] for sid in order if not self.waiting[sid]]
+        heapq.heapify(self.ready)
+        self.order = list(order)
 
-def ready(stage: Mapping[str, Any], status: Callable[[str], str]) -> bool:
-    """Whether every predecessor of `stage` has passed."""
-    return all(status(p) == "passed" for p in (*stage["deps"], *stage["after"]))
+    def finished(self, sid: str, book: ReceiptBook) -> None:
+        """`sid` ended: release its consumers when it passed; otherwise skip them, and
+        theirs, transitively."""
+        todo = [sid]
+        while todo:
+            done = todo.pop()
+            st = book.status(done)
+            for consumer in self.consumers[done]:
+                if consumer not in self.pending:
+                    continue
+                if st == "passed":
+                    self.waiting[consumer].discard(done)
+                    if not self.waiting[consumer]:
+                        heapq.heappush(self.ready, self.index[consumer])
+                elif st in _STOPPED:
+                    kind = "depends on" if done in self.stages[consumer]["deps"] else "comes after"
+                    self.pending.discard(consumer)
+                    book.update(
+                        consumer,
+                        status="skipped",
+                        error=f"not started: it {kind} {done!r}, which is {st}",
+                    )
+                    todo.append(consumer)
+
+    def take(self, busy: set[str], limit: int) -> list[str]:
+        """Up to `limit` ready stages whose resources are free, in plan order."""
+        taken: list[str] = []
+        held: list[int] = []
+        while self.ready and len(taken) < limit:
+            i = heapq.heappop(self.ready)
+            sid = self.order[i]
+            if sid not in self.pending:
+                continue
+            wanted = set(self.stages[sid]["resources"])
+            if busy & wanted:
+                held.append(i)
+                continue
+            self.pending.discard(sid)
+            busy |= wanted
+            taken.append(sid)
+        for i in held:
+            heapq.heappush(self.ready, i)
+        return taken
 
 
 def schedule(
@@ -56,39 +111,31 @@ def schedule(
     """Run `work(stage_id)` for every stage of `book`, in order, at most `jobs` at a time.
 
     `work` records its stage's outcome in `book`; a worker that ends without one marks its
-    stage failed. If the loop itself is interrupted, `on_interrupt` runs (it kills the stage
-    commands) before the exception propagates.
+    stage failed. A stage starts once every `deps` and `after` predecessor has passed and
+    none of its resources is busy; once one of them ends otherwise, it is skipped. If the
+    loop itself is interrupted, `on_interrupt` runs (it kills the stage commands) before the
+    exception propagates.
     """
-    pending = list(book.order)
+    graph = _Graph(book.order, stages)
     running: dict[Future[None], str] = {}
     busy: set[str] = set()
     status = book.status
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ratchet-stage") as pool:
         try:
-            while pending or running:
-                for sid in list(pending):
-                    reason = blocked_by(stages[sid], status)
-                    if reason is not None:
-                        pending.remove(sid)
-                        book.update(sid, status="skipped", error=f"not started: it {reason}")
-                for sid in list(pending):
-                    if len(running) >= jobs:
-                        break
-                    stage = stages[sid]
-                    if ready(stage, status) and not busy & set(stage["resources"]):
-                        pending.remove(sid)
-                        busy |= set(stage["resources"])
-                        running[pool.submit(work, sid)] = sid
+            while graph.pending or running:
+                for sid in graph.take(busy, jobs - len(running)):
+                    running[pool.submit(work, sid)] = sid
                 book.try_flush()
-                progress.update(book.all_records())
+                if progress.active:
+                    progress.update(book.all_records())
                 if not running:
-                    if pending:  # cannot happen with a valid plan; fail closed anyway
-                        for sid in pending:
+                    if graph.pending:  # cannot happen with a valid plan; fail closed anyway
+                        for sid in sorted(graph.pending, key=graph.index.__getitem__):
                             book.update(sid, status="skipped", error="not started: unschedulable")
-                        pending.clear()
+                        graph.pending.clear()
                     break
                 done, _ = waiter(list(running), timeout=tick, return_when=FIRST_COMPLETED)
-                for fut in done:
+                for fut in sorted(done, key=lambda f: graph.index[running[f]]):
                     sid = running.pop(fut)
                     busy -= set(stages[sid]["resources"])
                     exc = fut.exception()
@@ -99,6 +146,7 @@ def schedule(
                             checkpoint_verified=False,
                             error=f"internal error in the stage worker: {exc!r}",
                         )
+                    graph.finished(sid, book)
         except BaseException:
             on_interrupt()
             raise

@@ -1,8 +1,9 @@
 """What a run asks of the outside world, passed in rather than patched.
 
 `Seams` bundles the clock, the random source for run ids, the prober (input and log
-hashing), the executor (runs a stage's command), the receipt writer, the scheduler's waiter
-and the environment fingerprint. Production uses the defaults; a test passes fakes, e.g.
+hashing), the executor (runs a stage's command), the receipt writer (whole receipts), the
+receipt journal's appender (one record per change of state), the scheduler's waiter and the
+environment fingerprint. Production uses the defaults; a test passes fakes, e.g.
 `Seams(clock=FakeClock(), executor=my_fake, rng=random.Random(1))`.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.checks._execute import SubprocessExecutor
 from ratchet.checks._explain import ManifestSource
-from ratchet.checks._receipts import ReceiptWriter
+from ratchet.checks._receipts import JournalAppender, ReceiptWriter, append_record
 from ratchet.checks._signing import SECRET_ENV
 from ratchet.checks.checkpoints import Checkpoints
 from ratchet.checks.common import atomic_json
@@ -145,5 +146,7 @@ class Seams:
     prober: ProberFactory = Checkpoints
     executor: Executor = field(default_factory=SubprocessExecutor)
     writer: ReceiptWriter = _atomic_json
+    # None: no journal; every change of state rewrites the whole receipt through `writer`.
+    journal: JournalAppender | None = append_record
     waiter: Waiter = _futures_wait
     environment: Callable[[], Mapping[str, str] | str] = environment_fingerprint

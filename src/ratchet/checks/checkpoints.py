@@ -13,6 +13,7 @@ import contextlib
 import errno
 import glob
 import hashlib
+import hmac
 import json
 import os
 import stat
@@ -27,10 +28,8 @@ from ratchet.checks._errors import ProjectError
 from ratchet.store import (
     atomic_write_bytes,
     canonical_json,
-    seal,
     sha256_bytes,
     sha256_file,
-    verify_seal,
 )
 
 __all__ = [
@@ -38,31 +37,55 @@ __all__ = [
     "Checkpoints",
     "diff_manifests",
     "outputs_manifest",
+    "open_stat_cache",
     "runtime_identity",
+    "seal_stat_cache",
 ]
 
-# A memoised repository digest is reused only while no stage command runs or has run since,
-# and only briefly; the end-of-run snapshot always starts fresh.
-MEMO_MAX_AGE_SECONDS = 1.0
+# A memoised repository digest is reused only while no stage command runs or has run since
+# (one input snapshot per run while nothing writes); `forget` starts afresh.
 MISSING_REPOSITORY = "missing-repository"
-STAT_CACHE_VERSION = 1
+_NOT_LISTED: Any = object()
+STAT_CACHE_VERSION = 2
 RACY_SECONDS = 2.0
 RUNTIME_INPUT_TIMEOUT_SECONDS = 120.0
 # The pseudo-repository of a default-scope stage: workspace files outside every repository.
 WORKSPACE_REST = "<workspace-root>"
 
 
-def _git_files(root: Path) -> list[str] | None:
-    proc = subprocess.run(
-        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        capture_output=True,
-        check=False,
-    )
-    if proc.returncode != 0:
+def _ls_files_argv(root: Path) -> list[str]:
+    return ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+
+
+def _listing(returncode: int, stdout: bytes) -> list[str] | None:
+    if returncode != 0:
         return None
     # Names are bytes; surrogateescape keeps a non-UTF-8 name openable (see `_key`).
-    names = {n for n in proc.stdout.decode("utf-8", "surrogateescape").split("\0") if n}
+    names = {n for n in stdout.decode("utf-8", "surrogateescape").split("\0") if n}
     return sorted(names)
+
+
+def _git_files(root: Path) -> list[str] | None:
+    proc = subprocess.run(_ls_files_argv(root), capture_output=True, check=False)
+    return _listing(proc.returncode, proc.stdout)
+
+
+def _git_files_many(roots: list[Path]) -> dict[Path, list[str] | None]:
+    """`_git_files` of several folders, their `git ls-files` running side by side."""
+    procs = [
+        (
+            root,
+            subprocess.Popen(
+                _ls_files_argv(root), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+            ),
+        )
+        for root in roots
+    ]
+    out: dict[Path, list[str] | None] = {}
+    for root, proc in procs:
+        stdout, _ = proc.communicate()
+        out[root] = _listing(proc.returncode, stdout)
+    return out
 
 
 def _walk_files(root: Path, exclude: tuple[Path, ...]) -> list[str]:
@@ -82,6 +105,8 @@ def _walk_files(root: Path, exclude: tuple[Path, ...]) -> list[str]:
 def _key(rel: str) -> str:
     """A manifest key for a relative path; a non-UTF-8 name (surrogate-escaped by the OS
     layer) becomes its bytes with backslash escapes and a marker, so JSON can hold it."""
+    if rel.isascii():
+        return rel
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:
@@ -152,43 +177,68 @@ def _manifest(
     use_git: bool = True,
     depth: int = 0,
     entry_of: Callable[[str, str], str] | None = None,
+    git_listing: tuple[list[str] | None] | None = None,
+    entries_of: Callable[[list[str], str], list[str]] | None = None,
 ) -> dict[str, str]:
     """Relative path -> identity for every file under `root`.
 
     git lists the files when `root` is in a git work tree (ignored files are left out); a
     directory git lists as one entry (a submodule, a nested repository) is expanded with its
     own listing; when git lists nothing (the folder is ignored by an enclosing repository)
-    or `root` is not in a work tree, every file is walked and hashed.
+    or `root` is not in a work tree, every file is walked and hashed. `entries_of`
+    identifies many files at once (the stat cache's fast path), else `entry_of` one by one.
     """
-    files: list[str] | set[str] | None = _git_files(root) if use_git else None
+    files: list[str] | set[str] | None = None
+    if git_listing is not None:  # `git ls-files` already ran (see `_git_files_many`)
+        files = git_listing[0]
+    elif use_git:
+        files = _git_files(root)
     if not files:
         files = _walk_files(root, exclude)
-    base = str(root) + os.sep
+    root_text = str(root)
+    base = root_text + os.sep
     listed = set(files)
     identify = entry_of or _entry
     skip = []
     for e in exclude:
         with contextlib.suppress(ValueError):
             skip.append(e.relative_to(root).as_posix())
-    out: dict[str, str] = {}
-    for rel in sorted(listed):
+    skip = [p for p in skip if p != "."]
+    plain: list[str] = []
+    dirs: list[str] = []
+    for rel in files if isinstance(files, list) else sorted(listed):  # lists come sorted
         rel = rel.rstrip("/")
-        if any(rel == p or rel.startswith(p + "/") for p in skip if p != "."):
+        if skip and any(rel == p or rel.startswith(p + "/") for p in skip):
             continue  # excluded (a repository of its own, the state folder): never read
-        full = base + rel
-        entry = "dir" if rel + "/" in listed else identify(full, str(root))
+        (dirs if rel + "/" in listed else plain).append(rel)
+    fulls = [base + rel for rel in plain]
+    if entries_of is not None:
+        identities = entries_of(fulls, root_text)
+    else:
+        identities = [identify(full, root_text) for full in fulls]
+    out: dict[str, str] = {}
+    for rel, entry in zip(plain, identities, strict=True):
         if entry == "dir":
-            sub_root = Path(full)
-            if depth > 32 or any(sub_root == e for e in exclude):
-                out[_key(rel) + "/"] = "dir"
-                continue
-            sub = _manifest(sub_root, exclude, use_git=use_git, depth=depth + 1, entry_of=entry_of)
-            if not sub:
-                out[_key(rel) + "/"] = "dir:empty"
-            for k, v in sub.items():
-                out[_key(rel) + "/" + k] = v
+            dirs.append(rel)
         else:
             out[_key(rel)] = entry
+    for rel in dirs:
+        sub_root = Path(base + rel)
+        if depth > 32 or any(sub_root == e for e in exclude):
+            out[_key(rel) + "/"] = "dir"
+            continue
+        sub = _manifest(
+            sub_root,
+            exclude,
+            use_git=use_git,
+            depth=depth + 1,
+            entry_of=entry_of,
+            entries_of=entries_of,
+        )
+        if not sub:
+            out[_key(rel) + "/"] = "dir:empty"
+        for k, v in sub.items():
+            out[_key(rel) + "/" + k] = v
     return out
 
 
@@ -208,7 +258,7 @@ class StatCache:
         self.path = path
         self.clock = clock
         self._guard = threading.Lock()
-        self._entries: dict[str, list[Any]] = {}
+        self._entries: dict[str, str] = {}
         self._dirty = False
         self._loaded = False
 
@@ -217,34 +267,55 @@ class StatCache:
         if self.path is None:
             return
         try:
-            data = json.loads(self.path.read_bytes())
-        except (OSError, ValueError):
+            data = self.path.read_bytes()
+        except OSError:
             return
         from ratchet.checks._signing import signing_key
 
-        key = signing_key()
-        if not isinstance(data, dict) or data.get("version") != STAT_CACHE_VERSION:
-            return
-        if not verify_seal(data, key):
-            return
-        entries = data.get("entries")
-        if isinstance(entries, dict):
+        entries = open_stat_cache(data, signing_key())
+        if entries is not None:
             self._entries = entries
 
+    def entries(self, paths: list[str], root: str) -> list[str]:
+        """`entry` of many files: the unchanged ones (the common case) in one tight loop."""
+        if not self._loaded:
+            with self._guard:
+                if not self._loaded:
+                    self._load()
+        known, lstat, is_reg = self._entries.get, os.lstat, stat.S_ISREG
+        out: list[str] = []
+        for path in paths:
+            try:
+                st = lstat(path)
+            except OSError:
+                out.append(self.entry(path, root))
+                continue
+            if is_reg(st.st_mode):
+                sig = f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} "
+                hit = known(path)
+                if isinstance(hit, str) and hit.startswith(sig):
+                    out.append(hit[len(sig) :])
+                    continue
+            out.append(self.entry(path, root))
+        return out
+
     def entry(self, path: str, root: str) -> str:
-        with self._guard:
-            if not self._loaded:
-                self._load()
+        if not self._loaded:
+            with self._guard:
+                if not self._loaded:
+                    self._load()
         try:
             st = os.lstat(path)
         except OSError:
             return _entry(path, root)
         if not stat.S_ISREG(st.st_mode):
             return _entry(path, root)
-        sig = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        # One string per file, "dev ino size mtime_ns ctime_ns identity": cheap to load
+        # and to compare for tens of thousands of files.
+        sig = f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} "
         hit = self._entries.get(path)
-        if hit is not None and hit[:5] == sig:
-            return str(hit[5])
+        if isinstance(hit, str) and hit.startswith(sig):
+            return hit[len(sig) :]
         now = self.clock.now()
         identity = _entry(path, root)
         settled = max(st.st_mtime_ns, st.st_ctime_ns) / 1e9 < now - RACY_SECONDS
@@ -252,13 +323,13 @@ class StatCache:
             again = os.lstat(path)
         except OSError:
             return identity
-        if (
-            settled
-            and [again.st_dev, again.st_ino, again.st_size, again.st_mtime_ns, again.st_ctime_ns]
-            == sig
-        ):
+        same = (
+            f"{again.st_dev} {again.st_ino} {again.st_size} {again.st_mtime_ns} "
+            f"{again.st_ctime_ns} "
+        ) == sig
+        if settled and same and " " not in identity:
             with self._guard:
-                self._entries[path] = [*sig, identity]
+                self._entries[path] = sig + identity
                 self._dirty = True
         return identity
 
@@ -270,13 +341,48 @@ class StatCache:
             if not self._dirty:
                 return
             self._dirty = False
-            payload = {"version": STAT_CACHE_VERSION, "entries": dict(self._entries)}
+            entries = dict(self._entries)
         from ratchet.checks._signing import signing_key
 
         try:
-            atomic_write_bytes(self.path, canonical_json(seal(payload, signing_key())))
+            atomic_write_bytes(self.path, seal_stat_cache(entries, signing_key()))
         except (OSError, ValueError):
             pass
+
+
+def _body_seal(body: bytes, key: bytes | None) -> str:
+    if key is None:
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+    return "hmac-sha256:" + hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def seal_stat_cache(entries: Mapping[str, str], key: bytes | None) -> bytes:
+    """A stat cache file: a header line (version, and the seal of the body: a SHA-256, or
+    an HMAC under `key`), then the entries as canonical JSON. The seal covers the body's
+    bytes as stored, so checking it costs one hash, not a re-encoding of every entry."""
+    body = canonical_json(dict(entries))
+    head = canonical_json({"version": STAT_CACHE_VERSION, "seal": _body_seal(body, key)})
+    return head + b"\n" + body
+
+
+def open_stat_cache(data: bytes, key: bytes | None) -> dict[str, str] | None:
+    """The entries of a stat cache file, or None when it is not one this version wrote or
+    its seal does not verify under `key` (it is then dropped, never trusted)."""
+    head_bytes, sep, body = data.partition(b"\n")
+    try:
+        head = json.loads(head_bytes) if sep else None
+    except ValueError:
+        return None
+    if not isinstance(head, dict) or head.get("version") != STAT_CACHE_VERSION:
+        return None
+    recorded = head.get("seal")
+    if not isinstance(recorded, str) or not hmac.compare_digest(recorded, _body_seal(body, key)):
+        return None
+    try:
+        entries = json.loads(body)
+    except ValueError:
+        return None
+    return entries if isinstance(entries, dict) else None
 
 
 def outputs_manifest(workspace_root: str | os.PathLike[str], patterns: list[str]) -> dict[str, str]:
@@ -380,6 +486,8 @@ class Checkpoints:
         self._active = 0
         self._memo: dict[str, tuple[int, float, str]] = {}
         self._exclude_files: list[Path] = []
+        # Listings `source_identity` fetched side by side, each used once, right after.
+        self._listings: dict[Path, list[str] | None] = {}
         stat_path = self.state_dir / "stat-cache.json" if self.state_dir is not None else None
         self.stat_cache = StatCache(stat_path, clock)
         # The workspace root's own files are an input unless a repository is the root.
@@ -435,7 +543,16 @@ class Checkpoints:
     def source_identity(self) -> dict[str, str]:
         """Every repository's digest: the whole workspace."""
         rest = [WORKSPACE_REST] if self._has_rest else []
-        return {name: self.repository_digest(name) for name in sorted([*self.repositories, *rest])}
+        roots = [p for p in self.repositories.values() if p.is_dir()]
+        listings = _git_files_many(roots)
+        with self._guard:
+            self._listings = listings
+        try:
+            names = sorted([*self.repositories, *rest])
+            return {name: self.repository_digest(name) for name in names}
+        finally:
+            with self._guard:
+                self._listings = {}  # never used later, when it may be out of date
 
     def log_digest(self, path: str | os.PathLike[str]) -> str:
         """A log's SHA-256, read afresh (OSError, e.g. FileNotFoundError, when it cannot be)."""
@@ -445,12 +562,7 @@ class Checkpoints:
         with self._guard:
             epoch, quiet = self._epoch, self._active == 0
             hit = self._memo.get(name)
-            if (
-                hit is not None
-                and quiet
-                and hit[0] == epoch
-                and self.clock.monotonic() - hit[1] < MEMO_MAX_AGE_SECONDS
-            ):
+            if hit is not None and quiet and hit[0] == epoch:
                 return hit[2]
         digest, manifest = self._compute(name)
         self._store_manifest(digest, manifest)
@@ -484,7 +596,15 @@ class Checkpoints:
         root = self.repositories[name]
         if not root.is_dir():
             return MISSING_REPOSITORY, {}
-        manifest = _manifest(root, self._exclude, entry_of=self.stat_cache.entry)
+        with self._guard:
+            listing = self._listings.pop(root, _NOT_LISTED)
+        manifest = _manifest(
+            root,
+            self._exclude,
+            entry_of=self.stat_cache.entry,
+            entries_of=self.stat_cache.entries,
+            git_listing=None if listing is _NOT_LISTED else (listing,),
+        )
         self.stat_cache.save()
         if not manifest:
             raise ProjectError(
@@ -500,7 +620,9 @@ class Checkpoints:
         root = self.workspace_root
         skip = tuple(p for p in self.repositories.values()) + self._exclude
         skip += tuple(self._exclude_files)
-        full = _manifest(root, skip, entry_of=self.stat_cache.entry)
+        full = _manifest(
+            root, skip, entry_of=self.stat_cache.entry, entries_of=self.stat_cache.entries
+        )
         self.stat_cache.save()
         prefixes = []
         for p in skip:

@@ -18,12 +18,13 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet.checks import _recover, _run
+from ratchet.checks import common as _common
 from ratchet.checks._cli import add_common_arguments, register
 from ratchet.checks._decide import CHECKPOINT_VERSION, FINGERPRINT_VERSION
 from ratchet.checks._execute import SubprocessExecutor
 from ratchet.checks._execute import execute_stage_command as _execute_stage_command
 from ratchet.checks._explain import explain
-from ratchet.checks._receipts import read_receipt, seal_receipt
+from ratchet.checks._receipts import append_record, read_receipt, seal_receipt
 from ratchet.checks._recover import process_start
 from ratchet.checks._seams import Seams, environment_fingerprint
 from ratchet.checks.common import atomic_json
@@ -65,10 +66,15 @@ def _environment() -> Mapping[str, str] | str:
 
 def patchable_seams() -> Seams:
     """The real seams, reaching the executor, writer, waiter and environment fingerprint
-    through this module's names (so patching them here takes effect)."""
+    through this module's names (so patching them here takes effect).
+
+    A suite that patches `atomic_json` sees every receipt write through it, as before the
+    receipt journal existed: while it is patched, runs rewrite the whole receipt after each
+    change of state instead of appending to the journal."""
     return Seams(
         executor=SubprocessExecutor(lambda *a, **k: _execute_stage_command(*a, **k)),
         writer=_write,
+        journal=append_record if atomic_json is _common.atomic_json else None,
         waiter=_wait,
         environment=_environment,
     )

@@ -20,7 +20,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI; for a known `command`, the other groups are stubs (not imported).
 
     `ratchet run` is what a restarted worker executes, so its start-up should not pay for
-    importing the check runner or the Flink front end.
+    importing the check runner or the Flink front end; `ratchet checks` registers only the
+    checks group, so it imports nothing of the agent side.
     """
     parser = argparse.ArgumentParser(
         prog="ratchet",
@@ -36,10 +37,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="json: one JSON object per log line, for log shippers (also after COMMAND)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from ratchet.cli import _agents, _state
+    if command != "checks":
+        # `ratchet checks` never touches an agent: skip the agent side's imports (the
+        # runtime, the codec, asyncio) so the check runner starts fast.
+        from ratchet.cli import _agents, _state
 
-    _agents.register(sub)
-    _state.register(sub)
+        _agents.register(sub)
+        _state.register(sub)
     for group, help_text in _GROUPS.items():
         if command is not None and command != group:
             sub.add_parser(group, help=help_text)
@@ -122,7 +126,7 @@ def _configure_logging(verbose: bool, fmt: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = _global_flags(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
-    parser = build_parser(command if command in ("run", "status", "inspect") else None)
+    parser = build_parser(command if command in ("run", "status", "inspect", "checks") else None)
     args = parser.parse_args(argv)
     _configure_logging(args.verbose, args.log_format)
     try:

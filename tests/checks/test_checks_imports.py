@@ -1,0 +1,91 @@
+"""`ratchet checks` never loads the agent side: `import ratchet` is lazy, and the command
+line registers only the checks group for a checks command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from checks_helpers import Workspace, check
+
+# What `ratchet checks` must never import: the agents, the engines, and their libraries.
+AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", "msgpack")
+
+
+def _agent_side(modules: list[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in AGENT_SIDE or m.startswith(AGENT_SIDE))
+
+
+def _python(code: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_checks_help_imports_no_agent_side_module() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ratchet.cli", "checks", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ratchet checks" in proc.stdout
+    imported = [
+        line.rsplit("|", 1)[1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    ]
+    assert "ratchet.checks._cli" in imported
+    assert _agent_side(imported) == []
+
+
+def test_a_checks_run_through_the_command_line_imports_no_agent_side_module(
+    two_repos: Workspace,
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"]), check("b", repos=["lib"], deps=["a"])])
+    code = (
+        "import json, sys\n"
+        "from ratchet.cli import main\n"
+        f"argv = ['checks', '--workspace-root', {str(ws.root)!r}, '--state-dir', "
+        f"{str(ws.state_dir)!r}, 'run', '--json']\n"
+        "code = main(argv)\n"
+        "print(json.dumps({'code': code, 'modules': sorted(sys.modules)}))\n"
+    )
+    out = _python(code).strip().splitlines()[-1]
+    report = json.loads(out)
+    assert report["code"] == 0
+    assert "ratchet.checks._run" in report["modules"]
+    assert _agent_side(report["modules"]) == []
+
+
+def test_import_ratchet_is_lazy_and_every_public_name_still_resolves() -> None:
+    code = (
+        "import json, sys\n"
+        "import ratchet\n"
+        "before = sorted(m for m in sys.modules if m.startswith(('ratchet.', 'pydantic')))\n"
+        "from ratchet import Agent, tool\n"
+        "import ratchet.agents, ratchet.agents.chat\n"
+        "same = [Agent is ratchet.agents.Agent, tool is ratchet.agents.chat.tool,\n"
+        "        ratchet.Agent is Agent]\n"
+        "missing = [n for n in ratchet.__all__ if getattr(ratchet, n, None) is None]\n"
+        "listed = set(ratchet.__all__) <= set(dir(ratchet))\n"
+        "try:\n"
+        "    ratchet.NoSuchName\n"
+        "    error = None\n"
+        "except AttributeError as exc:\n"
+        "    error = str(exc)\n"
+        "print(json.dumps({'before': before, 'same': same, 'missing': missing,\n"
+        "                  'listed': listed, 'error': error}))\n"
+    )
+    report = json.loads(_python(code).strip().splitlines()[-1])
+    assert report["before"] == ["ratchet._errors"]  # the error classes only
+    assert report["same"] == [True, True, True]
+    assert report["missing"] == []
+    assert report["listed"] is True
+    assert report["error"] == "module 'ratchet' has no attribute 'NoSuchName'"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ratchet._errors import ConfigError
 from ratchet.agents._resource import Resource
 from ratchet.agents.chat._errors import ModelCallError
-from ratchet.agents.chat._model import RetryPolicy
+from ratchet.agents.chat._model import RetryPolicy, with_retries
 from ratchet.agents.chat._providers._common import require_key, require_sdk, sdk_error
 from ratchet.agents.chat._ratelimit import RateLimit
 
@@ -114,27 +114,7 @@ class EmbeddingModel(ABC):
         return [v for batch in results for v in batch]
 
     async def _batch(self, texts: list[str]) -> list[list[float]]:
-        policy = self.retry
-        attempt = 1
-        while True:
-            try:
-                vectors = await self._limited(texts)
-                break
-            except ModelCallError as exc:
-                if exc.status == 429 and exc.retry_after and self.rate_limit is not None:
-                    self.rate_limit.hold(exc.retry_after)
-                if not exc.transient or attempt >= policy.max_attempts:
-                    if exc.transient:
-                        raise ModelCallError(
-                            f"{exc} (gave up after {attempt} attempts)",
-                            provider=exc.provider,
-                            status=exc.status,
-                            transient=True,
-                            retry_after=exc.retry_after,
-                        ) from exc
-                    raise
-                await policy.sleep(policy.delay(attempt, exc.retry_after))
-                attempt += 1
+        vectors = await with_retries(self.retry, self.rate_limit, lambda: self._limited(texts))
         return self._checked(texts, vectors)
 
     async def _limited(self, texts: list[str]) -> list[list[float]]:

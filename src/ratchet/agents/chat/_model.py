@@ -9,7 +9,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -21,6 +21,8 @@ from ratchet.agents.chat._prompt import Prompt
 from ratchet.agents.chat._ratelimit import RateLimit, estimate_tokens
 from ratchet.agents.chat._tools import Tool
 from ratchet.store import codec
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -137,27 +139,11 @@ class ChatModel(ABC):
     ) -> ChatMessage:
         """Ask the model; transient failures are retried per `self.retry`, and every attempt
         waits for `self.rate_limit` (a 429's Retry-After holds the whole connection)."""
-        policy = self.retry
-        attempt = 1
-        while True:
-            try:
-                return await self._attempt(messages, tools, output_schema, model, options or {})
-            except ModelCallError as exc:
-                limit = getattr(self, "rate_limit", None)
-                if exc.status == 429 and exc.retry_after and limit is not None:
-                    limit.hold(exc.retry_after)
-                if not exc.transient or attempt >= policy.max_attempts:
-                    if exc.transient:
-                        raise ModelCallError(
-                            f"{exc} (gave up after {attempt} attempts)",
-                            provider=exc.provider,
-                            status=exc.status,
-                            transient=True,
-                            retry_after=exc.retry_after,
-                        ) from exc
-                    raise
-                await policy.sleep(policy.delay(attempt, exc.retry_after))
-                attempt += 1
+        return await with_retries(
+            self.retry,
+            getattr(self, "rate_limit", None),
+            lambda: self._attempt(messages, tools, output_schema, model, options or {}),
+        )
 
     async def _attempt(
         self,
@@ -277,3 +263,30 @@ def schema_instruction(schema: type[BaseModel]) -> str:
         "Reply with only a JSON object (no prose, no code fence) that validates against this "
         f"JSON schema:\n{json.dumps(schema.model_json_schema(), sort_keys=True)}"
     )
+
+
+async def with_retries(
+    policy: RetryPolicy, limit: Any, attempt_once: Callable[[], Awaitable[T]]
+) -> T:
+    """Call `attempt_once` until it succeeds, retrying transient `ModelCallError`s per `policy`
+    (a 429's Retry-After holds the whole rate limit `limit`); the last transient error says
+    how many attempts were made. Chat and embedding models share it."""
+    attempt = 1
+    while True:
+        try:
+            return await attempt_once()
+        except ModelCallError as exc:
+            if exc.status == 429 and exc.retry_after and limit is not None:
+                limit.hold(exc.retry_after)
+            if not exc.transient or attempt >= policy.max_attempts:
+                if exc.transient:
+                    raise ModelCallError(
+                        f"{exc} (gave up after {attempt} attempts)",
+                        provider=exc.provider,
+                        status=exc.status,
+                        transient=True,
+                        retry_after=exc.retry_after,
+                    ) from exc
+                raise
+            await policy.sleep(policy.delay(attempt, exc.retry_after))
+            attempt += 1

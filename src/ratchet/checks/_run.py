@@ -388,28 +388,26 @@ def _observe_log(prober: Prober, path: str) -> LogEvidence:
 
 def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
     sid, book, prober = stage["id"], run.book, run.prober
-    try:
-        ident = prober.identity(stage)
-    except Exception as exc:
+
+    def probe_failed(what: str, exc: Exception) -> None:
         book.update(
             sid,
             status="failed",
-            error=f"could not probe the stage's inputs: {type(exc).__name__}: {exc}",
+            error=f"could not probe the stage's {what}: {type(exc).__name__}: {exc}",
             finished_at=run.now(),
         )
         book.persist()
+
+    try:
+        ident = prober.identity(stage)
+    except Exception as exc:
+        probe_failed("inputs", exc)
         return
     env = _stage_env(run, stage)
     try:
         extra = _extra_components(run, stage, env)
     except Exception as exc:
-        book.update(
-            sid,
-            status="failed",
-            error=f"could not probe the stage's runtime inputs: {type(exc).__name__}: {exc}",
-            finished_at=run.now(),
-        )
-        book.persist()
+        probe_failed("runtime inputs", exc)
         return
     components = cache_components(
         stage,

@@ -14,10 +14,11 @@ read-only cache (for jobs that must not be able to poison it) is read and never 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from ratchet.checks._signing import signing_key
 from ratchet.checks.common import atomic_json, read_json
 from ratchet.store import sha256_file, verify_seal
 
-__all__ = ["CACHE_VERSION", "CheckCache", "gc"]
+__all__ = ["CACHE_VERSION", "CheckCache", "check_entry", "gc", "is_digest"]
 
 CACHE_VERSION = 1
 _HEX = set("0123456789abcdef")
@@ -63,21 +64,15 @@ class CheckCache:
             return None, "no cache entry"
         except (OSError, ValueError) as exc:
             return None, f"cache entry {path} is unreadable ({exc})"
-        if not isinstance(entry, dict):
-            return None, f"cache entry {path} is not an object"
-        key = signing_key()
-        recorded = entry.get("seal")
-        signed = isinstance(recorded, str) and recorded.startswith("hmac-")
-        if key is not None and not signed:
-            return None, f"cache entry {path} is not signed and a signing key is configured"
-        if not verify_seal(entry, key) if key is not None else not verify_seal(entry):
-            return None, f"cache entry {path} does not match its seal"
-        if entry.get("cache_key") != cache_key or entry.get("version") != CACHE_VERSION:
-            return None, f"cache entry {path} is for another key or version"
-        log_sha = entry.get("log_sha256")
-        if not _is_digest(log_sha):
-            return None, f"cache entry {path} has no log evidence"
-        blob = self.blob_path(str(log_sha))
+        problem = check_entry(entry, cache_key, str(path))
+        if problem is not None:
+            return None, problem
+        return self.check_log(entry, str(path))
+
+    def check_log(self, entry: dict[str, Any], where: str) -> tuple[dict[str, Any] | None, str]:
+        """`entry` if the log blob it names is here and hashes to its digest."""
+        log_sha = str(entry["log_sha256"])
+        blob = self.blob_path(log_sha)
         try:
             actual = sha256_file(blob)
         except OSError:
@@ -85,6 +80,20 @@ class CheckCache:
         if actual != log_sha:
             return None, f"the cached log {blob} was altered"
         return entry, "hit"
+
+    # --- raw writes (the cache server, and a remote cache's local mirror) ---------------
+    def write_entry_bytes(self, cache_key: str, data: bytes) -> None:
+        """Keep an entry's bytes as given; whoever reads it verifies it (`check_entry`)."""
+        path = self.entry_path(cache_key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, [data])
+
+    def write_blob(self, sha256: str, chunks: Iterable[bytes]) -> bool:
+        """Keep the bytes of `chunks` as blob `sha256` if they hash to it; False if not
+        (nothing is kept)."""
+        blob = self.blob_path(sha256)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        return _write_atomic(blob, chunks, sha256=sha256)
 
     def restore_outputs(self, workspace_root: Path, manifest: Mapping[str, str]) -> str | None:
         """Write the files of an outputs manifest from blobs; None, or why it cannot."""
@@ -163,6 +172,49 @@ class CheckCache:
         if sha256_file(blob) != sha256:  # the file changed under us: keep nothing
             blob.unlink()
             raise OSError(f"{source} changed while it was copied into the cache")
+
+
+def check_entry(entry: Any, cache_key: str, where: str) -> str | None:
+    """None if `entry` is a trustworthy entry for `cache_key` (its seal, or with a signing
+    key its signature, matches; right key and version; a log digest), else why not."""
+    if not isinstance(entry, dict):
+        return f"cache entry {where} is not an object"
+    key = signing_key()
+    recorded = entry.get("seal")
+    signed = isinstance(recorded, str) and recorded.startswith("hmac-")
+    if key is not None and not signed:
+        return f"cache entry {where} is not signed and a signing key is configured"
+    if not verify_seal(entry, key) if key is not None else not verify_seal(entry):
+        return f"cache entry {where} does not match its seal"
+    if entry.get("cache_key") != cache_key or entry.get("version") != CACHE_VERSION:
+        return f"cache entry {where} is for another key or version"
+    if not _is_digest(entry.get("log_sha256")):
+        return f"cache entry {where} has no log evidence"
+    return None
+
+
+def is_digest(value: Any) -> bool:
+    """A SHA-256 hex digest (a cache key, a blob name)."""
+    return _is_digest(value)
+
+
+def _write_atomic(target: Path, chunks: Iterable[bytes], *, sha256: str | None = None) -> bool:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    try:
+        hasher = hashlib.sha256()
+        with os.fdopen(fd, "wb") as handle:
+            for chunk in chunks:
+                hasher.update(chunk)
+                handle.write(chunk)
+        if sha256 is not None and hasher.hexdigest() != sha256:
+            os.unlink(tmp)
+            return False
+        os.replace(tmp, target)
+        return True
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _copy_atomic(source: Path, target: Path) -> None:

@@ -182,6 +182,17 @@ def _handle_gc(parsed: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _handle_cache_serve(parsed: argparse.Namespace) -> dict[str, Any]:
+    from ratchet.checks._server import serve  # http.server only for the server
+
+    try:
+        return serve(
+            Path(parsed.dir), host=parsed.host, port=parsed.port, read_only=parsed.read_only
+        )
+    except KeyboardInterrupt:  # a signal before the server listened
+        return {"ok": True, "text": "cache server stopped"}
+
+
 def _handle_list(parsed: argparse.Namespace) -> dict[str, Any]:
     root, project = _load(parsed)
     state_dir = state_dir_for(root, parsed.state_dir)
@@ -294,6 +305,13 @@ def register(subparsers: Any) -> None:
         "else the state folder's cache/)",
     )
     run_p.add_argument(
+        "--cache-url",
+        default=None,
+        metavar="URL",
+        help="a cache server (`ratchet checks cache serve`) instead of a cache folder "
+        "(default: $RATCHET_CHECKS_CACHE_URL); the state folder's cache/ is its local mirror",
+    )
+    run_p.add_argument(
         "--cache-read-only",
         action="store_true",
         help="reuse from the cache but never write to it (untrusted jobs)",
@@ -344,6 +362,26 @@ def register(subparsers: Any) -> None:
     )
     gc_p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     gc_p.set_defaults(handler=_handle_gc)
+
+    cache_p = subparsers.add_parser("cache", help="the cache server")
+    cache_sub = cache_p.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
+    serve_p = cache_sub.add_parser(
+        "serve", help="serve a cache folder over HTTP (until SIGINT or SIGTERM)"
+    )
+    serve_p.add_argument("--dir", required=True, metavar="DIR", help="the cache folder to serve")
+    serve_p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1; any other needs "
+        "RATCHET_CHECKS_CACHE_TOKEN unless --read-only)",
+    )
+    serve_p.add_argument(
+        "--port", type=int, default=8765, help="the port (default 8765; 0: any free port)"
+    )
+    serve_p.add_argument(
+        "--read-only", action="store_true", help="answer every write with 403 (untrusted jobs)"
+    )
+    serve_p.set_defaults(handler=_handle_cache_serve)
 
     list_p = subparsers.add_parser("list", help="list checks, profiles and recent runs")
     add_common_arguments(list_p, suppress=True)

@@ -641,13 +641,35 @@ def _lock_timeout(args: argparse.Namespace) -> float:
 def _open_cache(
     args: argparse.Namespace, state_dir: Path, *, read_only: bool = False
 ) -> CheckCache | None:
-    """The cache this run reads and writes: `cache_dir` (or RATCHET_CHECKS_CACHE_DIR), else
-    the state folder's `cache/`; None when `cache` is off (the Python API's default)."""
+    """The cache this run reads and writes: `cache_dir` (or RATCHET_CHECKS_CACHE_DIR), or a
+    cache server at `cache_url` (or RATCHET_CHECKS_CACHE_URL) with the state folder's
+    `cache/` as its local mirror, else that `cache/` alone; None when `cache` is off (the
+    Python API's default). A command-line option wins over the environment."""
     if not getattr(args, "cache", False):
         return None
-    where = getattr(args, "cache_dir", None) or os.environ.get("RATCHET_CHECKS_CACHE_DIR")
-    root = Path(where) if where else state_dir / "cache"
     read_only = read_only or bool(getattr(args, "cache_read_only", False))
+    given_dir, given_url = getattr(args, "cache_dir", None), getattr(args, "cache_url", None)
+    if given_dir and given_url:
+        raise ConfigError("--cache-dir and --cache-url are alternatives: pass only one of them")
+    if not given_dir and not given_url:
+        env_dir = os.environ.get("RATCHET_CHECKS_CACHE_DIR")
+        env_url = os.environ.get("RATCHET_CHECKS_CACHE_URL")
+        if env_dir and env_url:
+            raise ConfigError(
+                "both RATCHET_CHECKS_CACHE_DIR and RATCHET_CHECKS_CACHE_URL are set: set only one "
+                "of them (or pass --cache-dir or --cache-url)"
+            )
+        given_dir, given_url = env_dir, env_url
+    if given_url:
+        from ratchet.checks import _remote  # urllib only when a cache server is used
+
+        return _remote.RemoteCheckCache(
+            given_url,
+            state_dir / "cache",
+            read_only=read_only,
+            token=os.environ.get(_remote.TOKEN_ENV) or None,
+        )
+    root = Path(given_dir) if given_dir else state_dir / "cache"
     return CheckCache(root, read_only=read_only)
 
 

@@ -15,11 +15,21 @@ from collections.abc import Mapping
 
 from ratchet._errors import ConfigError
 
-__all__ = ["KEY_ENV", "KEY_FILE_ENV", "MIN_KEY_BYTES", "SECRET_ENV", "hash_value", "signing_key"]
+__all__ = [
+    "CACHE_TOKEN_ENV",
+    "KEY_ENV",
+    "KEY_FILE_ENV",
+    "MIN_KEY_BYTES",
+    "SECRET_ENV",
+    "hash_value",
+    "signing_key",
+]
 
 KEY_ENV = "RATCHET_CHECKS_SIGNING_KEY"
 KEY_FILE_ENV = "RATCHET_CHECKS_SIGNING_KEY_FILE"
-SECRET_ENV = (KEY_ENV, KEY_FILE_ENV)  # never passed to a stage, never fingerprinted
+CACHE_TOKEN_ENV = "RATCHET_CHECKS_CACHE_TOKEN"  # the cache server's write token
+# never passed to a stage, never fingerprinted
+SECRET_ENV = (KEY_ENV, KEY_FILE_ENV, CACHE_TOKEN_ENV)
 MIN_KEY_BYTES = 16
 
 

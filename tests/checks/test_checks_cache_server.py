@@ -1,0 +1,295 @@
+"""Issue 17: the HTTP cache server (`ratchet checks cache serve`) and `--cache-url`.
+
+Every test talks to a real server process the test starts on 127.0.0.1 (with `--port 0`,
+so the system picks a free port, which the server prints) and stops by its PID. Runs go
+through the command line in their own processes, as CI would run them. Whether a stage
+ran is read from a marker file every stage command appends to, outside every repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checks_helpers import Workspace, by_id, check
+
+from ratchet.checks.common import read_json
+from ratchet.store import seal
+
+PY = sys.executable
+KEY = "k" * 32
+TOKEN = "t" * 32
+_BUILD = (
+    "import pathlib\n"
+    "pathlib.Path('out').mkdir(exist_ok=True)\n"
+    "pathlib.Path('out/data.txt').write_text(pathlib.Path('src.txt').read_text().upper())\n"
+)
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_CHECKS_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "xdg")
+    env.update(extra)
+    return env
+
+
+class Server:
+    """A `ratchet checks cache serve` process over `directory`."""
+
+    def __init__(self, tmp_path: Path, directory: Path, *argv: str, **env: str) -> None:
+        self.directory = directory
+        self.stderr_path = tmp_path / f"server-{len(list(tmp_path.glob('server-*')))}.err"
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [PY, "-m", "ratchet.checks", "cache", "serve", "--dir", str(directory)]
+                + ["--port", "0", *argv],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=_env(tmp_path, **env),
+                cwd=tmp_path,
+            )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith("serving cache "), self.stderr_path.read_text()
+        self.url = line.split(" at ", 1)[1].split()[0]
+        assert self.url.startswith("http://127.0.0.1:")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        return code
+
+    def entries(self) -> list[Path]:
+        return sorted((self.directory / "entries").glob("*/*.json"))
+
+    def put(self, path: str, data: bytes, token: str | None = None) -> int:
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method="PUT")
+        if token is not None:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return int(exc.code)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[Server]]:
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+def _start(servers: list[Server], tmp_path: Path, *argv: str, **env: str) -> Server:
+    server = Server(tmp_path, tmp_path / f"served-{len(servers)}", *argv, **env)
+    servers.append(server)
+    return server
+
+
+def _clones(tmp_path: Path, count: int) -> list[Workspace]:
+    """Clones of one workspace: each its own folder and state folder, one project. Every
+    stage appends a line to tmp_path/marker (the same path in every clone's commands)."""
+    marker = tmp_path / "marker"
+    made = []
+    for n in range(count):
+        (tmp_path / f"clone{n}").mkdir()
+        ws = Workspace(tmp_path / f"clone{n}")
+        ws.repo("app", {"src.txt": "good", ".gitignore": "out/\n"})
+        ws.project(
+            [
+                check(
+                    "build",
+                    f"open({str(marker)!r}, 'a').write('build\\n'); print('built')\n" + _BUILD,
+                    cwd="app",
+                    repos=["app"],
+                    outputs=["app/out"],
+                ),
+                check(
+                    "test",
+                    f"open({str(marker)!r}, 'a').write('test\\n'); print('tested')\n"
+                    "assert open('app/out/data.txt').read() == 'GOOD'",
+                    deps=["build"],
+                    repos=["app"],
+                ),
+            ]
+        )
+        made.append(ws)
+    return made
+
+
+def _run(ws: Workspace, tmp_path: Path, *argv: str, **env: str) -> tuple[int, dict[str, Any], str]:
+    done = subprocess.run(
+        [PY, "-m", "ratchet.checks", "--workspace-root", str(ws.root)]
+        + ["--state-dir", str(ws.state_dir), "run", "--json", *argv],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, **env),
+        cwd=ws.root,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    result = json.loads(done.stdout) if done.stdout.strip() else {}
+    return done.returncode, result, done.stderr
+
+
+def _marker(tmp_path: Path) -> list[str]:
+    path = tmp_path / "marker"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_second_clone_reuses_a_verified_stage_through_the_server(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    server = _start(servers, tmp_path)
+    one, two, three, four = _clones(tmp_path, 4)
+    code, first, err = _run(one, tmp_path, "--cache-url", server.url)
+    assert (code, first["status"]) == (0, "passed"), err
+    assert _marker(tmp_path) == ["build", "test"]
+    assert len(server.entries()) == 2
+    assert "warning" not in err
+    # The other clone has no local cache and no outputs: both come from the server.
+    code, second, err = _run(two, tmp_path, "--cache-url", server.url)
+    assert (code, second["status"]) == (0, "passed"), err
+    assert _marker(tmp_path) == ["build", "test"]  # neither stage ran again
+    stages = by_id(second)
+    assert stages["build"]["cache_hit"] is True and stages["test"]["cache_hit"] is True
+    assert stages["build"]["reused_from"] == first["run_id"]
+    assert "outputs were restored" in stages["build"]["explain"]["reasons"][0]
+    assert (two.root / "app" / "out" / "data.txt").read_text() == "GOOD"
+    assert Path(stages["test"]["log_path"]).is_file()  # the log blob is in the local mirror
+    # --dry-run predicts the hit through the server and runs nothing.
+    code, dry, err = _run(four, tmp_path, "--dry-run", "--cache-url", server.url)
+    assert code == 0, err
+    assert [s["prediction"] for s in dry["stages"]] == ["reuse", "reuse"]
+    assert _marker(tmp_path) == ["build", "test"]
+    # The environment variable works like the option.
+    code, third, err = _run(three, tmp_path, RATCHET_CHECKS_CACHE_URL=server.url)
+    assert code == 0, err
+    assert by_id(third)["build"]["reused_from"] == first["run_id"]
+    assert _marker(tmp_path) == ["build", "test"]
+
+
+KEY_ENV = "RATCHET_CHECKS_SIGNING_KEY"
+
+
+def _signed(**env: str) -> dict[str, str]:
+    return {KEY_ENV: KEY, **env}
+
+
+def test_a_damaged_or_forged_entry_on_the_server_is_a_miss(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    server = _start(servers, tmp_path)
+    one, two, three = _clones(tmp_path, 3)
+    url = ["--cache-url", server.url]
+    code, first, err = _run(one, tmp_path, *url, **_signed())
+    assert code == 0, err
+    assert _marker(tmp_path) == ["build", "test"]
+    test_entry = next(p for p in server.entries() if read_json(p)["stage_id"] == "test")
+    assert read_json(test_entry)["seal"].startswith("hmac-sha256:")
+    # Damage: the server's copy of test's log is altered.
+    log_sha = by_id(first)["test"]["log_sha256"]
+    (server.directory / "blobs" / log_sha[:2] / log_sha).write_text("ok, trust me\n")
+    code, second, err = _run(two, tmp_path, *url, **_signed())
+    assert code == 0, err
+    assert _marker(tmp_path) == ["build", "test", "test"]  # test ran, build was reused
+    assert "altered" in by_id(second)["test"]["explain"]["cache"]
+    # That run uploaded the intact log again (the server hid its damaged copy on HEAD).
+    assert (server.directory / "blobs" / log_sha[:2] / log_sha).read_text() != "ok, trust me\n"
+    # Forgery: an entry sealed by someone without the signing key.
+    forged = read_json(test_entry)
+    forged["origin_run_id"] = "someone-else"
+    forged.pop("seal")
+    test_entry.write_text(json.dumps(seal(forged)))
+    code, third, err = _run(three, tmp_path, *url, **_signed())
+    assert code == 0, err
+    assert _marker(tmp_path) == ["build", "test", "test", "test"]
+    assert "not signed" in by_id(third)["test"]["explain"]["cache"]
+    assert by_id(third)["build"]["cache_hit"] is True
+
+
+def test_a_read_only_server_refuses_writes_and_the_run_still_passes(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    server = _start(servers, tmp_path, "--read-only")
+    (one,) = _clones(tmp_path, 1)
+    code, result, err = _run(one, tmp_path, "--cache-url", server.url)
+    assert (code, result["status"]) == (0, "passed"), err
+    assert _marker(tmp_path) == ["build", "test"]
+    assert err.count("refused a write: 403") == 1  # one warning, not one per stage
+    assert "read-only" in err
+    assert server.entries() == []
+    assert server.put("/v1/entries/" + "a" * 64, b"{}") == 403
+    assert server.stop() == 0  # SIGTERM stops it cleanly
+
+
+def test_a_server_that_is_down_is_a_miss_with_one_warning(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (one,) = _clones(tmp_path, 1)
+    code, result, err = _run(one, tmp_path, "--cache-url", f"http://127.0.0.1:{port}")
+    assert (code, result["status"]) == (0, "passed"), err
+    assert _marker(tmp_path) == ["build", "test"]
+    assert err.count("cannot be reached") == 1
+    assert "cache server" in by_id(result)["build"]["explain"]["cache"]
+
+
+def test_writes_need_the_token_and_a_public_address_needs_one(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    # Without a token the server will not listen on a non-loopback address (exit 2).
+    refused = subprocess.run(
+        [PY, "-m", "ratchet.checks", "cache", "serve", "--dir", str(tmp_path / "c")]
+        + ["--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+    )
+    assert refused.returncode == 2
+    assert "RATCHET_CHECKS_CACHE_TOKEN" in refused.stderr and "Traceback" not in refused.stderr
+    short = subprocess.run(
+        [PY, "-m", "ratchet.checks", "cache", "serve", "--dir", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, RATCHET_CHECKS_CACHE_TOKEN="short"),
+        cwd=tmp_path,
+    )
+    assert short.returncode == 2 and "at least 16" in short.stderr
+    # With a token set, writes need it; reads do not.
+    server = _start(servers, tmp_path, RATCHET_CHECKS_CACHE_TOKEN=TOKEN)
+    one, two, three = _clones(tmp_path, 3)
+    code, _, err = _run(one, tmp_path, "--cache-url", server.url)
+    assert code == 0 and err.count("refused a write: 401") == 1
+    assert server.entries() == []
+    assert server.put("/v1/entries/" + "a" * 64, b"{}", token="wrong" * 8) == 401
+    code, _, err = _run(two, tmp_path, "--cache-url", server.url, RATCHET_CHECKS_CACHE_TOKEN=TOKEN)
+    assert code == 0 and "warning" not in err
+    assert len(server.entries()) == 2
+    code, third, err = _run(three, tmp_path, "--cache-url", server.url)  # reading: no token
+    assert code == 0 and by_id(third)["test"]["cache_hit"] is True
+    assert _marker(tmp_path) == ["build", "test", "build", "test"]  # the third run reused
+
+
+def test_cache_options_are_checked(tmp_path: Path) -> None:
+    (one,) = _clones(tmp_path, 1)
+    code, _, err = _run(one, tmp_path, "--cache-url", "ftp://x", "--cache-dir", "d")
+    assert code == 2 and "alternatives" in err
+    code, _, err = _run(one, tmp_path, "--cache-url", "cache.internal:8765")
+    assert code == 2 and "not an http:// or https:// URL" in err
+    assert _marker(tmp_path) == []

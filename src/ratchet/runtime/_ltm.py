@@ -242,9 +242,14 @@ class LongTermIndex:
 
     def count(self, scope: str, pending: list[tuple[Any, ...]]) -> int:
         s = self.scope(scope)
-        with self._lock:
-            alive = {i for i, a in zip(s.ids, s.alive, strict=True) if a}
+        present: dict[str, bool] = {}  # this run's last word on each id it wrote
         for op in pending:
             if op[1] == scope:
-                (alive.add if op[0] == LTM_ADD else alive.discard)(op[2])
-        return len(alive)
+                present[op[2]] = op[0] == LTM_ADD
+        with self._lock:
+            n = len(s.ids) - s.dead
+            for ltm_id, now in present.items():
+                i = s.pos.get(ltm_id)
+                was = i is not None and s.alive[i]
+                n += int(now) - int(was)
+        return n

@@ -130,22 +130,16 @@ class State:
     def keys(self, contains: str | None = None, limit: int | None = None) -> list[str]:
         """The keys that have committed memory, as text (as `ratchet inspect` shows them), in
         order; only those whose text contains `contains` (case-insensitive), at most `limit`."""
-        sql, params = "SELECT key_text FROM keys", []
-        if contains:
-            # instr on lower(): no LIKE, so `%` and `_` in a search are plain characters.
-            sql += " WHERE instr(lower(key_text), lower(?)) > 0"
-            params.append(contains)
-        sql += " ORDER BY key_text"
+        where, params = _key_search(contains)
+        sql = f"SELECT key_text FROM keys{where} ORDER BY key_text"
         if limit is not None:
             sql += f" LIMIT {max(0, int(limit))}"
         return self._read(lambda s: [str(row[0]) for row in s.conn.execute(sql, params)])
 
     def count_keys(self, contains: str | None = None) -> int:
         """How many keys `keys(contains)` would list with no limit."""
-        sql, params = "SELECT COUNT(*) FROM keys", []
-        if contains:
-            sql += " WHERE instr(lower(key_text), lower(?)) > 0"
-            params.append(contains)
+        where, params = _key_search(contains)
+        sql = f"SELECT COUNT(*) FROM keys{where}"
         return self._read(lambda s: int(s.conn.execute(sql, params).fetchone()[0]))
 
     def memory(self, key: str | int, *, as_json: bool = False) -> dict[str, Any] | None:
@@ -351,6 +345,14 @@ def _snapshot(store: SqliteStore) -> Iterator[None]:
             f"{store.path} holds data that cannot be decoded ({exc}); it is damaged, or was "
             f"written by another ratchet; it was left untouched"
         ) from exc
+
+
+def _key_search(contains: str | None) -> tuple[str, list[Any]]:
+    """The WHERE clause (and its parameters) of a case-insensitive search in key texts: instr
+    on lower(), no LIKE, so `%` and `_` in a search are plain characters."""
+    if not contains:
+        return "", []
+    return " WHERE instr(lower(key_text), lower(?)) > 0", [contains]
 
 
 def _type_name(value: Any) -> str:

@@ -108,21 +108,26 @@ def fig_a(n: int, keys: int) -> dict[str, float]:
     return {"ratchet_actions_per_s": 3 * n / ours, "plain_actions_per_s": 3 * n / base}
 
 
+def _timed_three_steps(inputs: list[dict[str, Any]], config: EngineConfig) -> float:
+    """Seconds for workload (a) over `inputs` with `config`, in a fresh state directory."""
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        run(
+            ThreeSteps(),
+            inputs=inputs,
+            output=Path(d) / "o.jsonl",
+            state_dir=Path(d) / "s",
+            config=config,
+        )
+        return time.perf_counter() - t
+
+
 def fig_e(n: int, keys: int) -> dict[str, float]:
     """(e) The cost of run traces: workload (a) at the default retention beside traces off."""
     inputs = [{"key": f"k{i % keys}", "v": i} for i in range(n)]
     took: dict[str, float] = {}
     for policy in ("off", "20"):
-        with tempfile.TemporaryDirectory() as d:
-            t = time.perf_counter()
-            run(
-                ThreeSteps(),
-                inputs=inputs,
-                output=Path(d) / "o.jsonl",
-                state_dir=Path(d) / "s",
-                config=EngineConfig(trace_retention=policy),
-            )
-            took[policy] = time.perf_counter() - t
+        took[policy] = _timed_three_steps(inputs, EngineConfig(trace_retention=policy))
     return {
         "traced_actions_per_s": 3 * n / took["20"],
         "untraced_actions_per_s": 3 * n / took["off"],
@@ -152,16 +157,8 @@ def fig_f(n: int, keys: int) -> dict[str, float]:
     took: dict[str, float] = {}
     try:
         for endpoint in (None, url):
-            with tempfile.TemporaryDirectory() as d:
-                t = time.perf_counter()
-                run(
-                    ThreeSteps(),
-                    inputs=inputs,
-                    output=Path(d) / "o.jsonl",
-                    state_dir=Path(d) / "s",
-                    config=EngineConfig(otel_endpoint=endpoint),
-                )
-                took[str(endpoint is not None)] = time.perf_counter() - t
+            config = EngineConfig(otel_endpoint=endpoint)
+            took[str(endpoint is not None)] = _timed_three_steps(inputs, config)
     finally:
         server.shutdown()
         server.server_close()

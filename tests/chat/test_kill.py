@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,8 @@ import pytest
 from _chat_wire import OpenAIServer
 
 from ratchet.agents.chat import ScriptedChatModel
+from support.procs import kill as _kill
+from support.procs import wait_for as _wait
 
 HERE = Path(__file__).parent
 AGENT = f"{HERE / 'kill_agent.py'}:KillAgent"
@@ -49,28 +48,6 @@ def _start(
         "--checkpoint-interval", str(interval_ms),
     ]  # fmt: skip
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-
-
-def _wait(
-    cond: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, limit: float = 30
-) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if proc.poll() is not None:
-            _, err = proc.communicate()
-            raise AssertionError(
-                f"agent exited ({proc.returncode}) before {what}: {err.decode()[-2000:]}"
-            )
-        if time.monotonic() > deadline:
-            _kill(proc)
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def _db(tmp: Path, sql: str) -> list[tuple[Any, ...]]:

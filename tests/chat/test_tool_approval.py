@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +30,8 @@ from ratchet.agents.chat import (
 )
 from ratchet.agents.chat._approval import ApprovalDecision, approval_call_id
 from ratchet.agents.chat._tools import as_tool
+from support.procs import kill as _kill
+from support.procs import wait_for as _wait
 
 HERE = Path(__file__).parent
 AGENT = f"{HERE / 'approval_agent.py'}:ApprovalAgent"
@@ -379,28 +378,6 @@ def _start(tmp: Path, *, follow: bool, hold: bool = False) -> subprocess.Popen[b
     if follow:
         cmd.append("--follow")
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-
-
-def _wait(
-    cond: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, limit: float = 30
-) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if proc.poll() is not None:
-            _, err = proc.communicate()
-            raise AssertionError(
-                f"agent exited ({proc.returncode}) before {what}: {err.decode()[-2000:]}"
-            )
-        if time.monotonic() > deadline:
-            _kill(proc)
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def _cli_signal(tmp: Path, name: str, value: Any) -> None:

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import glob
 import hashlib
 import hmac
+import itertools
 import json
+import operator
 import os
 import stat
+import struct
 import subprocess
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,10 @@ def _ls_files_argv(root: Path) -> list[str]:
 def _listing(returncode: int, stdout: bytes) -> list[str] | None:
     if returncode != 0:
         return None
+    return _parse_listing(stdout)
+
+
+def _parse_listing(stdout: bytes) -> list[str]:
     # Names are bytes; surrogateescape keeps a non-UTF-8 name openable (see `_key`).
     names = {n for n in stdout.decode("utf-8", "surrogateescape").split("\0") if n}
     return sorted(names)
@@ -70,8 +78,14 @@ def _git_files(root: Path) -> list[str] | None:
     return _listing(proc.returncode, proc.stdout)
 
 
-def _git_files_many(roots: list[Path]) -> dict[Path, list[str] | None]:
-    """`_git_files` of several folders, their `git ls-files` running side by side."""
+def _git_raw(root: Path) -> bytes | None:
+    """`git ls-files`'s raw output for `root` (None when git cannot list it)."""
+    proc = subprocess.run(_ls_files_argv(root), capture_output=True, check=False)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _git_raw_many(roots: list[Path]) -> dict[Path, bytes | None]:
+    """`_git_raw` of several folders, their `git ls-files` running side by side."""
     procs = [
         (
             root,
@@ -81,10 +95,10 @@ def _git_files_many(roots: list[Path]) -> dict[Path, list[str] | None]:
         )
         for root in roots
     ]
-    out: dict[Path, list[str] | None] = {}
+    out: dict[Path, bytes | None] = {}
     for root, proc in procs:
         stdout, _ = proc.communicate()
-        out[root] = _listing(proc.returncode, stdout)
+        out[root] = stdout if proc.returncode == 0 else None
     return out
 
 
@@ -170,6 +184,15 @@ def _link_entry(path: str, root: str | None) -> str:
         return f"{label}->unreadable:{exc.strerror or exc}"
 
 
+def _skipped(root: Path, exclude: tuple[Path, ...]) -> list[str]:
+    """The paths under `root` (relative, POSIX) that `exclude` leaves out."""
+    skip = []
+    for e in exclude:
+        with contextlib.suppress(ValueError):
+            skip.append(e.relative_to(root).as_posix())
+    return [p for p in skip if p != "."]
+
+
 def _manifest(
     root: Path,
     exclude: tuple[Path, ...],
@@ -189,7 +212,7 @@ def _manifest(
     identifies many files at once (the stat cache's fast path), else `entry_of` one by one.
     """
     files: list[str] | set[str] | None = None
-    if git_listing is not None:  # `git ls-files` already ran (see `_git_files_many`)
+    if git_listing is not None:  # `git ls-files` already ran (see `_git_raw_many`)
         files = git_listing[0]
     elif use_git:
         files = _git_files(root)
@@ -199,11 +222,7 @@ def _manifest(
     base = root_text + os.sep
     listed = set(files)
     identify = entry_of or _entry
-    skip = []
-    for e in exclude:
-        with contextlib.suppress(ValueError):
-            skip.append(e.relative_to(root).as_posix())
-    skip = [p for p in skip if p != "."]
+    skip = _skipped(root, exclude)
     plain: list[str] = []
     dirs: list[str] = []
     for rel in files if isinstance(files, list) else sorted(listed):  # lists come sorted
@@ -276,8 +295,14 @@ class StatCache:
         if entries is not None:
             self._entries = entries
 
-    def entries(self, paths: list[str], root: str) -> list[str]:
-        """`entry` of many files: the unchanged ones (the common case) in one tight loop."""
+    def entries(
+        self, paths: list[str], root: str, observed: dict[str, _Sig] | None = None
+    ) -> list[str]:
+        """`entry` of many files: the unchanged ones (the common case) in one tight loop.
+
+        With `observed`, each file whose identity can be trusted for its lstat signature
+        (a regular file, settled, unchanged while it was read) gets that signature there:
+        what `TreeCache` records."""
         if not self._loaded:
             with self._guard:
                 if not self._loaded:
@@ -288,18 +313,20 @@ class StatCache:
             try:
                 st = lstat(path)
             except OSError:
-                out.append(self.entry(path, root))
+                out.append(self.entry(path, root, observed))
                 continue
             if is_reg(st.st_mode):
                 sig = f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} "
                 hit = known(path)
                 if isinstance(hit, str) and hit.startswith(sig):
                     out.append(hit[len(sig) :])
+                    if observed is not None:
+                        observed[path] = _SIG(st)
                     continue
-            out.append(self.entry(path, root))
+            out.append(self.entry(path, root, observed))
         return out
 
-    def entry(self, path: str, root: str) -> str:
+    def entry(self, path: str, root: str, observed: dict[str, _Sig] | None = None) -> str:
         if not self._loaded:
             with self._guard:
                 if not self._loaded:
@@ -315,6 +342,8 @@ class StatCache:
         sig = f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} "
         hit = self._entries.get(path)
         if isinstance(hit, str) and hit.startswith(sig):
+            if observed is not None:
+                observed[path] = _SIG(st)
             return hit[len(sig) :]
         now = self.clock.now()
         identity = _entry(path, root)
@@ -326,8 +355,10 @@ class StatCache:
         same = (
             f"{again.st_dev} {again.st_ino} {again.st_size} {again.st_mtime_ns} "
             f"{again.st_ctime_ns} "
-        ) == sig
+        ) == sig and again.st_mode == st.st_mode
         if settled and same and " " not in identity:
+            if observed is not None:
+                observed[path] = _SIG(st)
             with self._guard:
                 self._entries[path] = sig + identity
                 self._dirty = True
@@ -348,6 +379,142 @@ class StatCache:
             atomic_write_bytes(self.path, seal_stat_cache(entries, signing_key()))
         except (OSError, ValueError):
             pass
+
+
+# A file's lstat signature as `TreeCache` compares it: (mode, device, inode, size,
+# mtime_ns, ctime_ns), taken in C for a whole listing at once.
+_Sig = tuple[int, int, int, int, int, int]
+_SIG: Callable[[os.stat_result], _Sig] = operator.attrgetter(
+    "st_mode", "st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns"
+)
+_SIG_PACK = struct.Struct("<QQQQqq").pack
+TREE_CACHE_VERSION = 1
+
+
+def _listing_names(listing: bytes) -> list[bytes]:
+    names = listing.split(b"\0")
+    if names and not names[-1]:
+        names.pop()
+    return names
+
+
+def _stats_digest(sigs: Iterable[_Sig]) -> str | None:
+    try:
+        packed = b"".join(itertools.starmap(_SIG_PACK, sigs))
+    except struct.error:  # a value out of range: never remembered, never matched
+        return None
+    return hashlib.sha256(packed).hexdigest()
+
+
+def tree_stats(root: str, listing: bytes) -> str | None:
+    """The digest of every listed file's lstat signature, in listing order (None when one
+    cannot be stat'ed). The loop runs in C (`map`, `attrgetter`, `starmap`): no Python
+    bytecode per file, which is what makes a no-op probe of 50,000 files cheap."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        stats = map(functools.partial(os.lstat, dir_fd=fd), _listing_names(listing))
+        return _stats_digest(map(_SIG, stats))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+class TreeCache:
+    """Whole-repository digests remembered by the repository's `git ls-files` listing and
+    the lstat signature of every listed file, so a no-op probe is one listing, one lstat
+    per file and one hash, without building the manifest.
+
+    A record is written only when every listed file is a regular file whose identity was
+    trusted (settled for `RACY_SECONDS`, unchanged while read: the stat cache's rules), so
+    it fails closed exactly as the stat cache does: any change to the listing or to any
+    file's mode, device, inode, size, mtime_ns or ctime_ns misses, and the manifest is
+    built again. Records are sealed like the stat cache (signed under a signing key); one
+    that does not verify is ignored.
+    """
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+
+    def _path(self, root: str) -> Path | None:
+        if self.folder is None:
+            return None
+        name = hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        return self.folder / f"{name}.json"
+
+    @staticmethod
+    def _body(root: str, listing_digest: str, stats: str, digest: str) -> bytes:
+        return canonical_json(
+            {
+                "version": TREE_CACHE_VERSION,
+                "root": _key(root),
+                "listing": listing_digest,
+                "stats": stats,
+                "digest": digest,
+            }
+        )
+
+    def lookup(self, root: str, listing: bytes) -> str | None:
+        """The remembered digest of `root` when its listing and every file's signature are
+        the ones recorded, else None."""
+        path = self._path(root)
+        if path is None:
+            return None
+        try:
+            head_bytes, _, body = path.read_bytes().partition(b"\n")
+            head = json.loads(head_bytes)
+            record = json.loads(body)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(head, dict) or not isinstance(record, dict):
+            return None
+        from ratchet.checks._signing import signing_key
+
+        recorded = head.get("seal")
+        if not isinstance(recorded, str):
+            return None
+        if not hmac.compare_digest(recorded, _body_seal(body, signing_key())):
+            return None
+        if record.get("version") != TREE_CACHE_VERSION or record.get("root") != _key(root):
+            return None
+        if record.get("listing") != hashlib.sha256(listing).hexdigest():
+            return None
+        stats = tree_stats(root, listing)
+        digest = record.get("digest")
+        if stats is None or stats != record.get("stats") or not isinstance(digest, str):
+            return None
+        return digest
+
+    def remember(
+        self, root: str, listing: bytes, observed: Mapping[str, _Sig], digest: str
+    ) -> None:
+        """Record `digest` for `root` if every listed file has a trusted signature in
+        `observed` (full path -> signature, as the stat cache saw it before reading the
+        file); best effort, as it is only a speed-up."""
+        path = self._path(root)
+        if path is None:
+            return
+        base = root + os.sep
+        sigs = []
+        for name in listing.decode("utf-8", "surrogateescape").split("\0"):
+            if not name:
+                continue
+            sig = observed.get(base + name)
+            if sig is None:
+                return  # a racy, non-regular or unread file: nothing to trust
+            sigs.append(sig)
+        stats = _stats_digest(sigs)
+        if stats is None:
+            return
+        from ratchet.checks._signing import signing_key
+
+        body = self._body(root, hashlib.sha256(listing).hexdigest(), stats, digest)
+        head = canonical_json({"seal": _body_seal(body, signing_key())})
+        with contextlib.suppress(OSError, ValueError):
+            atomic_write_bytes(path, head + b"\n" + body)
 
 
 def _body_seal(body: bytes, key: bytes | None) -> str:
@@ -487,9 +654,14 @@ class Checkpoints:
         self._memo: dict[str, tuple[int, float, str]] = {}
         self._exclude_files: list[Path] = []
         # Listings `source_identity` fetched side by side, each used once, right after.
-        self._listings: dict[Path, list[str] | None] = {}
+        self._listings: dict[Path, bytes | None] = {}
         stat_path = self.state_dir / "stat-cache.json" if self.state_dir is not None else None
         self.stat_cache = StatCache(stat_path, clock)
+        # The workspace root's few own files have a cache of their own, so probing them
+        # never loads the repositories' (possibly 50,000-entry) one.
+        rest_path = self.state_dir / "stat-cache-workspace.json" if self.state_dir else None
+        self.rest_stat_cache = StatCache(rest_path, clock)
+        self.tree_cache = TreeCache(self.state_dir / "tree-cache" if self.state_dir else None)
         # The workspace root's own files are an input unless a repository is the root.
         root = self.workspace_root.resolve()
         self._has_rest = all(p.resolve() != root for p in self.repositories.values())
@@ -544,7 +716,7 @@ class Checkpoints:
         """Every repository's digest: the whole workspace."""
         rest = [WORKSPACE_REST] if self._has_rest else []
         roots = [p for p in self.repositories.values() if p.is_dir()]
-        listings = _git_files_many(roots)
+        listings = _git_raw_many(roots)
         with self._guard:
             self._listings = listings
         try:
@@ -565,7 +737,8 @@ class Checkpoints:
             if hit is not None and quiet and hit[0] == epoch:
                 return hit[2]
         digest, manifest = self._compute(name)
-        self._store_manifest(digest, manifest)
+        if manifest is not None:  # else it was stored when the tree cache learned `digest`
+            self._store_manifest(digest, manifest)
         with self._guard:
             if quiet and self._active == 0 and self._epoch == epoch:
                 self._memo[name] = (epoch, self.clock.monotonic(), digest)
@@ -573,7 +746,9 @@ class Checkpoints:
 
     def manifest(self, name: str) -> dict[str, str]:
         """A repository's current manifest: relative path -> file identity."""
-        return self._compute(name)[1]
+        manifest = self._build(name, fast=False)[1]
+        assert manifest is not None
+        return manifest
 
     def stored_manifest(self, digest: str) -> dict[str, str] | None:
         """A manifest recorded earlier by digest, or None when it was not kept."""
@@ -589,7 +764,12 @@ class Checkpoints:
         loaded = json.loads(data)
         return loaded if isinstance(loaded, dict) else None
 
-    def _compute(self, name: str) -> tuple[str, dict[str, str]]:
+    def _compute(self, name: str) -> tuple[str, dict[str, str] | None]:
+        """(digest, manifest) of a repository; the manifest is None when the tree cache
+        answered for the digest (nothing listed changed since it learned it)."""
+        return self._build(name, fast=True)
+
+    def _build(self, name: str, *, fast: bool) -> tuple[str, dict[str, str] | None]:
         if name == WORKSPACE_REST:
             manifest = self._workspace_rest()
             return sha256_bytes(canonical_json(manifest)), manifest
@@ -597,13 +777,24 @@ class Checkpoints:
         if not root.is_dir():
             return MISSING_REPOSITORY, {}
         with self._guard:
-            listing = self._listings.pop(root, _NOT_LISTED)
+            raw = self._listings.pop(root, _NOT_LISTED)
+        if raw is _NOT_LISTED:
+            raw = _git_raw(root)
+        root_text = str(root)
+        # The tree cache applies only where git lists something (else every file is walked)
+        # and nothing listed is left out of the manifest.
+        whole = bool(raw) and not _skipped(root, self._exclude)
+        if fast and whole and raw:
+            remembered = self.tree_cache.lookup(root_text, raw)
+            if remembered is not None:
+                return remembered, None
+        observed: dict[str, _Sig] | None = {} if whole else None
         manifest = _manifest(
             root,
             self._exclude,
             entry_of=self.stat_cache.entry,
-            entries_of=self.stat_cache.entries,
-            git_listing=None if listing is _NOT_LISTED else (listing,),
+            entries_of=functools.partial(self.stat_cache.entries, observed=observed),
+            git_listing=(None if raw is None else _parse_listing(raw),),
         )
         self.stat_cache.save()
         if not manifest:
@@ -612,7 +803,11 @@ class Checkpoints:
                 "would never invalidate anything; add its files, or remove it from the "
                 "project's repositories"
             )
-        return sha256_bytes(canonical_json(manifest)), manifest
+        digest = sha256_bytes(canonical_json(manifest))
+        if observed and raw:
+            self._store_manifest(digest, manifest)  # before the record that names it
+            self.tree_cache.remember(root_text, raw, observed, digest)
+        return digest, manifest
 
     def _workspace_rest(self) -> dict[str, str]:
         """Files at the workspace root outside every declared repository (a `tools/ci.py`
@@ -620,10 +815,9 @@ class Checkpoints:
         root = self.workspace_root
         skip = tuple(p for p in self.repositories.values()) + self._exclude
         skip += tuple(self._exclude_files)
-        full = _manifest(
-            root, skip, entry_of=self.stat_cache.entry, entries_of=self.stat_cache.entries
-        )
-        self.stat_cache.save()
+        cache = self.rest_stat_cache
+        full = _manifest(root, skip, entry_of=cache.entry, entries_of=cache.entries)
+        cache.save()
         prefixes = []
         for p in skip:
             try:

@@ -5,9 +5,13 @@ call anywhere fails here with its file and line."""
 from __future__ import annotations
 
 import ast
+import datetime
 from pathlib import Path
 
+import pytest
+
 import ratchet
+from ratchet._clock import utc_iso
 
 SRC = Path(ratchet.__file__).parent
 FORBIDDEN = {
@@ -56,3 +60,23 @@ def test_the_scan_finds_a_direct_read(tmp_path: Path) -> None:
     )
     hits = [h.split(": ", 1)[1] for h in direct_clock_reads(probe, tmp_path)]
     assert hits == ["time.monotonic()", "datetime.now()"]
+
+
+class _At:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize(
+    "t",
+    [0.0, 0.0005, 0.9999995, 1.4999995, 1_800_000_000.0, 1_800_000_000.9999996, 1764630000.1234565],
+)
+@pytest.mark.parametrize("timespec", ["seconds", "milliseconds", "microseconds"])
+def test_utc_iso_says_what_datetime_says(t: float, timespec: str) -> None:
+    # utc_iso formats with `time` (so `ratchet checks` never imports datetime); the text,
+    # rounding included, is datetime's.
+    expected = datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec=timespec)
+    assert utc_iso(_At(t), timespec) == expected.replace("+00:00", "Z")

@@ -7,7 +7,7 @@ timer or a timeout is tested at an exact virtual time without sleeping.
 
 from __future__ import annotations
 
-import datetime as _dt
+import math
 import time
 from typing import Protocol, runtime_checkable
 
@@ -60,6 +60,25 @@ SYSTEM_CLOCK: Clock = SystemClock()
 
 
 def utc_iso(clock: Clock, timespec: str = "milliseconds") -> str:
-    """`clock.now()` as an ISO-8601 UTC timestamp ending in Z (receipts, logs)."""
-    stamp = _dt.datetime.fromtimestamp(clock.now(), _dt.UTC)
-    return stamp.isoformat(timespec=timespec).replace("+00:00", "Z")
+    """`clock.now()` as an ISO-8601 UTC timestamp ending in Z (receipts, logs).
+
+    The same text as `datetime.fromtimestamp(t, UTC).isoformat(timespec)` (microseconds
+    rounded half to even, then truncated), made with `time` so that `ratchet checks` does not
+    import `datetime` at start-up."""
+    t = clock.now()
+    if timespec not in ("seconds", "milliseconds"):
+        import datetime
+
+        stamp = datetime.datetime.fromtimestamp(t, datetime.UTC)
+        return stamp.isoformat(timespec=timespec).replace("+00:00", "Z")
+    frac, whole = math.modf(t)
+    micros = round(frac * 1e6)
+    seconds = int(whole)
+    if micros >= 1_000_000:
+        seconds, micros = seconds + 1, micros - 1_000_000
+    elif micros < 0:
+        seconds, micros = seconds - 1, micros + 1_000_000
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    if timespec == "milliseconds":
+        text += f".{micros // 1000:03d}"
+    return text + "Z"

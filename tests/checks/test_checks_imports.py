@@ -11,6 +11,21 @@ from checks_helpers import Workspace, check
 
 # What `ratchet checks` must never import: the agents, the engines, and their libraries.
 AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", "msgpack")
+# Standard library modules a no-op `ratchet checks run` has no use for, each a measurable
+# part of the command line's start-up (issue 17: under 2x the in-process time): what
+# `dataclasses` (-> `inspect`, `ast`, `dis`), `platform`, `socket`, `ctypes` (the
+# parent-death signal, loaded before the first stage command), `tempfile`, `datetime` and
+# `asyncio` were imported for.
+STARTUP_HEAVY = (
+    "asyncio",
+    "ctypes",
+    "dataclasses",
+    "datetime",
+    "inspect",
+    "platform",
+    "socket",
+    "tempfile",
+)
 
 
 def _agent_side(modules: list[str]) -> list[str]:
@@ -62,6 +77,28 @@ def test_a_checks_run_through_the_command_line_imports_no_agent_side_module(
     assert report["code"] == 0
     assert "ratchet.checks._run" in report["modules"]
     assert _agent_side(report["modules"]) == []
+
+
+def test_a_no_op_resume_through_the_command_line_imports_nothing_it_does_not_use(
+    two_repos: Workspace,
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"]), check("b", repos=["lib"], deps=["a"])])
+    first = ws.run()
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from ratchet.cli import main\n"
+        f"argv = ['checks', '--workspace-root', {str(ws.root)!r}, '--state-dir', "
+        f"{str(ws.state_dir)!r}, 'run', '--resume', {first['run_id']!r}, '--json']\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    code = main(argv)\n"
+        "reused = [s['reused_from'] for s in json.loads(out.getvalue())['stages']]\n"
+        "print(json.dumps({'code': code, 'reused': reused, 'modules': sorted(sys.modules)}))\n"
+    )
+    report = json.loads(_python(code).strip().splitlines()[-1])
+    assert report["code"] == 0
+    assert report["reused"] == [first["run_id"]] * 2  # a no-op: no stage command ran
+    assert sorted(set(STARTUP_HEAVY) & set(report["modules"])) == []
 
 
 def test_import_ratchet_is_lazy_and_every_public_name_still_resolves() -> None:

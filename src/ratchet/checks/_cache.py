@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -198,8 +196,15 @@ def is_digest(value: Any) -> bool:
     return _is_digest(value)
 
 
+def _mkstemp(directory: Path) -> tuple[int, str]:
+    # Imported here: a run that stores nothing in the cache never loads `tempfile`.
+    import tempfile
+
+    return tempfile.mkstemp(dir=directory, prefix=".tmp-")
+
+
 def _write_atomic(target: Path, chunks: Iterable[bytes], *, sha256: str | None = None) -> bool:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    fd, tmp = _mkstemp(target.parent)
     try:
         hasher = hashlib.sha256()
         with os.fdopen(fd, "wb") as handle:
@@ -218,7 +223,9 @@ def _write_atomic(target: Path, chunks: Iterable[bytes], *, sha256: str | None =
 
 
 def _copy_atomic(source: Path, target: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    import shutil
+
+    fd, tmp = _mkstemp(target.parent)
     os.close(fd)
     try:
         shutil.copyfile(source, tmp)

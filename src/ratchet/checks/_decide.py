@@ -9,8 +9,7 @@ computing only once the key matched), the decision says so and the caller asks a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ratchet.store import canonical_json, sha256_bytes
 
@@ -76,8 +75,11 @@ def checkpoint_id(cache_key: str, log_sha256: str, run_id: str) -> str:
     return digest({"cache_key": cache_key, "log_sha256": log_sha256, "run": run_id})
 
 
-@dataclass(frozen=True)
-class LogEvidence:
+# Immutable records as NamedTuples rather than dataclasses: `dataclasses` imports `inspect`,
+# which every `ratchet checks` start-up would pay for. Change one with `_replace`.
+
+
+class LogEvidence(NamedTuple):
     """What re-hashing a previous run's log found: its sha256, or why there is none."""
 
     sha256: str | None = None
@@ -85,8 +87,7 @@ class LogEvidence:
     error: str | None = None  # why it could not be read
 
 
-@dataclass(frozen=True)
-class Facts:
+class Facts(NamedTuple):
     """Everything the reuse decision for one stage depends on."""
 
     stage_id: str
@@ -98,8 +99,7 @@ class Facts:
     outputs: str | None = None  # the declared outputs' digest on disk, once asked
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """`run`, `reuse`, `refuse` (fail the stage without running it), `hash-log` (hash the
     log at `log_path` and decide again with the evidence in `Facts.log`) or `hash-outputs`
     (hash the declared outputs on disk and decide again with `Facts.outputs`)."""

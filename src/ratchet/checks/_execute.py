@@ -52,7 +52,19 @@ def _load_prctl() -> Callable[[int, int], int] | None:
     return prctl
 
 
-_PRCTL = _load_prctl()
+# Loaded (with ctypes) before the first stage command starts, in the parent: a no-op run
+# starts none, so it never pays for importing ctypes.
+_PRCTL: Callable[[int, int], int] | None = None
+_PRCTL_LOADED = False
+_PRCTL_GUARD = threading.Lock()
+
+
+def _prctl() -> Callable[[int, int], int] | None:
+    global _PRCTL, _PRCTL_LOADED
+    with _PRCTL_GUARD:
+        if not _PRCTL_LOADED:
+            _PRCTL, _PRCTL_LOADED = _load_prctl(), True
+        return _PRCTL
 
 
 def _child_setup() -> None:
@@ -90,7 +102,7 @@ def execute_stage_command(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=dict(env) if env is not None else None,
-            preexec_fn=_child_setup if _PRCTL is not None else None,
+            preexec_fn=_child_setup if _prctl() is not None else None,
         )
         with _LIVE_GUARD:
             _LIVE.add(proc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,8 @@ def collect_garbage(
     finished.sort(reverse=True)
     removed_runs = [name for _, name in finished[keep_runs:]]
     if not dry_run:
+        import shutil  # here: only `gc` removes folders
+
         for name in removed_runs:
             shutil.rmtree(runs_dir / name, ignore_errors=True)
     verb = "would remove" if dry_run else "removed"

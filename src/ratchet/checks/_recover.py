@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,19 @@ from ratchet.checks._receipts import (
 )
 from ratchet.checks.common import atomic_json
 
-__all__ = ["active", "process_start", "recover"]
+__all__ = ["active", "hostname", "process_start", "recover"]
 
 _ACTIVE_RUNS: set[str] = set()  # runs this process is executing right now
+
+
+def hostname() -> str:
+    """This machine's name, as `socket.gethostname()` gives it (on POSIX both read the
+    kernel's node name) without importing `socket` at every start-up."""
+    if hasattr(os, "uname"):
+        return os.uname().nodename
+    import socket
+
+    return socket.gethostname()
 
 
 @contextlib.contextmanager
@@ -214,7 +223,7 @@ def _group_alive(pgid: int) -> bool:
 
 def _live_groups(receipt: dict[str, Any]) -> list[dict[str, Any]]:
     """The recorded stage process groups that still exist on this host."""
-    if receipt.get("host") != socket.gethostname():
+    if receipt.get("host") != hostname():
         return []
     out = []
     for s in receipt.get("stages", []):
@@ -244,7 +253,7 @@ def _still_alive(receipt: dict[str, Any], run_id: str) -> bool:
     pid = receipt.get("pid")
     same_process = pid == os.getpid()  # and not active: e.g. its final write failed
     return (
-        receipt.get("host") == socket.gethostname()
+        receipt.get("host") == hostname()
         and isinstance(pid, int)
         and not same_process
         and receipt.get("pid_start") is not None

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
 import re
-import socket
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -56,7 +54,7 @@ from ratchet.checks._receipts import (
     receipt_path,
     state_dir_for,
 )
-from ratchet.checks._recover import active, process_start
+from ratchet.checks._recover import active, hostname, process_start
 from ratchet.checks._report import LiveProgress
 from ratchet.checks._schedule import schedule
 from ratchet.checks._seams import ENV_KEYS, Prober, Seams, extra_env_keys
@@ -163,7 +161,7 @@ def run_checks(
         "finished_at": None,
         "pid": os.getpid(),
         "pid_start": process_start(os.getpid()),
-        "host": socket.gethostname(),
+        "host": hostname(),
         "error": None,
     }
     book = ReceiptBook(
@@ -356,12 +354,12 @@ def _decide_stage(
     if decision.action == "hash-log":
         assert decision.log_path is not None
         evidence = _observe_log(run.prober, decision.log_path)
-        facts = dataclasses.replace(facts, log=evidence)
+        facts = facts._replace(log=evidence)
         decision = decide(facts)
     if decision.action == "hash-outputs":
         patterns = list(stage.get("outputs") or [])
         on_disk = digest(outputs_manifest(run.workspace_root, patterns)) if patterns else ""
-        decision = decide(dataclasses.replace(facts, outputs=on_disk))
+        decision = decide(facts._replace(outputs=on_disk))
     explanation = decision.explanation(run.previous_id)
     if decision.key_changed:
         assert old is not None and run.previous is not None

@@ -10,13 +10,11 @@ environment fingerprint. Production uses the defaults; a test passes fakes, e.g.
 from __future__ import annotations
 
 import os
-import platform
 import random
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as _futures_wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,14 +116,38 @@ def extra_env_keys() -> list[str]:
     return [k.strip() for k in names if k.strip() and k.strip() not in SECRET_ENV]
 
 
+_IMPLEMENTATIONS = {"cpython": "CPython", "pypy": "PyPy"}
+
+
+def _implementation() -> str:
+    """`platform.python_implementation()` without importing `platform` (a few ms at start-up
+    of every `ratchet checks`)."""
+    name = _IMPLEMENTATIONS.get(sys.implementation.name)
+    if name is None:
+        import platform
+
+        name = platform.python_implementation()
+    return name
+
+
+def _uname() -> Any:
+    """`os.uname()` where there is one: `platform.system()` and `platform.machine()` read the
+    same fields."""
+    if hasattr(os, "uname"):
+        return os.uname()
+    import platform
+
+    return platform.uname()
+
+
 def environment_fingerprint() -> dict[str, str]:
     """What of the machine enters every cache key: the interpreter, platform, chosen env vars."""
     env = {
         "python": sys.version,
-        "implementation": platform.python_implementation(),
+        "implementation": _implementation(),
         "executable": sys.executable,
-        "machine": platform.machine(),
-        "system": platform.system(),
+        "machine": _uname().machine,
+        "system": _uname().sysname,
     }
     for key in (*ENV_KEYS, *extra_env_keys()):
         if key in os.environ:
@@ -137,16 +159,77 @@ def _atomic_json(path: Path, payload: dict[str, Any]) -> None:
     atomic_json(path, payload)
 
 
-@dataclass(frozen=True)
-class Seams:
-    """A run's collaborators; every field has the production default."""
+_FRESH: Any = object()  # the default of a field whose production value is made per instance
 
-    clock: Clock = SYSTEM_CLOCK
-    rng: random.Random = field(default_factory=random.SystemRandom)
-    prober: ProberFactory = Checkpoints
-    executor: Executor = field(default_factory=SubprocessExecutor)
-    writer: ReceiptWriter = _atomic_json
+
+class Seams:
+    """A run's collaborators; every field has the production default.
+
+    Immutable, like the frozen dataclass it was; a plain class because `dataclasses`
+    imports `inspect`, which every `ratchet checks` start-up would pay for."""
+
+    __slots__ = (
+        "clock",
+        "rng",
+        "prober",
+        "executor",
+        "writer",
+        "journal",
+        "waiter",
+        "environment",
+    )
+    clock: Clock
+    rng: random.Random
+    prober: ProberFactory
+    executor: Executor
+    writer: ReceiptWriter
     # None: no journal; every change of state rewrites the whole receipt through `writer`.
-    journal: JournalAppender | None = append_record
-    waiter: Waiter = _futures_wait
-    environment: Callable[[], Mapping[str, str] | str] = environment_fingerprint
+    journal: JournalAppender | None
+    waiter: Waiter
+    environment: Callable[[], Mapping[str, str] | str]
+
+    def __init__(
+        self,
+        clock: Clock = SYSTEM_CLOCK,
+        rng: random.Random = _FRESH,
+        prober: ProberFactory = Checkpoints,
+        executor: Executor = _FRESH,
+        writer: ReceiptWriter = _atomic_json,
+        journal: JournalAppender | None = append_record,
+        waiter: Waiter = _futures_wait,
+        environment: Callable[[], Mapping[str, str] | str] = environment_fingerprint,
+    ) -> None:
+        values = {
+            "clock": clock,
+            "rng": random.SystemRandom() if rng is _FRESH else rng,
+            "prober": prober,
+            "executor": SubprocessExecutor() if executor is _FRESH else executor,
+            "writer": writer,
+            "journal": journal,
+            "waiter": waiter,
+            "environment": environment,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Seams is immutable: cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Seams is immutable: cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, Seams)
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"Seams({fields})"

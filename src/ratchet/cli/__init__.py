@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import threading
@@ -93,34 +92,19 @@ def _global_flags(argv: list[str]) -> list[str]:
     return front + rest
 
 
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per record: time (ISO, UTC), level, logger, message, and the error."""
+def __getattr__(name: str) -> object:
+    # `logging` is imported only when logging is configured: `ratchet checks` never logs.
+    if name == "JsonLogFormatter":
+        from ratchet.cli._logging import JsonLogFormatter
 
-    def format(self, record: logging.LogRecord) -> str:
-        import datetime
-        import json
-
-        line: dict[str, object] = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-            "pid": record.process,
-        }
-        if record.exc_info:
-            line["error"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+        return JsonLogFormatter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _configure_logging(verbose: bool, fmt: str) -> None:
-    handler = logging.StreamHandler()
-    if fmt == "json":
-        handler.setFormatter(JsonLogFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    from ratchet.cli._logging import configure_logging
+
+    configure_logging(verbose, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     command = _command_of(argv)
     parser = build_parser(command if command in ("run", "status", "inspect", "checks") else None)
     args = parser.parse_args(argv)
-    _configure_logging(args.verbose, args.log_format)
+    if args.command != "checks" or args.verbose or args.log_format != "text":
+        # `ratchet checks` logs nothing: without -v or --log-format json it does not pay
+        # for importing `logging` at start-up.
+        _configure_logging(args.verbose, args.log_format)
     try:
         code = int(args.func(args) or 0)
     except RatchetError as exc:

@@ -7,7 +7,6 @@ import hashlib
 import hmac
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+
+def _temp_beside(target: Path) -> tuple[int, str]:
+    """A new file next to `target`, private to its creator (what `tempfile.mkstemp` does,
+    without importing `tempfile`, `shutil` and `random` at every command's start-up)."""
+    for _ in range(100):
+        tmp = str(target.parent / f".{target.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, _TEMP_FLAGS, 0o600), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file beside {target}")
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` so that readers see either the old file or the whole new one, never a mix.
 
@@ -37,7 +51,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = _temp_beside(target)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

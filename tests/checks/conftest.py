@@ -11,6 +11,8 @@ from checks_helpers import Workspace
 @pytest.fixture
 def ws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Workspace:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    # The machine-wide resource locks of this test only (not those of other test runs).
+    monkeypatch.setenv("RATCHET_CHECKS_LOCK_DIR", str(tmp_path / "machine-locks"))
     return Workspace(tmp_path)
 
 

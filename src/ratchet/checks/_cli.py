@@ -285,6 +285,21 @@ def register(subparsers: Any) -> None:
         metavar="SECONDS",
         help="how long a stage waits for a resource another run holds (default 600; 0: fail)",
     )
+    run_p.add_argument(
+        "--lock-dir",
+        default=None,
+        metavar="DIR",
+        help="the machine-wide folder of resource locks every clone of the workspace shares "
+        "(default: $RATCHET_CHECKS_LOCK_DIR, else $XDG_RUNTIME_DIR/ratchet/checks-locks, "
+        "else $TMPDIR/ratchet-checks-locks-UID)",
+    )
+    run_p.add_argument(
+        "--lock-scope",
+        default=None,
+        metavar="NAME",
+        help="whose resource locks this run shares (default: $RATCHET_CHECKS_LOCK_SCOPE, "
+        "else the project's name, the same in every clone)",
+    )
     run_p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     run_p.add_argument(
         "--allow-empty",

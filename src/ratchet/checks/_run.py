@@ -60,7 +60,13 @@ from ratchet.checks._schedule import schedule
 from ratchet.checks._seams import ENV_KEYS, Prober, Seams, extra_env_keys
 from ratchet.checks._signing import SECRET_ENV, hash_value, signing_key
 from ratchet.checks.checkpoints import MISSING_REPOSITORY, outputs_manifest, runtime_identity
-from ratchet.checks.common import resource_lock, state_root
+from ratchet.checks.common import (
+    LOCK_SCOPE_ENV,
+    machine_lock_dir,
+    resource_lock,
+    scope_lock_dir,
+    state_root,
+)
 from ratchet.store import sha256_bytes
 
 __all__ = ["project_path", "run_checks"]
@@ -182,6 +188,7 @@ def run_checks(
         key=key,
         cache=_open_cache(args, state_dir),
         lock_timeout=_lock_timeout(args),
+        shared_locks_dir=_shared_locks_dir(args, project, planned),
     )
     book.persist()
     jobs = max(1, int(getattr(args, "jobs", 1) or 1))
@@ -213,10 +220,14 @@ class _Run:
         key: bytes | None = None,
         cache: CheckCache | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS,
+        shared_locks_dir: Path | None = None,
     ) -> None:
         self.book = book
         self.cache = cache
         self.lock_timeout = lock_timeout
+        # This project's folder in the machine-wide lock folder (None: no stage has a
+        # resource): what makes two clones of the workspace exclude each other.
+        self.shared_locks_dir = shared_locks_dir
         self.stopping = threading.Event()
         self.commands_started = 0  # stage commands started in this run
         self.strict_env = strict_env
@@ -317,11 +328,21 @@ def _stage_worker(run: _Run, sid: str) -> None:
 def _take_lock(run: _Run, sid: str, locks: contextlib.ExitStack, name: str) -> None:
     """Hold resource `name` for the stage, waiting up to the run's lock timeout while
     another process (another run, another clone's run) holds it. The wait is real time, as
-    a stage's timeout is; it ends early if the run is interrupted."""
+    a stage's timeout is; it ends early if the run is interrupted.
+
+    Two locks make up one resource: the workspace's own (in its state folder, as before)
+    and the machine-wide one of the project (`--lock-dir`), shared by every clone. Both are
+    taken or neither: a run never sits on one while it waits for the other."""
     polls = max(0, math.ceil(run.lock_timeout / LOCK_POLL_SECONDS))
+    folders = [run.locks_dir]
+    if run.shared_locks_dir is not None:
+        folders.append(run.shared_locks_dir)
     for attempt in range(polls + 1):
         try:
-            locks.enter_context(resource_lock(run.locks_dir, name))
+            with contextlib.ExitStack() as both:
+                for folder in folders:
+                    both.enter_context(resource_lock(folder, name))
+                locks.enter_context(both.pop_all())
         except RuntimeError as exc:
             if "busy" not in str(exc):
                 raise
@@ -625,6 +646,30 @@ def _reuse_from_cache(
     )
     _persist_checkpoint(run, sid, rec)
     return True
+
+
+def _shared_locks_dir(
+    args: argparse.Namespace, project: Path | None, stages: Sequence[Mapping[str, Any]]
+) -> Path | None:
+    """This run's folder of machine-wide resource locks, or None when no stage declares a
+    resource (a run without resources never touches the lock folder).
+
+    The scope is `lock_scope` (`--lock-scope`, or RATCHET_CHECKS_LOCK_SCOPE), else the
+    project file's `name`, which every clone of the workspace shares; without a project
+    file, one scope for the whole machine. Two runs in the same scope exclude each other on
+    a resource name, wherever their workspaces are."""
+    if not any(stage.get("resources") for stage in stages):
+        return None
+    scope = getattr(args, "lock_scope", None) or os.environ.get(LOCK_SCOPE_ENV)
+    if not scope and project is not None and project.exists():
+        scope = "project:" + str(load_project(project)["name"])
+    try:
+        lock_dir = machine_lock_dir(getattr(args, "lock_dir", None))
+    except OSError as exc:
+        raise ConfigError(
+            f"the resource lock folder cannot be used ({exc}); choose one with --lock-dir DIR"
+        ) from exc
+    return scope_lock_dir(lock_dir, scope or "machine")
 
 
 def _lock_timeout(args: argparse.Namespace) -> float:

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,20 @@ from ratchet._errors import InvalidArgumentError
 from ratchet.store import atomic_json as _store_atomic_json
 from ratchet.store import read_json as _store_read_json
 
-__all__ = ["atomic_json", "read_json", "resource_lock", "state_root"]
+__all__ = [
+    "LOCK_DIR_ENV",
+    "LOCK_SCOPE_ENV",
+    "atomic_json",
+    "machine_lock_dir",
+    "read_json",
+    "resource_lock",
+    "scope_lock_dir",
+    "state_root",
+]
+
+# Where the machine-wide resource locks live, and which project's locks a run takes.
+LOCK_DIR_ENV = "RATCHET_CHECKS_LOCK_DIR"
+LOCK_SCOPE_ENV = "RATCHET_CHECKS_LOCK_SCOPE"
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -49,6 +63,46 @@ def state_root(workspace_root: str | os.PathLike[str]) -> Path:
     digest = hashlib.sha256(str(resolved).encode("utf-8")).hexdigest()[:16]
     label = _SAFE_NAME.sub("_", resolved.name) or "root"
     return Path(base) / "ratchet" / "checks" / f"{label}-{digest}"
+
+
+def machine_lock_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """The folder of resource locks every clone of a workspace on this machine shares.
+
+    `override` (`--lock-dir`), else ``$RATCHET_CHECKS_LOCK_DIR``, else
+    ``$XDG_RUNTIME_DIR/ratchet/checks-locks`` (a per-user folder on most Linux systems),
+    else ``ratchet-checks-locks-<uid>`` in ``$TMPDIR`` (default ``/tmp``). Unlike the state
+    folder it does not depend on the workspace's path, which is what makes two clones (two
+    worktrees, two checkouts) exclude each other. The default folder in a shared temporary
+    directory must be a real folder owned by this user, so no one else can pre-create it
+    and hold or replace the locks: InvalidArgumentError otherwise.
+    """
+    chosen = override or os.environ.get(LOCK_DIR_ENV)
+    if chosen:
+        return Path(chosen)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        return Path(runtime) / "ratchet" / "checks-locks"
+    path = Path(os.environ.get("TMPDIR") or "/tmp") / f"ratchet-checks-locks-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise InvalidArgumentError(
+            f"resource lock folder {path} is not a folder that only you can write (someone "
+            f"else may hold or replace its locks); choose one with --lock-dir DIR or "
+            f"{LOCK_DIR_ENV}"
+        )
+    return path
+
+
+def scope_lock_dir(lock_dir: str | os.PathLike[str], scope: str) -> Path:
+    """The folder of one project's resource locks inside `lock_dir`: runs of the same
+    project (by default its project file's `name`, the same in every clone) exclude each
+    other on a resource name; unrelated projects on the machine do not."""
+    if not scope or not isinstance(scope, str):
+        raise InvalidArgumentError(f"lock scope must be a non-empty string, got {scope!r}")
+    digest = hashlib.sha256(scope.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return Path(lock_dir) / f"{_SAFE_NAME.sub('_', scope)[:64]}-{digest}"
 
 
 def _lock_file_name(name: str) -> str:

@@ -84,22 +84,14 @@ def _git_raw(root: Path) -> bytes | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
-def _git_raw_many(roots: list[Path]) -> dict[Path, bytes | None]:
-    """`_git_raw` of several folders, their `git ls-files` running side by side."""
-    procs = [
-        (
-            root,
-            subprocess.Popen(
-                _ls_files_argv(root), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-            ),
-        )
-        for root in roots
-    ]
-    out: dict[Path, bytes | None] = {}
-    for root, proc in procs:
-        stdout, _ = proc.communicate()
-        out[root] = stdout if proc.returncode == 0 else None
-    return out
+def _start_listing(root: Path) -> subprocess.Popen[bytes]:
+    """`git ls-files` of `root`, started; `_finish_listing` collects it."""
+    return subprocess.Popen(_ls_files_argv(root), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def _finish_listing(proc: subprocess.Popen[bytes]) -> bytes | None:
+    stdout, _ = proc.communicate()
+    return stdout if proc.returncode == 0 else None
 
 
 def _walk_files(root: Path, exclude: tuple[Path, ...]) -> list[str]:
@@ -713,16 +705,40 @@ class Checkpoints:
         return {name: self.repository_digest(name) for name in self.scope(stage)}
 
     def source_identity(self) -> dict[str, str]:
-        """Every repository's digest: the whole workspace."""
+        """Every repository's digest: the whole workspace.
+
+        Every repository's `git ls-files` starts at once, and each repository is probed on
+        a thread of its own as soon as its listing is in: one repository's lstat calls
+        (which release the GIL) overlap the others' and their listings."""
         rest = [WORKSPACE_REST] if self._has_rest else []
-        roots = [p for p in self.repositories.values() if p.is_dir()]
-        listings = _git_raw_many(roots)
-        with self._guard:
-            self._listings = listings
+        names = sorted([*self.repositories, *rest])
+        started = {
+            root: _start_listing(root) for root in self.repositories.values() if root.is_dir()
+        }
+
+        finished: dict[Path, bytes | None] = {}
+        once = {root: threading.Lock() for root in started}  # two names may share a folder
+
+        def probe(name: str) -> str:
+            root = self.repositories.get(name)
+            if root is not None and root in started:
+                with once[root]:
+                    if root not in finished:
+                        finished[root] = _finish_listing(started[root])
+                with self._guard:
+                    self._listings[root] = finished[root]
+            return self.repository_digest(name)
+
+        from concurrent.futures import ThreadPoolExecutor
+
         try:
-            names = sorted([*self.repositories, *rest])
-            return {name: self.repository_digest(name) for name in names}
+            with ThreadPoolExecutor(max_workers=min(4, len(names) or 1)) as pool:
+                return dict(zip(names, pool.map(probe, names), strict=True))
         finally:
+            for proc in started.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
             with self._guard:
                 self._listings = {}  # never used later, when it may be out of date
 

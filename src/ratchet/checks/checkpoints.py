@@ -269,6 +269,7 @@ class StatCache:
         self.path = path
         self.clock = clock
         self._guard = threading.Lock()
+        self._saving = threading.Lock()
         self._entries: dict[str, str] = {}
         self._dirty = False
         self._loaded = False
@@ -360,17 +361,20 @@ class StatCache:
         """Write the cache if it learned anything (best effort: it is only a speed-up)."""
         if self.path is None:
             return
-        with self._guard:
-            if not self._dirty:
-                return
-            self._dirty = False
-            entries = dict(self._entries)
         from ratchet.checks._signing import signing_key
 
-        try:
-            atomic_write_bytes(self.path, seal_stat_cache(entries, signing_key()))
-        except (OSError, ValueError):
-            pass
+        # One save at a time (repositories are probed on threads of their own): a slower
+        # save of an older copy never replaces a newer one.
+        with self._saving:
+            with self._guard:
+                if not self._dirty:
+                    return
+                self._dirty = False
+                entries = dict(self._entries)
+            try:
+                atomic_write_bytes(self.path, seal_stat_cache(entries, signing_key()))
+            except (OSError, ValueError):
+                pass
 
 
 # A file's lstat signature as `TreeCache` compares it: (mode, device, inode, size,

@@ -9,10 +9,13 @@ package's is), doit in this process. The printed ratios are ratchet / doit and r
 command line / ratchet in process.
 
 Not like for like: doit decides "up to date" from file timestamps (it hashes only files
-whose mtime moved); ratchet re-hashes a file unless its stat cache entry matches all of
-device, inode, size, mtime_ns and ctime_ns (files that changed within 2 s of being hashed
-are always re-read), lists every repository with git, re-hashes every reused log, and
-appends a sealed record per stage to the receipt journal (fsync'd). Run:
+whose mtime moved); ratchet lists every repository with git, lstats every listed file and
+re-hashes it unless its stat cache (or the repository's tree cache) entry matches all of
+mode, device, inode, size, mtime_ns and ctime_ns (files that changed within 2 s of being
+hashed are always re-read), re-hashes every reused log, and appends a sealed record per
+stage to the receipt journal (fsync'd). Both ratchet figures do the same run; the command
+line's also includes the interpreter's start-up, its imports, reading the project file
+and printing the receipt. Run:
 
     .venv/bin/python benchmarks/checks_noop_resume.py [--stages 50 --files 5000 --repos 5]
 """

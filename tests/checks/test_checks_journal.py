@@ -263,3 +263,26 @@ def test_a_no_op_resume_takes_one_input_snapshot(two_repos: Workspace) -> None:
     assert again["snapshot_verified"] is True
     # Once each, at the start: both repositories and the workspace root's own files.
     assert sorted(_CountingCheckpoints.computed) == ["<workspace-root>", "app", "lib"]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"run_id": "r", "stages": [{"id": "a", "n": 1}, {"id": "b", "é": [1, {"x": None}]}]},
+        {"empty": [], "nested": {"k": [1, 2]}, "text": "naïve"},
+        {},
+        [1, 2],
+    ],
+)
+def test_a_whole_receipt_is_written_one_stage_per_line_and_reads_back_the_same(
+    tmp_path: Path, payload: Any
+) -> None:
+    # The C encoder writes it (`indent` would fall back to pure Python); still one line
+    # per top-level key and per stage, for people and diffs.
+    path = tmp_path / "receipt.json"
+    atomic_json(path, payload)
+    assert read_json(path) == payload
+    if isinstance(payload, dict) and "stages" in payload:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert len(lines) == 2 + len(payload) + 1 + len(payload["stages"])
+        assert sum(line.startswith('    {"id": ') for line in lines) == len(payload["stages"])

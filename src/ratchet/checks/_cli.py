@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -27,6 +26,7 @@ from ratchet.checks._plan import load_project, plan_stages
 from ratchet.checks._receipts import read_receipt, state_dir_for
 from ratchet.checks._recover import recover
 from ratchet.checks._run import project_path, run_checks
+from ratchet.checks.common import readable_json
 
 __all__ = ["add_common_arguments", "configure", "dispatch", "exit_code", "main", "register"]
 
@@ -103,7 +103,7 @@ def dispatch(parsed: argparse.Namespace) -> int:
         )
         return 128 + signum
     if getattr(parsed, "json", False):
-        print(json.dumps(result, indent=2, sort_keys=True))
+        print(readable_json(result, ensure_ascii=True).decode("ascii"), end="")
     else:
         _report.render(result)
         if result.get("error") and not result.get("stages"):

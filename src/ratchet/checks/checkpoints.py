@@ -204,7 +204,7 @@ def _manifest(
     identifies many files at once (the stat cache's fast path), else `entry_of` one by one.
     """
     files: list[str] | set[str] | None = None
-    if git_listing is not None:  # `git ls-files` already ran (see `_git_raw_many`)
+    if git_listing is not None:  # `git ls-files` already ran (see `source_identity`)
         files = git_listing[0]
     elif use_git:
         files = _git_files(root)

@@ -157,3 +157,23 @@ class BlobAgent(Agent):
                 }
             )
         )
+
+
+async def slow_echo(v: int) -> int:
+    note("call slow_echo", v)
+    await asyncio.sleep(0.15)
+    return v
+
+
+class Slow(Agent):
+    """Each run takes 150 ms (an async sleep in a durable call) and counts its key's inputs:
+    several keys keep runs in flight, each polled by its own processing-time timers."""
+
+    @action(InputEvent)
+    async def handle(self, event: InputEvent, ctx: Any) -> None:
+        note("exec", ctx.key, ctx.seq, ctx.task_id)
+        v = event.input["v"]
+        got = await ctx.durable_execute_async(slow_echo, v)
+        mem = ctx.short_term_memory
+        mem.set("seen", [*mem.get("seen", []), got])
+        ctx.send_event(OutputEvent(output={"v": got, "n": len(mem.get("seen"))}))

@@ -20,6 +20,15 @@ log = logging.getLogger("ratchet.flink")
 # final watermark); the operator then waits until the key's runs are done.
 END_OF_INPUT = (1 << 63) - 2
 
+# A key with work running also keeps a processing-time timer this far ahead (rounded up to a
+# whole second, so that the callbacks of one second register one timer, not one each). Its
+# short poll timer alone is not enough: a checkpoint can hold a key's state without the poll
+# timer its last callback registered (the JVM fired the previous one and the new registration
+# had not reached it; seen after restores in about one Python-worker kill in four, with
+# `--follow`), and after a restore from it the key had work and no timer: it never ran again.
+# The backstop was registered at least one callback earlier, so the checkpoint holds it.
+BACKSTOP_MS = 3000
+
 MEMORY_TAG = OutputTag("ratchet-memory", Types.STRING())
 """Side output of `apply_agent(..., emit_memory=True)`: one JSON line per key at end of input,
 `{"key": ..., "memory": "<base64 of the codec-encoded memory>"}` (decode with
@@ -169,6 +178,8 @@ class AgentFunction(KeyedProcessFunction):
     def _timers(self, ctx: Any, step: Step, register_end: bool) -> None:
         ts = ctx.timer_service()
         if step.poll_ms is not None:
-            ts.register_processing_time_timer(ts.current_processing_time() + step.poll_ms)
+            now = ts.current_processing_time()
+            ts.register_processing_time_timer(now + step.poll_ms)
+            ts.register_processing_time_timer((now + BACKSTOP_MS) // 1000 * 1000 + 1000)
         if step.active or register_end:
             ts.register_event_time_timer(END_OF_INPUT)

@@ -1,0 +1,89 @@
+"""A followed (unbounded) input whose Python worker is SIGKILLed three times while every key has
+runs in flight: after each restore every key runs again, and all its outputs are committed
+exactly once. There is no end of input here to fire end timers, so a key whose restored state
+has work and no processing-time timer would never run again: before the backstop timer
+(`BACKSTOP_MS` in ratchet/flink/_function.py) about one kill in four left the job idle
+forever, with every task of the restarted job waiting and checkpoints still completing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink uses .venv-flink)")
+
+from ratchet.flink import read_output_dir  # noqa: E402
+
+from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .support import AGENTS, CLI, exec_log, flink_env, write_inputs  # noqa: E402
+
+pytestmark = [pytest.mark.flink, pytest.mark.kill]
+
+KEYS, PER_KEY, KILLS = 6, 10, 3
+
+
+def test_every_key_runs_again_after_each_worker_kill_on_a_followed_input(tmp_path: Path) -> None:
+    rows = [{"key": f"f{k}", "v": k * 100 + i} for i in range(PER_KEY) for k in range(KEYS)]
+    (tmp_path / "in").mkdir()
+    write_inputs(tmp_path / "in" / "a.jsonl", rows)
+    cmd = [
+        *CLI,
+        f"{AGENTS}:Slow",
+        "--input",
+        str(tmp_path / "in"),
+        "--follow",
+        "60000",
+        "--output",
+        str(tmp_path / "out"),
+        "--checkpoint-interval",
+        "100",
+        "--checkpoint-dir",
+        str(tmp_path / "checkpoints"),
+        "--restart-delay",
+        "200",
+        "--tmp-dir",
+        str(tmp_path / "flink-tmp"),
+    ]
+    with (tmp_path / "stderr.txt").open("w") as err:
+        proc = subprocess.Popen(
+            cmd, env=flink_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err, text=True
+        )
+
+    def runs_done() -> int:
+        return len({(ln[2], ln[3]) for ln in exec_log(tmp_path) if ln[1] == "exec"})
+
+    killed: list[str] = []
+    try:
+        for n in range(KILLS):
+            # Kill the worker that is running now, once it ran a few more runs.
+            goal = (n + 1) * len(rows) // (KILLS + 2)
+            wait_for(f"{goal} runs to execute", lambda g=goal: runs_done() >= g, 240, every=0.05)
+            pid = next(ln[0] for ln in reversed(exec_log(tmp_path)) if ln[1] == "exec")
+            assert int(pid) in descendants(proc.pid), "the worker is not under this command's JVM"
+            os.kill(int(pid), signal.SIGKILL)
+            killed.append(pid)
+        # Every input's output committed, whatever the kills interrupted.
+        wait_for(
+            "every output to be committed",
+            lambda: len(read_output_dir(tmp_path / "out")) >= len(rows),
+            240,
+            every=0.5,
+        )
+    finally:
+        proc.kill()
+        kill_pids(descendants(proc.pid))
+        proc.wait()
+    pids = {ln[0] for ln in exec_log(tmp_path) if ln[1] == "exec"}
+    assert set(killed) <= pids and len(pids) >= KILLS + 1, (killed, pids)
+    outputs = read_output_dir(tmp_path / "out")
+    ids = Counter(r["id"] for r in outputs)
+    assert all(n == 1 for n in ids.values()), f"duplicated outputs: {ids.most_common(3)}"
+    assert sorted(r["output"]["v"] for r in outputs) == sorted(r["v"] for r in rows)
+    for k in range(KEYS):
+        mine = sorted((r for r in outputs if r["key"] == f"f{k}"), key=lambda r: r["seq"])
+        assert [r["output"]["n"] for r in mine] == list(range(1, PER_KEY + 1))

@@ -200,6 +200,8 @@ class TaskCalls:
 
     def retry_markers(self) -> list[CallRecord]:
         """The failed attempts recorded for this task, in order."""
+        if not self._recorded:
+            return []
         found = [r for r in self._recorded.values() if r.fn == RETRY_FN]
         return sorted(found, key=lambda r: int(r.digest))
 

@@ -1134,7 +1134,7 @@ class Engine:
             fresh = self._traces_since_prune
             for seq, (key, failed, started, tasks) in delta.traces.items():
                 status = "error" if failed else "ok"
-                blob = enc({"started": started, "tasks": tasks})
+                blob = codec.encode_built({"started": started, "tasks": tasks})
                 text = str(key)
                 rows.traces.append((text, seq, triggered, status, blob))
                 fresh[text] = fresh.get(text, 0) + 1

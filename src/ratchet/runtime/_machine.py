@@ -47,7 +47,9 @@ class TaskResult:
     trace: dict[str, Any] | None = None  # how it ran (timing, attempts, calls), for run traces
 
 
-@dataclass(slots=True, frozen=True)
+# JournalEntry and Output are values, never changed once made; not `frozen=True` dataclasses
+# only because those cost seven times as much to make, and one of each is made per task.
+@dataclass(slots=True)
 class JournalEntry:
     """A committed task, as replay needs it: enough to skip executing it again."""
 
@@ -114,7 +116,7 @@ class Run:
     trace: list[dict[str, Any]] = field(default_factory=list)  # committed tasks, as they ran
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Output:
     """An emitted output event with its stable id (the same after recovery)."""
 

@@ -194,11 +194,14 @@ def out_path(peer: Peer, wd: Path) -> Path:
 
 
 def wait_ids(path: Path, want: int | str, timeout: float) -> float | None:
-    """Poll the sink until it holds `want` outputs (a count, or one id); the time it did."""
+    """Wait until the sink holds `want` outputs (a count, or one id); the time it did.
+
+    A sleep-based wait: every 5 ms it reads only the lines appended since it last looked, so
+    the driver takes next to no CPU from the peer it measures."""
+    tail = c.OutputTail(path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ids = c.output_ids(path)
-        if (len(set(ids)) >= want) if isinstance(want, int) else (want in ids):
+        if tail.has(want):
             return time.perf_counter()
         time.sleep(0.005)
     return None

@@ -554,7 +554,7 @@ class RunnerContext:
         return result
 
     def _result(self) -> TaskResult:
-        left = self._calls.unclaimed()
+        left = self._calls.unclaimed() if self._calls.replayed else None
         if left:
             calls = ", ".join(f"#{r.idx} {r.fn} (argument digest {r.digest[:12]})" for r in left)
             raise IncompatibleChangeError(
@@ -663,7 +663,7 @@ class AgentBinding:
             )
         self.ltm_config: LongTermMemoryConfig | None = ltm
         self._by_name = {a.name: a for a in self.spec.actions}
-        self._listeners: dict[type, list[str]] = {}
+        self._listeners: dict[type, tuple[list[str], bool]] = {}  # names, is an error event
         self._kinds: dict[type, int] = {}
         self._modes = {
             a.name: ("async" if a.is_async else "inline" if a.inline else "thread")
@@ -672,12 +672,12 @@ class AgentBinding:
 
     def listeners(self, event: Emitted) -> list[str]:
         et = event.cls
-        names = self._listeners.get(et)
-        if names is None:
-            names = self._listeners[et] = [a.name for a in self.spec.listeners(et)]
-        if not self._kind(et) & _ERROR:
-            return names
-        return _not_to_itself(event, names)
+        found = self._listeners.get(et)
+        if found is None:
+            names = [a.name for a in self.spec.listeners(et)]
+            found = self._listeners[et] = (names, bool(self._kind(et) & _ERROR))
+        names, error = found
+        return _not_to_itself(event, names) if error else names
 
     def _kind(self, cls: type[Event]) -> int:
         """Whether events of `cls` are outputs, errors, both or neither (bits; pydantic's
@@ -850,13 +850,18 @@ class AgentBinding:
 
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
-        attempt, until = self._resume_attempt(calls)
+        attempt, until = self._resume_attempt(calls) if calls.replayed else (1, None)
         started = _clock_of(calls)
         while True:
             if until is not None:
                 # A blocking backoff: a sync action's retry holds its worker thread meanwhile.
                 self._backoff_sync(calls, until)
-            ctx = RunnerContext(task, calls.for_attempt(attempt), self.config, self.metrics)
+            ctx = RunnerContext(
+                task,
+                calls if attempt == 1 else calls.for_attempt(attempt),
+                self.config,
+                self.metrics,
+            )
             token = _current.set(ctx)
             try:
                 out = spec.fn(task.event.thaw(), ctx)

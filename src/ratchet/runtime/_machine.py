@@ -350,7 +350,8 @@ class Machine:
         run = task.run
         run.pending -= 1
         self._drain(run)
-        if run.pending or run.timers:
+        # (A run that is not parked and has a task running outside a wait stays as it is.)
+        if (run.pending or run.timers) and (run.parked or run.pending == run.waiting):
             self._settle_parking(run)
 
     def _drain(self, run: Run) -> None:

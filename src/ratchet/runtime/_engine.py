@@ -242,6 +242,11 @@ class _Writer(threading.Thread):
                 return None
 
 
+def _pack_trace(started: float | None, tasks: list[dict[str, Any]]) -> bytes:
+    """A completed run's trace as the `traces` table stores it."""
+    return codec.encode_built({"started": started, "tasks": tasks})
+
+
 def _resolve(
     fut: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
 ) -> None:
@@ -618,6 +623,8 @@ class Engine:
             self._otel = RunExporter(self.config.otel_endpoint, binding.name)
         if self._retention is not None or self._otel is not None:
             self.machine.describe_event = binding.describe_event
+            if self._otel is None:  # only stored: packed as each run completes
+                self.machine.pack_trace = _pack_trace
         self._ltm: Any = None
         ltm_config = getattr(binding, "ltm_config", None)
         if ltm_config is not None:
@@ -1108,7 +1115,8 @@ class Engine:
             self.result.runs_failed += len(delta.failed)  # as committed, not as seen
             if self._otel is not None and delta.traces:
                 for seq, (key, failed, _started, tasks) in delta.traces.items():
-                    self._otel.export_run(key, seq, failed, tasks)
+                    if not isinstance(tasks, bytes):  # never packed while exporting
+                        self._otel.export_run(key, seq, failed, tasks)
             await self._release(sink_records)
             self._report()
             return info
@@ -1144,7 +1152,7 @@ class Engine:
             fresh = self._traces_since_prune
             for seq, (key, failed, started, tasks) in delta.traces.items():
                 status = "error" if failed else "ok"
-                blob = codec.encode_built({"started": started, "tasks": tasks})
+                blob = tasks if isinstance(tasks, bytes) else _pack_trace(started, tasks)
                 text = str(key)
                 rows.traces.append((text, seq, triggered, status, blob))
                 fresh[text] = fresh.get(text, 0) + 1

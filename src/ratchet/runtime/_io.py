@@ -738,9 +738,14 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
+# What json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"))
+# builds for every call, made once (an encoder keeps no state between calls).
+_ENCODER = json.JSONEncoder(default=_json_default, ensure_ascii=False, separators=(",", ":"))
+
+
 def to_json_line(record: dict[str, Any]) -> str:
     """One output as one JSON line; bytes become {"$bytes": base64}, sets become lists."""
-    return json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(record)
 
 
 _JSON_KEYS = (str, int, float, bool, type(None))

@@ -110,15 +110,16 @@ def wait_outputs(
     deadline = time.monotonic() + timeout
     first = None
     last_n, last_change = -1, time.monotonic()
+    tail = c.OutputTail(wd / "out")  # reads only new lines: no CPU taken from the job measured
     while time.monotonic() < deadline:
-        ids = c.output_ids(wd / "out")
-        if ids and first is None:
+        done = tail.has(want)
+        if tail.total and first is None:
             first = time.perf_counter()
-        if (len(set(ids)) >= want) if isinstance(want, int) else (want in ids):
+        if done:
             return first, time.perf_counter()
-        if len(ids) != last_n:
-            last_n, last_change = len(ids), time.monotonic()
-        elif ids and time.monotonic() - last_change > stall:
+        if tail.total != last_n:
+            last_n, last_change = tail.total, time.monotonic()
+        elif tail.total and time.monotonic() - last_change > stall:
             break
         time.sleep(0.01)
     return first, None

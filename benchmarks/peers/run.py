@@ -193,13 +193,21 @@ def out_path(peer: Peer, wd: Path) -> Path:
     return wd / ("out" if peer.venv in ("flink-agents", "pyflink") else "out.jsonl")
 
 
-def wait_ids(path: Path, want: int | str, timeout: float) -> float | None:
-    """Poll the sink until it holds `want` outputs (a count, or one id); the time it did."""
+def wait_ids(
+    path: Path, want: int | str, timeout: float, proc: subprocess.Popen[Any]
+) -> float | None:
+    """Wait until the sink holds `want` outputs (a count, or one id); the time it did. None
+    if `proc` (the peer writing them) exits first, or at the timeout.
+
+    A sleep-based wait: every 5 ms it reads only the lines appended since it last looked, so
+    the driver takes next to no CPU from the peer it measures."""
+    tail = c.OutputTail(path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ids = c.output_ids(path)
-        if (len(set(ids)) >= want) if isinstance(want, int) else (want in ids):
+        if tail.has(want):
             return time.perf_counter()
+        if proc.poll() is not None:
+            return time.perf_counter() if tail.has(want) else None
         time.sleep(0.005)
     return None
 
@@ -208,7 +216,7 @@ def w4(peer: Peer, base: Path, repeat: int) -> dict[str, Any]:
     """Seed 10,000 keys, SIGKILL, then time restart -> first new output, `repeat` times."""
     seed = base / "w4-seed"
     proc = start(peer, "w4-seed", seed, capture=False)
-    got = wait_ids(out_path(peer, seed), c.W4_KEYS, peer.timeout)
+    got = wait_ids(out_path(peer, seed), c.W4_KEYS, peer.timeout, proc)
     time.sleep(peer.w4_settle)
     end_session(proc)
     if got is None:
@@ -223,7 +231,7 @@ def w4(peer: Peer, base: Path, repeat: int) -> dict[str, Any]:
         new_id = f"new{r}"
         t = time.perf_counter()
         proc = start(peer, "w4-resume", wd, env={"PEER_NEW_ID": new_id}, capture=False)
-        got = wait_ids(out_path(peer, wd), new_id, peer.timeout)
+        got = wait_ids(out_path(peer, wd), new_id, peer.timeout, proc)
         end_session(proc)
         if got is None:
             return {"error": f"no new output after restart (rep {r})"}

@@ -140,3 +140,29 @@ def test_each_listener_thaws_its_own_copy() -> None:
     first.meta["a"].append(2)
     assert second.items == [1] and second.meta == {"a": [1]}
     assert emitted.wire() == ("values.Basket", {"items": [1], "meta": {"a": [1]}})
+
+
+def test_a_plain_copy_is_what_the_codec_round_trip_gives() -> None:
+    from ratchet.agents._events import _NOT_PLAIN, _plain_copy
+
+    plain = {"k": [1, 2.5, float("nan"), None, True, "\udc80", b"x", 2**80, {"a": [[]]}]}
+    copied = _plain_copy(plain, 0)
+    assert repr(copied) == repr(codec.decode(codec.encode(plain)))
+    assert copied is not plain and copied["k"] is not plain["k"]
+    assert copied["k"][8] is not plain["k"][8]
+    for other in [{"t": (1,)}, {1: "int key"}, [bytearray(b"x")], {"s": {1}}]:
+        assert _plain_copy(other, 0) is _NOT_PLAIN
+    deep: Any = []
+    for _ in range(codec.MAX_DEPTH + 5):
+        deep = [deep]
+    assert _plain_copy(deep, 0) is _NOT_PLAIN  # the codec refuses it, naming where
+
+
+def test_an_input_too_deep_to_store_is_refused_when_thawed_as_before() -> None:
+    from ratchet.agents._events import Emitted
+
+    deep: Any = 1
+    for _ in range(codec.MAX_DEPTH + 5):
+        deep = {"d": deep}
+    with pytest.raises(CodecError, match="nested"):
+        Emitted(InputEvent, {"input": deep}).thaw()

@@ -101,17 +101,50 @@ class RunnerContext:
         self._task = task
         self._metrics = metrics or Metrics()
         self._calls = calls
-        waits = calls.waits
-        self._stm = MemoryBuffer(task.stm, "short_term", waits.now if waits is not None else None)
-        self._sensory = MemoryBuffer(task.sensory, "sensory")
-        self.short_term_memory = MemoryObject(self._stm)
-        self.sensory_memory = MemoryObject(self._sensory)
+        # The memories are made when an action first touches them (most touch one or none).
+        self._stm_buf: MemoryBuffer | None = None
+        self._sensory_buf: MemoryBuffer | None = None
+        self._stm_view: MemoryObject | None = None
+        self._sensory_view: MemoryObject | None = None
         self.events: list[Emitted] = []
         self._trace_calls: list[dict[str, Any]] = []  # durable calls, for the run's trace
         self._notes: list[dict[str, Any]] = []
         self._ltm: Any = None
         self._ltm_texts: dict[tuple[str, str], int] = {}
         self.config = config
+
+    @property
+    def _stm(self) -> MemoryBuffer:
+        buf = self._stm_buf
+        if buf is None:
+            waits = self._calls.waits
+            buf = self._stm_buf = MemoryBuffer(
+                self._task.stm, "short_term", waits.now if waits is not None else None
+            )
+        return buf
+
+    @property
+    def _sensory(self) -> MemoryBuffer:
+        buf = self._sensory_buf
+        if buf is None:
+            buf = self._sensory_buf = MemoryBuffer(self._task.sensory, "sensory")
+        return buf
+
+    @property
+    def short_term_memory(self) -> MemoryObject:
+        """Per-key memory, kept across runs (see the class docstring)."""
+        view = self._stm_view
+        if view is None:
+            view = self._stm_view = MemoryObject(self._stm)
+        return view
+
+    @property
+    def sensory_memory(self) -> MemoryObject:
+        """Per-run memory, cleared when the run completes."""
+        view = self._sensory_view
+        if view is None:
+            view = self._sensory_view = MemoryObject(self._sensory)
+        return view
 
     @property
     def key(self) -> Any:
@@ -317,7 +350,9 @@ class RunnerContext:
     def trace_note(self, kind: str, **fields: Any) -> None:
         """Add a note to this task's entry in the run's trace (`ratchet trace`): the chat
         layer notes each model call; an action may note what it decided and why."""
-        self._notes.append({"kind": kind, **{k: _traceable(v) for k, v in fields.items()}})
+        self._notes.append(
+            {"kind": _traceable(kind), **{k: _traceable(v) for k, v in fields.items()}}
+        )
 
     def _traced_call(self, fn: Callable[..., Any]) -> dict[str, Any]:
         entry: dict[str, Any] = {"fn": _fn_name(fn), "at": self._now()}
@@ -519,7 +554,7 @@ class RunnerContext:
         return result
 
     def _result(self) -> TaskResult:
-        left = self._calls.unclaimed()
+        left = self._calls.unclaimed() if self._calls.replayed else None
         if left:
             calls = ", ".join(f"#{r.idx} {r.fn} (argument digest {r.digest[:12]})" for r in left)
             raise IncompatibleChangeError(
@@ -533,7 +568,13 @@ class RunnerContext:
             trace["calls"] = self._trace_calls
         if self._notes:
             trace["notes"] = self._notes
-        return TaskResult(self._stm.ops, self._sensory.ops, list(self.events), trace)
+        stm, sensory = self._stm_buf, self._sensory_buf
+        return TaskResult(
+            [] if stm is None else stm.ops,
+            [] if sensory is None else sensory.ops,
+            list(self.events),
+            trace,
+        )
 
 
 def _clock_of(calls: TaskCalls) -> float:
@@ -622,7 +663,8 @@ class AgentBinding:
             )
         self.ltm_config: LongTermMemoryConfig | None = ltm
         self._by_name = {a.name: a for a in self.spec.actions}
-        self._listeners: dict[type, list[str]] = {}
+        self._listeners: dict[type, tuple[list[str], bool]] = {}  # names, is an error event
+        self._kinds: dict[type, int] = {}
         self._modes = {
             a.name: ("async" if a.is_async else "inline" if a.inline else "thread")
             for a in self.spec.actions
@@ -630,10 +672,22 @@ class AgentBinding:
 
     def listeners(self, event: Emitted) -> list[str]:
         et = event.cls
-        names = self._listeners.get(et)
-        if names is None:
-            names = self._listeners[et] = [a.name for a in self.spec.listeners(et)]
-        return _not_to_itself(event, names)
+        found = self._listeners.get(et)
+        if found is None:
+            names = [a.name for a in self.spec.listeners(et)]
+            found = self._listeners[et] = (names, bool(self._kind(et) & _ERROR))
+        names, error = found
+        return _not_to_itself(event, names) if error else names
+
+    def _kind(self, cls: type[Event]) -> int:
+        """Whether events of `cls` are outputs, errors, both or neither (bits; pydantic's
+        metaclass makes subclass checks slow, and every committed event asks)."""
+        kind = self._kinds.get(cls)
+        if kind is None:
+            kind = self._kinds[cls] = (_OUTPUT if issubclass(cls, OutputEvent) else 0) | (
+                _ERROR if issubclass(cls, ErrorEvent) else 0
+            )
+        return kind
 
     def known_actions(self) -> list[str]:
         return [a.name for a in self.spec.actions]
@@ -724,10 +778,11 @@ class AgentBinding:
         )
 
     def is_output(self, event: Emitted) -> bool:
-        if issubclass(event.cls, OutputEvent):
-            return True
+        kind = self._kind(event.cls)
+        if kind & _OUTPUT or not kind:
+            return bool(kind)
         # A failure nobody handles is reported as an output rather than vanishing.
-        return issubclass(event.cls, ErrorEvent) and not self.listeners(event)
+        return not self.listeners(event)
 
     def action_mode(self, action: str) -> str:
         return self._modes[action]
@@ -751,7 +806,7 @@ class AgentBinding:
         return event.cls.event_name
 
     def is_error(self, event: Emitted) -> bool:
-        return issubclass(event.cls, ErrorEvent)
+        return bool(self._kind(event.cls) & _ERROR)
 
     def error_record(self, event: Emitted) -> dict[str, Any]:
         """An error event as the output's `error` object (and a dead letter's detail)."""
@@ -770,7 +825,7 @@ class AgentBinding:
             "seq": output.seq,
             "task": output.task_id,
         }
-        if issubclass(ev.cls, ErrorEvent):
+        if self._kind(ev.cls) & _ERROR:
             rec["output"] = None
             rec["error"] = self.error_record(ev)
         else:
@@ -795,17 +850,22 @@ class AgentBinding:
 
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
-        attempt, until = self._resume_attempt(calls)
+        attempt, until = self._resume_attempt(calls) if calls.replayed else (1, None)
         started = _clock_of(calls)
         while True:
             if until is not None:
                 # A blocking backoff: a sync action's retry holds its worker thread meanwhile.
                 self._backoff_sync(calls, until)
-            ctx = RunnerContext(task, calls.for_attempt(attempt), self.config, self.metrics)
+            ctx = RunnerContext(
+                task,
+                calls if attempt == 1 else calls.for_attempt(attempt),
+                self.config,
+                self.metrics,
+            )
             token = _current.set(ctx)
             try:
                 out = spec.fn(task.event.thaw(), ctx)
-                if inspect.isawaitable(out):
+                if out is not None and inspect.isawaitable(out):
                     close = getattr(out, "close", None)
                     if close is not None:
                         close()
@@ -908,6 +968,10 @@ class AgentBinding:
         left = until - calls.waits.now()
         if left > 0:
             calls.waits.sleep_sync(left)
+
+
+# What `AgentBinding._kind` says an event class is (bits).
+_OUTPUT, _ERROR = 1, 2
 
 
 def _not_to_itself(event: Emitted, names: list[str]) -> list[str]:

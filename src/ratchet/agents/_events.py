@@ -156,7 +156,14 @@ class Emitted:
         try:
             return self._spare.pop()
         except IndexError:
-            return self.cls.model_validate(codec.decode(self.raw))
+            pass
+        if self._raw is None:
+            # Not encoded yet (an input, a journaled event): plain data is copied directly,
+            # which gives what decoding its encoding would, without the round trip.
+            copied = _plain_copy(self.fields, 0)
+            if copied is not _NOT_PLAIN:
+                return _validate(self.cls, copied)
+        return _validate(self.cls, codec.decode(self.raw))
 
     def wire(self) -> tuple[str, dict[str, Any]]:
         return self.cls.event_name, self.fields
@@ -177,17 +184,24 @@ def freeze(event: Event) -> Emitted:
     """
     cls = type(event)
     name = cls.event_name
-    fields = event.model_dump(mode="python")  # new containers: not the sender's
-    try:
-        raw = codec.encode(fields)
-    except CodecError:
-        codec.check_admissible(fields, f"event {name}")  # the same refusal, naming the field
-        raise
-    if issubclass(cls, OutputEvent):
-        # Nobody listens to an output: it leaves as its stored fields, live and in replay.
-        return Emitted(cls, fields, raw)
-    copy = cls.model_validate(codec.decode(raw))
-    for f in cls.model_fields:
+    fields = _dump(event)  # new containers: not the sender's
+    raw: bytes | None = None
+    if _scalars(fields) and not issubclass(cls, OutputEvent):
+        # Exact scalars come back from the stored form as they are, so the round trip
+        # through it is skipped (the stored form is made when something needs it); the
+        # check below still compares what a listener gets with what was sent.
+        copy = _validate(cls, fields)
+    else:
+        try:
+            raw = codec.encode(fields)
+        except CodecError:
+            codec.check_admissible(fields, f"event {name}")  # the same refusal, naming the field
+            raise
+        if issubclass(cls, OutputEvent):
+            # Nobody listens to an output: it leaves as its stored fields, live and in replay.
+            return Emitted(cls, fields, raw)
+        copy = _validate(cls, codec.decode(raw))
+    for f in cls.__pydantic_fields__:
         sent, back = getattr(event, f), getattr(copy, f)
         if not _same(sent, back):
             raise CodecError(
@@ -197,6 +211,91 @@ def freeze(event: Event) -> Emitted:
                 f"field with its type (e.g. `{f}: {type(sent).__name__}`) or send plain data"
             )
     return Emitted(cls, fields, raw, copy)
+
+
+# Per event class: whether it keeps pydantic's own model_dump / model_validate, which freeze
+# and thaw then call the serializer and validator of directly (what those methods do, without
+# their argument handling, which cost as much as the work on a small event).
+_PLAIN_DUMP: dict[type, bool] = {}
+_PLAIN_VALIDATE: dict[type, bool] = {}
+
+
+def _dump(event: Event) -> dict[str, Any]:
+    cls = type(event)
+    plain = _PLAIN_DUMP.get(cls)
+    if plain is None:
+        plain = _PLAIN_DUMP[cls] = cls.model_dump is BaseModel.model_dump
+    if plain:
+        fields: dict[str, Any] = cls.__pydantic_serializer__.to_python(event, mode="python")
+        return fields
+    return event.model_dump(mode="python")
+
+
+def _validate(cls: type[Event], data: Any) -> Event:
+    plain = _PLAIN_VALIDATE.get(cls)
+    if plain is None:
+        plain = _PLAIN_VALIDATE[cls] = getattr(cls.model_validate, "__func__", None) is getattr(
+            BaseModel.model_validate, "__func__", BaseModel
+        )
+    if plain:
+        event: Event = cls.__pydantic_validator__.validate_python(data)
+        return event
+    return cls.model_validate(data)
+
+
+def _scalars(fields: dict[str, Any]) -> bool:
+    """Whether every value is exactly a None, bool, int, float, str or bytes."""
+    for v in fields.values():
+        t = type(v)
+        if not (t is str or t is int or t is float or t is bool or v is None or t is bytes):
+            return False
+    return True
+
+
+_NOT_PLAIN: Any = object()
+# Containers this deep go through the codec, which refuses what it cannot encode.
+_PLAIN_DEPTH = codec.MAX_DEPTH - 1
+
+
+def _plain_copy(v: Any, depth: int) -> Any:
+    """`codec.decode(codec.encode(v))` for a tree of dicts with str keys, lists, and None,
+    bool, int, float, str and bytes leaves; `_NOT_PLAIN` for anything else (and for trees
+    nested deeply enough to come near the codec's limit), which the caller sends through the
+    codec instead."""
+    t = type(v)
+    if t is dict:
+        if depth >= _PLAIN_DEPTH:
+            return _NOT_PLAIN
+        out = {}
+        for k, x in v.items():
+            if type(k) is not str:
+                return _NOT_PLAIN
+            tx = type(x)
+            if tx is str or tx is int or tx is float or tx is bool or x is None or tx is bytes:
+                out[k] = x
+            else:
+                c = _plain_copy(x, depth + 1)
+                if c is _NOT_PLAIN:
+                    return _NOT_PLAIN
+                out[k] = c
+        return out
+    if t is list:
+        if depth >= _PLAIN_DEPTH:
+            return _NOT_PLAIN
+        items = []
+        for x in v:
+            tx = type(x)
+            if tx is str or tx is int or tx is float or tx is bool or x is None or tx is bytes:
+                items.append(x)
+            else:
+                c = _plain_copy(x, depth + 1)
+                if c is _NOT_PLAIN:
+                    return _NOT_PLAIN
+                items.append(c)
+        return items
+    if t is str or t is int or t is float or t is bool or v is None or t is bytes:
+        return v
+    return _NOT_PLAIN
 
 
 def _same(a: Any, b: Any) -> bool:

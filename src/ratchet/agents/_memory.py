@@ -24,7 +24,7 @@ _MISSING = object()
 def _check_path(path: str) -> str:
     if not isinstance(path, str) or not path:
         raise InvalidTypeError(f"memory path must be a non-empty str, got {path!r}")
-    if any(not part for part in path.split(".")):
+    if "" in path.split("."):
         raise InvalidArgumentError(
             f"memory path {path!r} has an empty segment; use names like 'order.total'"
         )
@@ -104,7 +104,7 @@ class MemoryObject:
             )
         codec.check_admissible(value, full)
         data = self._buf.data
-        for parent in parents(full):
+        for parent in parents(full) if "." in full else ():
             existing = data.get(parent, _MISSING)
             if existing is not _MISSING and existing is not OBJECT:
                 raise InvalidTypeError(

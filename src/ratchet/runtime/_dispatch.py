@@ -137,6 +137,7 @@ class TaskCalls:
         "waits",
         "attempts",
         "ltm",
+        "replayed",
     )
 
     def __init__(
@@ -164,7 +165,9 @@ class TaskCalls:
         self.ltm: Any = None  # long-term memory (ratchet.agents._ltm.LtmService), if any
         # records of later attempts (retries) of this task, by attempt number
         self.attempts: dict[int, dict[int, CallRecord]] = {}
-        if recorded:  # a replayed task: match calls to records (most tasks have none)
+        # Whether this task has records from before a restart (most tasks have none).
+        self.replayed = bool(recorded)
+        if recorded:  # a replayed task: match calls to records
             self._lock = threading.Lock()
             self._by_call = {}
             for idx in sorted(recorded):
@@ -200,6 +203,8 @@ class TaskCalls:
 
     def retry_markers(self) -> list[CallRecord]:
         """The failed attempts recorded for this task, in order."""
+        if not self._recorded:
+            return []
         found = [r for r in self._recorded.values() if r.fn == RETRY_FN]
         return sorted(found, key=lambda r: int(r.digest))
 
@@ -289,6 +294,7 @@ class CallJournal:
         attempts = self._attempts.pop(where, None)
         if attempts:
             calls.attempts = attempts
+            calls.replayed = True
         return calls
 
     def clear(self) -> None:
@@ -377,6 +383,7 @@ class Dispatcher:
         self._thread_name = thread_name
         self._q: queue.SimpleQueue[tuple[Task, TaskCalls] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._modes: dict[str, str] = {}
         self.executed = 0
 
     def start(self) -> None:
@@ -403,7 +410,9 @@ class Dispatcher:
     def dispatch(self, task: Task, calls: TaskCalls) -> Outcome | None:
         """Run or schedule `task`; an inline task's outcome is returned at once, else None."""
         self.executed += 1
-        mode = self.binding.action_mode(task.action)
+        mode = self._modes.get(task.action)
+        if mode is None:
+            mode = self._modes[task.action] = self.binding.action_mode(task.action)
         if mode == INLINE:
             return run_task(self.binding, task, calls)
         if mode == ASYNC:

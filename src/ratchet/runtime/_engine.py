@@ -47,7 +47,7 @@ from ratchet.runtime._journal import (
     encode_journal,
     encode_memory,
 )
-from ratchet.runtime._machine import Delta, Machine, Output, RestoredRun, Task
+from ratchet.runtime._machine import Delta, Machine, RestoredRun, Task
 from ratchet.runtime._memops import LTM_ADD, expire
 from ratchet.runtime._otel import RunExporter
 from ratchet.runtime._otel import wanted as otel_wanted
@@ -240,6 +240,11 @@ class _Writer(threading.Thread):
                 self.clock.sleep_sync(min(0.01 * 2**attempt, 1.0))
             else:
                 return None
+
+
+def _pack_trace(started: float | None, tasks: list[dict[str, Any]]) -> bytes:
+    """A completed run's trace as the `traces` table stores it."""
+    return codec.encode_built({"started": started, "tasks": tasks})
 
 
 def _resolve(
@@ -618,6 +623,8 @@ class Engine:
             self._otel = RunExporter(self.config.otel_endpoint, binding.name)
         if self._retention is not None or self._otel is not None:
             self.machine.describe_event = binding.describe_event
+            if self._otel is None:  # only stored: packed as each run completes
+                self.machine.pack_trace = _pack_trace
         self._ltm: Any = None
         ltm_config = getattr(binding, "ltm_config", None)
         if ltm_config is not None:
@@ -637,7 +644,7 @@ class Engine:
         )
         self._carry: Delta | None = None
         self._written_position: dict[str, Any] | None = None
-        self._unreleased: dict[str, Output] = {}
+        self._unreleased: dict[str, dict[str, Any]] = {}  # output id -> its sink record
         self._released: list[str] = []
         self._calls = CallJournal()
         self._failures_in_row = 0
@@ -752,7 +759,7 @@ class Engine:
             await asyncio.wrap_future(self._writer.submit(self._restore))
             self._dispatcher.start()
             if self._unreleased:
-                await self._release([])
+                await self._release({})
             self._report()
             self._pump()
             self._cp_stop = asyncio.Event()
@@ -915,9 +922,14 @@ class Engine:
                 self._poke()
             if not dispatched:
                 return
+            calls_for, writer, waits, ltm = (
+                self._calls.calls_for,
+                self._writer,
+                self._waits,
+                self._ltm,
+            )
             for task in dispatched:
-                calls = self._calls.calls_for(task, self._writer, self._waits, self._ltm)
-                outcome = dispatcher.dispatch(task, calls)
+                outcome = dispatcher.dispatch(task, calls_for(task, writer, waits, ltm))
                 if outcome is None:
                     continue
                 if isinstance(outcome, RatchetError):
@@ -1049,8 +1061,11 @@ class Engine:
             dead, self._dead_lines = self._dead_lines, []
             triggered = self.clock.now()
             self.stats.in_progress = 1
+            sink_records: dict[str, dict[str, Any]] = {}  # made once, by the writer
             fut = self._writer.submit(
-                lambda: self._write(delta, position, released, triggered, dead, report)
+                lambda: self._write(
+                    delta, position, released, triggered, dead, report, sink_records
+                )
             )
             try:
                 info: dict[str, Any] = await asyncio.wrap_future(fut)
@@ -1100,9 +1115,9 @@ class Engine:
             self.result.runs_failed += len(delta.failed)  # as committed, not as seen
             if self._otel is not None and delta.traces:
                 for seq, (key, failed, _started, tasks) in delta.traces.items():
-                    self._otel.export_run(key, seq, failed, tasks)
-            outs = list(delta.outputs.values())
-            await self._release(outs)
+                    if not isinstance(tasks, bytes):  # never packed while exporting
+                        self._otel.export_run(key, seq, failed, tasks)
+            await self._release(sink_records)
             self._report()
             return info
 
@@ -1114,7 +1129,10 @@ class Engine:
         triggered: float,
         dead: list[tuple[bytes, str, int, bytes, str, float, str, bytes]],
         report: dict[str, Any],
+        sink_records: dict[str, dict[str, Any]],
     ) -> dict[str, Any]:
+        """Write one checkpoint (in the writer thread); the outputs' sink records go in
+        `sink_records`, by output id, for the release after it."""
         enc = codec.encode
         b = self.binding
         rows = CheckpointRows(source=position, released=released, dead_letters=list(dead))
@@ -1134,7 +1152,7 @@ class Engine:
             fresh = self._traces_since_prune
             for seq, (key, failed, started, tasks) in delta.traces.items():
                 status = "error" if failed else "ok"
-                blob = enc({"started": started, "tasks": tasks})
+                blob = tasks if isinstance(tasks, bytes) else _pack_trace(started, tasks)
                 text = str(key)
                 rows.traces.append((text, seq, triggered, status, blob))
                 fresh[text] = fresh.get(text, 0) + 1
@@ -1153,7 +1171,8 @@ class Engine:
         for seq, run in delta.runs.items():
             rows.runs.append((seq, enc(run.key), run.base_dispatch, encode_journal(b, run.journal)))
         for out in delta.outputs.values():
-            rows.outbox.append((out.id, out.seq, enc(b.output_record(out))))
+            record = sink_records[out.id] = b.output_record(out)
+            rows.outbox.append((out.id, out.seq, enc(record)))
         for op in delta.ltm:
             if op[0] == LTM_ADD:
                 _k, scope, ltm_id, text, meta, vector, at = op
@@ -1166,20 +1185,19 @@ class Engine:
             self._ltm.index.committed(len(delta.ltm))
         return info
 
-    async def _release(self, outputs: list[Output]) -> None:
-        """Hand outputs of a completed checkpoint to the sink, in order; retried if the sink fails."""
-        b = self.binding
-        for out in outputs:
-            self._unreleased[out.id] = b.output_record(out)  # type: ignore[assignment]
+    async def _release(self, records: dict[str, dict[str, Any]]) -> None:
+        """Hand the outputs of a completed checkpoint (their sink records, by output id) to
+        the sink, in order, after any still unreleased; retried if the sink fails."""
+        self._unreleased.update(records)
         if not self._unreleased:
             return
-        records: list[dict[str, Any]] = list(self._unreleased.values())  # type: ignore[arg-type]
+        pending = list(self._unreleased.values())
         sink = self.sink
 
         def deliver() -> list[Any]:
             # An output the sink cannot write becomes an error record in its place (the same
             # one when it comes back from the outbox after a crash): it never holds back others.
-            checked, refused = writable(sink, records)
+            checked, refused = writable(sink, pending)
             sink.write(checked)
             return refused
 

@@ -84,6 +84,9 @@ class Source:
         pass
 
 
+_NO_KEY = object()
+
+
 def _key_of(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
     if not isinstance(value, dict):
         return None, f"{where}: expected a JSON object, got {type(value).__name__}"
@@ -101,19 +104,21 @@ def _text(raw: bytes) -> str:
     return raw[:65536].decode("utf-8", errors="replace")
 
 
-def _parse(raw: bytes, line: int, where: str, key_field: str) -> Record | None:
-    """One line of a JSONL input as a record; None for a blank line."""
+def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None:
+    """One line (number `line`) of the JSONL input `path` as a record; None for a blank line."""
     text = raw.strip()
     if not text:
         return None
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return Record(line, error=f"{where}: invalid JSON ({exc})", raw=_text(text))
-    key, err = _key_of(value, key_field, where)
-    if err:
-        return Record(line, error=err, raw=_text(text))
-    return Record(line, key=key, value=value)
+        return Record(line, error=f"{path}:{line}: invalid JSON ({exc})", raw=_text(text))
+    if type(value) is dict:
+        key = value.get(key_field, _NO_KEY)
+        if type(key) is str or type(key) is int:
+            return Record(line, key=key, value=value)
+    _key, err = _key_of(value, key_field, f"{path}:{line}")
+    return Record(line, error=err, raw=_text(text))
 
 
 # -- input files and their identity ----------------------------------------------------------------
@@ -388,7 +393,7 @@ class JsonlSource(Source):
             self._prev = (f.offset, f.line)
             f.offset += len(raw)
             f.line += 1
-            rec = _parse(raw, f.line, f"{self.path}:{f.line}", self.key_field)
+            rec = _parse(raw, f.line, self.path, self.key_field)
             if rec is not None:
                 return rec
 
@@ -578,7 +583,7 @@ class JsonlFilesSource(Source):
             start, line = f.offset, f.line
             f.offset += len(raw)
             f.line += 1
-            rec = _parse(raw, f.line, f"{f.path}:{f.line}", self.key_field)
+            rec = _parse(raw, f.line, f.path, self.key_field)
             if rec is not None:
                 self._undo = lambda f=f, start=start, line=line: f.rewind(start, line)
                 return rec
@@ -629,13 +634,14 @@ class IterableSource(Source):
         if value is _END:
             return None
         self._index += 1
-        key, err = _key_of(value, self.key_field, f"input item {self._index}")
+        where = f"input item {self._index}"
+        key, err = _key_of(value, self.key_field, where)
         if err:
             return Record(self._index, error=err)
         try:
             # A JSONL line is JSON, always storable; a Python object in an iterable may not be:
             # bad input here, named, not a checkpoint that fails until the job stops.
-            codec.check_admissible(value, f"input item {self._index}")
+            codec.check_admissible(value, where)
         except CodecError as exc:
             return Record(self._index, error=str(exc))
         return Record(self._index, key=key, value=value)
@@ -732,9 +738,14 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
+# What json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"))
+# builds for every call, made once (an encoder keeps no state between calls).
+_ENCODER = json.JSONEncoder(default=_json_default, ensure_ascii=False, separators=(",", ":"))
+
+
 def to_json_line(record: dict[str, Any]) -> str:
     """One output as one JSON line; bytes become {"$bytes": base64}, sets become lists."""
-    return json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(record)
 
 
 _JSON_KEYS = (str, int, float, bool, type(None))

@@ -47,7 +47,9 @@ class TaskResult:
     trace: dict[str, Any] | None = None  # how it ran (timing, attempts, calls), for run traces
 
 
-@dataclass(slots=True, frozen=True)
+# JournalEntry and Output are values, never changed once made; not `frozen=True` dataclasses
+# only because those cost seven times as much to make, and one of each is made per task.
+@dataclass(slots=True)
 class JournalEntry:
     """A committed task, as replay needs it: enough to skip executing it again."""
 
@@ -114,7 +116,7 @@ class Run:
     trace: list[dict[str, Any]] = field(default_factory=list)  # committed tasks, as they ran
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Output:
     """An emitted output event with its stable id (the same after recovery)."""
 
@@ -165,7 +167,8 @@ class Delta:
     failed: dict[int, tuple[Any, Any, list[Any], list[str]]] = field(default_factory=dict)
     redriven: dict[int, int] = field(default_factory=dict)  # dead letter id -> its new seq
     # runs completed with tracing on: seq -> (key, failed?, started at, the tasks' trace)
-    traces: dict[int, tuple[Any, bool, float | None, list[dict[str, Any]]]] = field(
+    # (the tasks' trace as `pack_trace` packed it, when the engine gave the machine one)
+    traces: dict[int, tuple[Any, bool, float | None, list[dict[str, Any]] | bytes]] = field(
         default_factory=dict
     )
     # long-term memory writes of runs that completed, in commit order (LTM_ADD / LTM_DELETE)
@@ -253,6 +256,9 @@ class Machine:
         # Keep what each committed task did, for run traces (`describe_event(event)` names an
         # event for the trace); None: no traces.
         self.describe_event: Callable[[Any], str] | None = None
+        # `pack_trace(started at, tasks)`: a completed run's trace as stored, made when the run
+        # completes rather than at the checkpoint (so its objects do not outlive the run).
+        self.pack_trace: Callable[[float | None, list[dict[str, Any]]], bytes] | None = None
         # Collect the long-term memory writes of completed runs into the delta (an agent that
         # uses long-term memory; others pay nothing for it).
         self.collect_ltm = False
@@ -348,7 +354,8 @@ class Machine:
         run = task.run
         run.pending -= 1
         self._drain(run)
-        if run.pending or run.timers:
+        # (A run that is not parked and has a task running outside a wait stays as it is.)
+        if (run.pending or run.timers) and (run.parked or run.pending == run.waiting):
             self._settle_parking(run)
 
     def _drain(self, run: Run) -> None:
@@ -621,7 +628,9 @@ class Machine:
         self.completed.append(run)
         d = self._delta
         if self.describe_event is not None:
-            d.traces[run.seq] = (run.key, bool(run.errors), run.started_at, run.trace)
+            pack = self.pack_trace
+            steps = run.trace if pack is None else pack(run.started_at, run.trace)
+            d.traces[run.seq] = (run.key, bool(run.errors), run.started_at, steps)
         if run.errors:
             self.runs_failed += 1
             trace = [e.task_id for e in run.journal if e.task_id[:1] != "!"]

@@ -264,3 +264,22 @@ def test_workers_change_between_runs_2_3_1(tmp_path: Path, reference: dict[str, 
     assert (state / "ratchet.db").exists() and not (state / "shards").exists()
     check_outputs(out, N_INPUTS, seed)
     assert inspect(state) == reference
+
+
+def test_python_api_runs_workers_over_an_iterable(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    import ratchet
+    from ratchet.agents._run import load_agent
+
+    items = [{"key": f"k{i % KEYS}", "id": i, "value": (i * 7) % 101} for i in range(N_INPUTS)]
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    result = ratchet.run(load_agent(AGENT), inputs=items, output=out, state_dir=state, workers=2)
+    assert (result.inputs, result.outputs, result.runs_completed) == (N_INPUTS,) * 3
+    check_outputs(out, N_INPUTS, 0)
+    assert inspect(state) == reference
+    with pytest.raises(ratchet.ConfigError, match="agent_config"):
+        ratchet.run(
+            load_agent(AGENT), inputs=items, output=out, state_dir=state, workers=2,
+            agent_config={"x": 1},
+        )  # fmt: skip

@@ -254,7 +254,6 @@ class _Shard:
     result: dict[str, Any] | None = None
     error: tuple[str, str] | None = None
     restarts: int = 0
-    exited: asyncio.Future[int] | None = None
 
 
 class Coordinator:
@@ -315,8 +314,8 @@ class Coordinator:
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         shard.writer = writer
         shard.ready = False
-        shard.hello = loop.create_future()
-        shard.exited = loop.create_future()
+        if shard.hello is None:  # a restart before the first hello keeps the start waiting on it
+            shard.hello = loop.create_future()
         self._write_pids()
         self._start(self._read(shard, reader, shard.proc))
 
@@ -456,6 +455,7 @@ class Coordinator:
         for s in self.shards:
             if s.ready:
                 self._send(s, ["stop"])
+            s.room.set()
         if self._wake is not None:
             self._wake.set()
 
@@ -527,6 +527,7 @@ class Coordinator:
                 return
             for s in self.shards:
                 while s.ready and s.inflight >= WINDOW and not self._stopping:
+                    s.room.clear()  # set again by its "took", its end, or a stop
                     await s.room.wait()
             if not count:
                 assert self._wake is not None
@@ -562,6 +563,7 @@ class Coordinator:
             stopper = asyncio.ensure_future(self._all_done.wait())
             await asyncio.wait((waiter, stopper), return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
+            waiter.cancel()
             if self._fatal is None:
                 # Re-read from the shard that is furthest behind; the others drop what they have.
                 low = min(self.shards, key=lambda s: s.committed[1])

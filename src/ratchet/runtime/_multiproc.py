@@ -307,8 +307,10 @@ class Coordinator:
         ]  # fmt: skip
         # Started from the loop's thread, which lives as long as the job: a worker's
         # parent-death signal fires when the thread that started it ends.
+        # The worker imports the agent as this process did: with this process's sys.path.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         shard.proc = subprocess.Popen(  # noqa: ASYNC220 - a fork and exec, not a wait
-            argv, pass_fds=[theirs.fileno()], start_new_session=True
+            argv, pass_fds=[theirs.fileno()], start_new_session=True, env=env
         )
         theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)

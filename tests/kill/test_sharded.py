@@ -6,7 +6,7 @@ Claims checked (each against a single-process run of the same input without kill
 - nothing a killed process had committed (a completed input, a journaled task, a recorded
   durable call) runs again;
 - a killed worker is restarted while the other keeps running (same pid throughout);
-- the number of workers can change between runs (2 -> 3 -> 1), also after a kill.
+- the number of workers can change between runs (1 -> 2 -> 3 -> 1), also after a kill.
 
 Kill moments come from a seeded RNG; the seed is printed, and RATCHET_SHARD_SEED replays it.
 """
@@ -239,12 +239,15 @@ def test_killed_worker_restarts_while_the_other_keeps_running(
     assert after["1"] == pids["1"] and after["0"] != pids["0"]
 
 
-def test_workers_change_between_runs_2_3_1(tmp_path: Path, reference: dict[str, Any]) -> None:
+def test_workers_change_between_runs_1_2_3_1(tmp_path: Path, reference: dict[str, Any]) -> None:
     seed = _seed(11)
     rng = random.Random(seed)
     inp, state, out = tmp_path / "in.jsonl", tmp_path / "state", tmp_path / "out.jsonl"
-    write_inputs(inp, 0, 300)
+    write_inputs(inp, 0, 150)
+    run_to_end(tmp_path, inp, state, out, 1)  # a single-process state, as before --workers
+    write_inputs(inp, 150, 300)
     run_to_end(tmp_path, inp, state, out, 2)
+    assert read_layout(state).workers == 2 and not (state / "ratchet.db").exists()
     write_inputs(inp, 300, 600)
     # Killed part-way with 2 workers: the shards stand at different inputs, with runs in
     # flight; the change to 3 first brings both to one position, then moves the keys.

@@ -476,10 +476,12 @@ def _run_sharded(args: argparse.Namespace) -> int:
     summary = _summary(result)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
-    if result.runs_failed and not (args.follow or args.allow_errors):
+    if result.runs_failed and (
+        "more than" in result.stopped_by or not (args.follow or args.allow_errors)
+    ):
         print(
-            f"ratchet: {result.runs_failed} run(s) ended in error; exit {EXIT_ERRORS} "
-            f"(--allow-errors to exit 0)",
+            f"ratchet: {result.runs_failed} run(s) ended in error ({result.stopped_by}); exit "
+            f"{EXIT_ERRORS} (--allow-errors to exit 0)",
             file=sys.stderr,
         )
         return EXIT_ERRORS

@@ -369,6 +369,9 @@ class Coordinator:
                     self._hello(shard, msg[1], msg[2], msg[3])
                 elif kind == "done":
                     shard.result = msg[1]
+                    why = str(msg[1].get("stopped_by") or "")
+                    if why.startswith("more than"):  # --max-errors, counted per shard
+                        self.request_stop(f"shard {shard.index}: {why}")
                 elif kind == "error":
                     shard.error = (msg[1], msg[2])
         except (asyncio.IncompleteReadError, ConnectionError):

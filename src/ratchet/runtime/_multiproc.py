@@ -254,6 +254,7 @@ class _Shard:
     result: dict[str, Any] | None = None
     error: tuple[str, str] | None = None
     restarts: int = 0
+    gone: bool = False  # ended and not to be restarted
 
 
 class Coordinator:
@@ -383,13 +384,20 @@ class Coordinator:
         shard.room.set()
         if shard.result is not None:
             log.debug("shard %d finished", shard.index)
+        elif rc < 0 and self._fatal and shard.restarts < RESTARTS:
+            shard.gone = True  # killed while the job stops for another reason: not restarted
         elif rc < 0 and not self._fatal and shard.restarts < RESTARTS:
             shard.restarts += 1
             log.warning(
                 "worker of shard %d (pid %d) was killed by signal %d; restarting it from its "
                 "last checkpoint (restart %d)", shard.index, proc.pid, -rc, shard.restarts,
             )  # fmt: skip
-            await self._spawn(shard)
+            try:
+                await self._spawn(shard)
+            except Exception as exc:  # noqa: BLE001 - the job stops, the others checkpoint
+                shard.gone = True
+                self._fail(RatchetError(f"worker of shard {shard.index} cannot restart: {exc}"))
+                self._check_done()
             return
         else:
             err = shard.error
@@ -398,6 +406,7 @@ class Coordinator:
                 if err is not None
                 else f"it exited with code {rc}" + (" (restarted too often)" if rc < 0 else "")
             )
+            shard.gone = True
             exc_type = getattr(_errors, err[0], None) if err is not None else None
             if not (isinstance(exc_type, type) and issubclass(exc_type, RatchetError)):
                 exc_type = RatchetError
@@ -465,10 +474,7 @@ class Coordinator:
             self._wake.set()
 
     def _check_done(self) -> None:
-        if self._all_done is not None and all(
-            s.result is not None or (s.proc is not None and s.proc.poll() is not None)
-            for s in self.shards
-        ):
+        if self._all_done is not None and all(s.result is not None or s.gone for s in self.shards):
             self._all_done.set()
 
     # -- the source ------------------------------------------------------------------------
@@ -564,11 +570,12 @@ class Coordinator:
             for s in self.shards:
                 await self._spawn(s)
             hellos = [s.hello for s in self.shards if s.hello is not None]
-            waiter = asyncio.ensure_future(asyncio.gather(*hellos))
             stopper = asyncio.ensure_future(self._all_done.wait())
-            await asyncio.wait((waiter, stopper), return_when=asyncio.FIRST_COMPLETED)
+            while not stopper.done() and not all(h.done() for h in hellos):
+                waiting: list[asyncio.Future[Any]] = [h for h in hellos if not h.done()]
+                waiting.append(stopper)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
-            waiter.cancel()
             if self._fatal is None:
                 # Re-read from the shard that is furthest behind; the others drop what they have.
                 low = min(self.shards, key=lambda s: s.committed[1])

@@ -293,3 +293,23 @@ def test_python_api_runs_workers_over_an_iterable(
             load_agent(AGENT), inputs=items, output=out, state_dir=state, workers=2,
             agent_config={"x": 1},
         )  # fmt: skip
+
+
+def test_a_worker_that_fails_stops_the_job_naming_its_shard(tmp_path: Path) -> None:
+    write_inputs(tmp_path / "in.jsonl", 0, 100)
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    run_to_end(tmp_path, tmp_path / "in.jsonl", state, out, 2)
+    broken = state / "shards" / "1-of-2"
+    (broken / "ratchet.db").write_bytes(b"not a database at all")
+    for name in ("ratchet.db-wal", "ratchet.db-shm"):
+        (broken / name).unlink(missing_ok=True)
+    write_inputs(tmp_path / "in.jsonl", 100, 150)
+    done = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+         "--state", str(state), "--workers", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"worker of shard 1 ({broken}) failed" in done.stderr
+    assert "not a ratchet state database" in done.stderr
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr

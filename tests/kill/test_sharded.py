@@ -313,3 +313,26 @@ def test_a_worker_that_fails_stops_the_job_naming_its_shard(tmp_path: Path) -> N
     assert f"worker of shard 1 ({broken}) failed" in done.stderr
     assert "not a ratchet state database" in done.stderr
     assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--supervise"], "--supervise and --rest-port do not work with a sharded job"),
+        (["--on-bad-input", "dead-letter"], "dead-letter is not supported with --workers > 1"),
+        (["--workers", "0"], "--workers must be >= 1, not 0"),
+    ],
+)
+def test_what_a_sharded_run_cannot_do_is_refused(
+    tmp_path: Path, extra: list[str], message: str
+) -> None:
+    write_inputs(tmp_path / "in.jsonl", 0, 10)
+    done = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output",
+         str(tmp_path / "out.jsonl"), "--state", str(tmp_path / "state"), "--workers", "2",
+         *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert not (tmp_path / "state" / "shards").exists()

@@ -455,7 +455,8 @@ def _run_sharded(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--supervise and --rest-port do not work with a sharded job yet (--workers > 1, or "
             "a state sharded by an earlier run); the coordinator restarts killed workers "
-            "itself. Drop them, or run with --workers 1"
+            "itself. Drop them; to supervise this state, first run it once with --workers 1 "
+            "and without --supervise (that moves every key back into one database)"
         )
     try:
         result = run_sharded(

@@ -28,7 +28,7 @@ from ratchet.runtime._multiproc import (
     Coordinator,
     PipeSink,
     PipeSource,
-    _Conn,
+    WorkerConn,
     die_with_parent,
     wait_for_lock,
 )
@@ -237,7 +237,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     args = p.parse_args(argv)
     die_with_parent()
-    conn = _Conn(socket.socket(fileno=args.fd))
+    conn = WorkerConn(socket.socket(fileno=args.fd))
     try:
         agent = load_agent(args.agent)
         config = EngineConfig(**json.loads(args.config))

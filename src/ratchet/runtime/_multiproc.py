@@ -54,7 +54,7 @@ def _frame(msg: Any) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-class _Conn:
+class WorkerConn:
     """A worker's end of the socket: blocking sends from any thread, one reader thread."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -99,7 +99,7 @@ class PipeSource(Source):
 
     follow = True
 
-    def __init__(self, conn: _Conn) -> None:
+    def __init__(self, conn: WorkerConn) -> None:
         self.conn = conn
         self.frames: collections.deque[list[Any]] = collections.deque()
         self.next = 0
@@ -177,7 +177,7 @@ class PipeSink(Sink):
     they stay in this shard's outbox, and are sent again after a restart (the sink drops an id
     it already holds)."""
 
-    def __init__(self, conn: _Conn) -> None:
+    def __init__(self, conn: WorkerConn) -> None:
         self.conn = conn
         self._n = 0
         self._waits: dict[int, tuple[threading.Event, list[str | None]]] = {}
@@ -619,4 +619,11 @@ class Coordinator:
         r.metrics = {"workers": float(len(self.shards))}
 
 
-__all__ = ["Coordinator", "PipeSink", "PipeSource", "die_with_parent", "wait_for_lock"]
+__all__ = [
+    "Coordinator",
+    "PipeSink",
+    "PipeSource",
+    "WorkerConn",
+    "die_with_parent",
+    "wait_for_lock",
+]

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-flink lint format bench bench-peers fuzz soak clean bench-ratelimit bench-ltm
+.PHONY: demo test test-sharded test-flink lint format bench bench-peers fuzz soak clean bench-ratelimit bench-ltm
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Every kill test also with `--workers 2` (make test runs tests/kill/test_sharded.py and a few
+# sharded crash-equivalence cases; this adds the longer variants, a few minutes).
+test-sharded: $(STAMP)
+	RATCHET_SHARDED_ALL=1 $(BIN)/python -m pytest -q tests/kill
 
 # The Flink engine's suite, in its own environment (PyFlink is large and pins its own deps).
 FLINK_VENV := .venv-flink

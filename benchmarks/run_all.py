@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ["runtime_bench.py", "checks_noop_resume.py"]
+SCRIPTS = ["runtime_bench.py", "checks_noop_resume.py", "workers_bench.py"]
 
 
 def main() -> int:

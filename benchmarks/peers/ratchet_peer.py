@@ -19,7 +19,9 @@ import _common as c  # noqa: E402
 MODES = {
     "default": {"checkpoint_interval": 0.2, "synchronous": "NORMAL"},
     "strict": {"checkpoint_interval": 0.0, "synchronous": "FULL"},
+    "workers2": {"checkpoint_interval": 0.2, "synchronous": "NORMAL"},  # default, 2 processes
 }
+WORKERS = {"workers2": 2}  # `ratchet.run(..., workers=N)` / `ratchet run --workers N`
 
 
 def cli_cmd(agent: str, wd: Path, mode: str, follow: bool = False) -> list[str]:
@@ -48,7 +50,7 @@ def main() -> None:
         t = time.perf_counter()
         res = run(
             agents.ThreeSteps(), inputs=inputs, output=wd / "out.jsonl", state_dir=wd / "state",
-            config=EngineConfig(**cfg),
+            config=EngineConfig(**cfg), workers=WORKERS.get(a.mode, 1),
         )  # fmt: skip
         wall = time.perf_counter() - t
         assert res.runs_completed == n, res

@@ -12,7 +12,8 @@ durable call that a killed process had committed.
   exercise the defects listed in issue 11); it must always pass, on any version.
 - `test_all_features_*` draws with `CRASH_EQUIV_FEATURES` (default: all of them on; e.g.
   `-handler_raises,-mutate_events` turns two off).
-- Budget: CRASH_EQUIV_EXAMPLES examples per test (default 10; RATCHET_SOAK=1 makes it 150);
+- Budget: CRASH_EQUIV_EXAMPLES examples per test (default 10; RATCHET_SOAK=1 makes it 150;
+  the `_with_2_workers` test: CRASH_EQUIV_SHARDED_EXAMPLES, default 2);
   `make soak` (tests/kill/soak.py) runs hundreds of cases and counts kills and failures.
 - A failure prints the shrunk case, what differed and the agent's source; replay it with the
   printed `@reproduce_failure` blob or `--hypothesis-seed`.
@@ -83,9 +84,9 @@ def _seed_hint(test: Any) -> str:
     return "replay with the @reproduce_failure blob hypothesis prints, or --hypothesis-seed"
 
 
-def check(case: Case, test: Any) -> None:
+def check(case: Case, test: Any, workers: int = 1) -> None:
     with tempfile.TemporaryDirectory(prefix="crash-equiv-") as tmp:
-        result = run_case(case, Path(tmp), timeout=TIMEOUT)
+        result = run_case(case, Path(tmp), timeout=TIMEOUT, workers=workers)
     if not result.ok:
         raise AssertionError(result.report() + "\n" + _seed_hint(test))
 
@@ -104,6 +105,23 @@ def test_base_features_survive_sigkills(case: Case) -> None:
 @given(case=cases(FEATURES))
 def test_all_features_survive_sigkills(case: Case) -> None:
     check(case, test_all_features_survive_sigkills)
+
+
+# The same cases with the killed chain sharded over 2 worker processes (`--workers 2`, the
+# coordinator SIGKILLed), against a one-process reference; a smaller budget by default
+# (CRASH_EQUIV_SHARDED_EXAMPLES; RATCHET_SOAK=1 gives it the full one).
+SHARDED_SETTINGS = settings(
+    KILL_SETTINGS,
+    max_examples=int(os.environ.get("CRASH_EQUIV_SHARDED_EXAMPLES") or (EXAMPLES if SOAK else 2)),
+)
+
+
+@pytest.mark.kill
+@pytest.mark.timeout(900)
+@SHARDED_SETTINGS
+@given(case=cases(Features.none()))
+def test_base_features_survive_sigkills_with_2_workers(case: Case) -> None:
+    check(case, test_base_features_survive_sigkills_with_2_workers, workers=2)
 
 
 # One value of every type the codec admits, nested.
@@ -208,8 +226,9 @@ RICH = Case(
 
 
 @pytest.mark.kill
-def test_an_agent_with_every_base_feature_survives_sigkills() -> None:
-    check(RICH, test_an_agent_with_every_base_feature_survives_sigkills)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_agent_with_every_base_feature_survives_sigkills(workers: int) -> None:
+    check(RICH, test_an_agent_with_every_base_feature_survives_sigkills, workers=workers)
 
 
 def _found(actions: list[ActionSpec], v: int, kill: Kill) -> Case:
@@ -278,10 +297,16 @@ FOUND = {
 }
 
 
+# Each found case also with --workers 2 under RATCHET_SOAK=1 or RATCHET_SHARDED_ALL=1 (about
+# 20 s a case on 2 busy cores; `make test` runs the rich agent and a few drawn cases sharded).
+FOUND_WORKERS = [1, 2] if SOAK or os.environ.get("RATCHET_SHARDED_ALL") else [1]
+
+
 @pytest.mark.kill
+@pytest.mark.parametrize("workers", FOUND_WORKERS)
 @pytest.mark.parametrize("name", sorted(FOUND))
-def test_what_the_harness_found_stays_fixed(name: str) -> None:
-    check(FOUND[name], test_what_the_harness_found_stays_fixed)
+def test_what_the_harness_found_stays_fixed(name: str, workers: int) -> None:
+    check(FOUND[name], test_what_the_harness_found_stays_fixed, workers=workers)
 
 
 # --- the harness itself (no processes) -----------------------------------------------------------

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from ratchet.runtime._multiproc import wait_for_lock
+from ratchet.runtime._shards import read_layout, shard_of, state_dirs
 from ratchet.store import codec
 from ratchet.store._sqlite import SqliteStore
 
@@ -39,15 +41,21 @@ def write_inputs(path: Path, n: int, keys: int) -> None:
 
 
 def start(
-    tmp: Path, state: Path, out: Path, log: Path, interval_ms: float
+    tmp: Path, state: Path, out: Path, log: Path, interval_ms: float, workers: int = 1
 ) -> subprocess.Popen[bytes]:
     env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(log))
     with open(tmp / "stderr.log", "ab") as err:
-        return _popen(tmp, state, out, interval_ms, env, err)
+        return _popen(tmp, state, out, interval_ms, env, err, workers)
 
 
 def _popen(
-    tmp: Path, state: Path, out: Path, interval_ms: float, env: dict[str, str], err: Any
+    tmp: Path,
+    state: Path,
+    out: Path,
+    interval_ms: float,
+    env: dict[str, str],
+    err: Any,
+    workers: int = 1,
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
@@ -64,6 +72,8 @@ def _popen(
             str(interval_ms),
             "--max-concurrent-runs",
             "16",
+            "--workers",
+            str(workers),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -77,22 +87,41 @@ def log_lines(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines() if line]
 
 
-def committed(state: Path) -> tuple[set[int], set[tuple[int, str]], set[tuple[int, str]]]:
-    """From the state a killed process left: completed inputs, journaled tasks, recorded calls."""
-    store = SqliteStore.open_readonly(state)
-    try:
-        loaded = store.load()
-    finally:
-        store.close()
-    next_seq = int(loaded.source.get("next_seq", 0))
-    pending = {seq for seq, _, _ in loaded.inputs}
-    done = set(range(next_seq)) - pending
-    journaled = set()
-    for seq, _key, _base, journal in loaded.runs:
-        for entry in codec.decode(journal):
-            journaled.add((seq, entry[0]))
-    recorded = {(r.seq, r.task_id) for r in loaded.calls if r.status == "ok"}
+def committed(
+    state: Path, keys: int = 8
+) -> tuple[set[int], set[tuple[int, str]], set[tuple[int, str]]]:
+    """From the state a killed process left (every shard of a sharded one): completed inputs,
+    journaled tasks, recorded calls."""
+    done: set[int] = set()
+    journaled: set[tuple[int, str]] = set()
+    recorded: set[tuple[int, str]] = set()
+    for sdir in state_dirs(state):
+        store = SqliteStore.open_readonly(sdir)
+        try:
+            loaded = store.load()
+        finally:
+            store.close()
+        if sdir == state:
+            admitted = set(range(int(loaded.source.get("next_seq", 0))))
+        else:  # shard i of n: its inputs below its position's "next"
+            index, n = (int(x) for x in sdir.name.split("-of-"))
+            below = int((loaded.source.get("position") or {}).get("next", 0))
+            admitted = {s for s in range(below) if shard_of(f"k{s % keys}", n) == index}
+        done |= admitted - {seq for seq, _, _ in loaded.inputs}
+        for seq, _key, _base, journal in loaded.runs:
+            for entry in codec.decode(journal):
+                journaled.add((seq, entry[0]))
+        recorded |= {(r.seq, r.task_id) for r in loaded.calls if r.status == "ok"}
     return done, journaled, recorded
+
+
+def workers_gone(state: Path) -> None:
+    """A killed `ratchet run --workers N` takes its workers with it; wait until they are gone
+    (their shard locks free) before reading what they committed."""
+    if (state / "shards" / "layout.json").exists():
+        for d in read_layout(state).dirs:
+            if d.exists():
+                wait_for_lock(d)
 
 
 def inspect(state: Path) -> dict[str, Any]:
@@ -102,14 +131,16 @@ def inspect(state: Path) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
-def kill_until_done(tmp: Path, seed: int, interval_ms: float, min_kills: int) -> dict[str, Any]:
+def kill_until_done(
+    tmp: Path, seed: int, interval_ms: float, min_kills: int, workers: int = 1
+) -> dict[str, Any]:
     rng = random.Random(seed)
     state, out, log = tmp / "state", tmp / "out.jsonl", tmp / "exec.log"
     kills = 0
     checks: list[tuple[int, set[int], set[tuple[int, str]], set[tuple[int, str]]]] = []
     for _cycle in range(200):
         before = len(log_lines(log))
-        proc = start(tmp, state, out, log, interval_ms)
+        proc = start(tmp, state, out, log, interval_ms, workers)
         # Kill after a random amount of new work (not a random time: start-up is slow and noisy).
         target = before + rng.randint(5, 160)
         deadline = time.monotonic() + 60
@@ -121,6 +152,7 @@ def kill_until_done(tmp: Path, seed: int, interval_ms: float, min_kills: int) ->
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
+            workers_gone(state)
             # Whatever the killed process left committed must never run again.
             checks.append((len(log_lines(log)), *committed(state)))
             continue
@@ -162,17 +194,27 @@ def reference(tmp: Path) -> dict[str, Any]:
     return inspect(ref / "state")
 
 
+# The same claims with the job sharded over 2 worker processes (the coordinator SIGKILLed, its
+# workers dying with it) run under RATCHET_SHARDED_ALL=1 or RATCHET_SOAK=1 (a minute or two on
+# 2 busy cores); tests/kill/test_sharded.py runs a shorter version in every `make test`.
+SHARDED = pytest.mark.skipif(
+    not (os.environ.get("RATCHET_SHARDED_ALL") or os.environ.get("RATCHET_SOAK")),
+    reason="set RATCHET_SHARDED_ALL=1 to run the --workers 2 variants",
+)
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=SHARDED)], ids=["1", "2-workers"])
 @pytest.mark.parametrize(
     ("seed", "interval_ms", "min_kills"),
     [(20261201, 20, 12), (7, 0, 10)],
     ids=["interval-20ms", "continuous-checkpoints"],
 )
 def test_random_sigkills_lose_nothing_and_repeat_nothing_committed(
-    tmp_path: Path, seed: int, interval_ms: float, min_kills: int
+    tmp_path: Path, seed: int, interval_ms: float, min_kills: int, workers: int
 ) -> None:
     n = 1000  # enough work that the job outlasts min_kills kills, however fast a cycle runs
     write_inputs(tmp_path / "in.jsonl", n, keys=8)
-    result = kill_until_done(tmp_path, seed, interval_ms, min_kills)
+    result = kill_until_done(tmp_path, seed, interval_ms, min_kills, workers)
     assert result["kills"] >= min_kills
 
     outputs = [json.loads(line) for line in result["outputs"].read_text().splitlines()]

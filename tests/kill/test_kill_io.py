@@ -22,6 +22,13 @@ import pytest
 
 pytestmark = pytest.mark.kill
 
+# The --workers 2 variants (about a minute on 2 busy cores) run under RATCHET_SHARDED_ALL=1 or
+# RATCHET_SOAK=1; tests/kill/test_sharded.py covers the sharded engine in every `make test`.
+SHARDED = pytest.mark.skipif(
+    not (os.environ.get("RATCHET_SHARDED_ALL") or os.environ.get("RATCHET_SOAK")),
+    reason="set RATCHET_SHARDED_ALL=1 to run the --workers 2 variants",
+)
+
 AGENT = f"{Path(__file__).with_name('io_agent.py')}:Relay"
 RATCHET = [sys.executable, "-m", "ratchet.cli"]
 
@@ -48,8 +55,11 @@ def without_job(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(({k: v for k, v in r.items() if k != "job"} for r in recs), key=lambda r: r["id"])
 
 
+@pytest.mark.parametrize(
+    "workers", [1, pytest.param(2, marks=SHARDED)], ids=["1-worker", "2-workers"]
+)
 def test_unwritable_outputs_are_the_same_error_records_exactly_once_across_kills(
-    tmp_path: Path,
+    tmp_path: Path, workers: int
 ) -> None:
     seed = 20260611
     rng = random.Random(seed)
@@ -71,7 +81,7 @@ def test_unwritable_outputs_are_the_same_error_records_exactly_once_across_kills
     out, state = tmp_path / "o.jsonl", tmp_path / "state"
     kills = 0
     for _ in range(100):
-        proc = start(tmp_path, src, out, state)
+        proc = start(tmp_path, src, out, state, "--workers", str(workers))
         before = len(read(out))
         deadline = time.monotonic() + 60
         target = before + rng.randint(10, 40)
@@ -129,15 +139,21 @@ def wait_for(out: Path, count: int, proc: subprocess.Popen[bytes], tmp: Path) ->
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("kill", [False, True], ids=["no-kills", "sigkills"])
-def test_a_followed_rotating_log_is_read_once_in_order(tmp_path: Path, kill: bool) -> None:
+@pytest.mark.parametrize(
+    ("kill", "workers"),
+    [(False, 1), (True, 1), pytest.param(True, 2, marks=SHARDED)],
+    ids=["no-kills", "sigkills", "sigkills-2-workers"],
+)
+def test_a_followed_rotating_log_is_read_once_in_order(
+    tmp_path: Path, kill: bool, workers: int
+) -> None:
     seed = 77
     rng = random.Random(seed)
     logs = tmp_path / "logs"
     logs.mkdir()
     log = Rotator(logs)
     out, state = tmp_path / "o.jsonl", tmp_path / "state"
-    proc = start(tmp_path, logs, out, state, "--follow")
+    proc = start(tmp_path, logs, out, state, "--follow", "--workers", str(workers))
     kills = 0
     for _ in range(8):
         log.write(rng.randint(5, 40))
@@ -156,7 +172,7 @@ def test_a_followed_rotating_log_is_read_once_in_order(tmp_path: Path, kill: boo
             if rng.random() < 0.5:  # rotate while nobody reads, too
                 log.write(rng.randint(1, 10))
                 log.rotate()
-            proc = start(tmp_path, logs, out, state, "--follow")
+            proc = start(tmp_path, logs, out, state, "--follow", "--workers", str(workers))
     log.write(7)
     wait_for(out, log.written, proc, tmp_path)
     proc.send_signal(signal.SIGTERM)

@@ -235,6 +235,7 @@ def run(
     clock: Clock = SYSTEM_CLOCK,
     append_output: bool = False,
     rng: random.Random | None = None,
+    workers: int = 1,
 ) -> EngineResult:
     """Run `agent` over `inputs` into `output`, durably in `state_dir`; resumes if it has state.
 
@@ -248,7 +249,24 @@ def run(
     another job's outputs be appended to (otherwise it is refused).
     `clock`: where the engine reads time (tests pass `ratchet.testing.FakeClock`); `rng`:
     where a new state's job id comes from (default: the operating system's randomness).
+    `workers`: shard the keys over this many worker processes (docs/operations.md); the
+    agent's class must be importable in a new process. A state written with another number
+    of workers has its keys moved first.
     """
+    from ratchet.runtime._shards import is_sharded
+
+    if workers != 1 or is_sharded(state_dir):
+        if agent_config is not None or clock is not SYSTEM_CLOCK or rng is not None:
+            raise ConfigError(
+                "workers > 1 (or a sharded state) takes neither agent_config, clock nor rng: "
+                "each worker process builds its agent from its class and reads the system clock"
+            )
+        from ratchet.agents._sharded import run_sharded
+
+        return run_sharded(
+            agent, inputs=inputs, output=output, state_dir=state_dir, workers=workers, key=key,
+            follow=follow, config=config, append_output=append_output,
+        )  # fmt: skip
     job = Job(
         agent,
         inputs=inputs,

@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         # for importing `logging` at start-up.
         _configure_logging(args.verbose, args.log_format)
     try:
+        state = getattr(args, "state", None)
+        if command not in ("run", "status", "inspect", "checks") and isinstance(state, str):
+            from ratchet.runtime._shards import refuse_sharded
+
+            refuse_sharded(state, command or "")  # not one shard silently
         code = int(args.func(args) or 0)
     except RatchetError as exc:
         print(f"ratchet: error: {exc}", file=sys.stderr)

@@ -116,6 +116,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="N",
         help="stop (final checkpoint, exit 4) once more than N runs ended in error",
     )
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the keys over N worker processes (default 1: one process); a state "
+        "written with another N has its keys moved first (docs/operations.md)",
+    )
     run.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     sup = run.add_argument_group("supervision")
     sup.add_argument(
@@ -339,6 +347,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"ratchet: restored savepoint {args.from_savepoint} into {args.state}",
             file=sys.stderr,
         )
+    from ratchet.runtime._shards import is_sharded
+
+    if args.workers != 1 or is_sharded(args.state):
+        return _run_sharded(args)
     if args.supervise:
         if args.rest_port is not None:
             from ratchet.runtime._supervisor import require_rest_server
@@ -435,16 +447,63 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+def _run_sharded(args: argparse.Namespace) -> int:
+    """`run --workers N` (or any N on a state sharded before): a coordinator and N workers."""
+    from ratchet.agents._sharded import run_sharded
+
+    if args.supervise or args.rest_port is not None:
+        raise ConfigError(
+            "--supervise and --rest-port do not work with a sharded job yet (--workers > 1, or "
+            "a state sharded by an earlier run); the coordinator restarts killed workers "
+            "itself. Drop them; to supervise this state, first run it once with --workers 1 "
+            "and without --supervise (that moves every key back into one database)"
+        )
+    try:
+        result = run_sharded(
+            args.agent,
+            inputs=args.input,
+            output=args.output,
+            state_dir=args.state,
+            workers=args.workers,
+            key=args.key,
+            follow=args.follow,
+            config=_config(args),
+            append_output=args.append_output,
+            handle_signals=True,
+        )
+    except BadInputError as exc:
+        print(f"ratchet: bad input: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    summary = _summary(result)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    if result.runs_failed and (
+        "more than" in result.stopped_by or not (args.follow or args.allow_errors)
+    ):
+        print(
+            f"ratchet: {result.runs_failed} run(s) ended in error ({result.stopped_by}); exit "
+            f"{EXIT_ERRORS} (--allow-errors to exit 0)",
+            file=sys.stderr,
+        )
+        return EXIT_ERRORS
+    return EXIT_OK
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from ratchet.store._sqlite import SqliteStore
 
     if args.url:
         return _status_url(args)
-    store = SqliteStore.open_readonly(args.state)
-    try:
-        summary = store.summary()
-    finally:
-        store.close()
+    from ratchet.runtime._shards import is_sharded, sharded_summary
+
+    if is_sharded(args.state):
+        summary = sharded_summary(args.state)
+    else:
+        store = SqliteStore.open_readonly(args.state)
+        try:
+            summary = store.summary()
+        finally:
+            store.close()
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return EXIT_OK
@@ -509,6 +568,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             "signals not taken yet",
             ", ".join(f"{p['name']} for {p['key']}" for p in summary["pending_signals"][:20]),
         )
+    if "workers" in summary:
+        table.add_row(
+            "shards",
+            f"{summary['workers']} (counts above are their sums; source: next input per shard)",
+        )
     table.add_row("source", json.dumps(summary["source"]))
     Console().print(table)
     return EXIT_OK
@@ -538,12 +602,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         agent = load_agent(args.agent)  # imports the module: its register_type() calls run
         loaded_agent = f"{type(agent).__module__}.{type(agent).__qualname__}"
-    store = SqliteStore.open_readonly(args.state)
-    try:
-        rows = store.memories(args.key)
-        owner = store.meta("agent_name") if loaded_agent is not None else None
-    finally:
-        store.close()
+    from ratchet.runtime._shards import state_dirs
+
+    rows: list[tuple[bytes, bytes]] = []
+    owner = None
+    for sdir in state_dirs(args.state):  # every shard of a sharded job: a key is in one
+        store = SqliteStore.open_readonly(sdir)
+        try:
+            rows += store.memories(args.key)
+            owner = store.meta("agent_name") if loaded_agent is not None else None
+        finally:
+            store.close()
+    rows.sort(key=lambda r: str(codec.decode(r[0], unknown="generic")))
     if owner is not None and owner != loaded_agent:
         print(
             f"ratchet: note: --agent {args.agent} is {loaded_agent}, but {args.state} was "

@@ -876,8 +876,8 @@ class Engine:
                     continue
                 self._bad_input(rec)
                 return
-            seq = self._next_seq
-            self._next_seq += 1
+            seq = self._next_seq if rec.seq is None else rec.seq
+            self._next_seq = seq + 1
             try:
                 m.admit(rec.key, seq, self.binding.event_from_input(rec.value))
             except RatchetError as exc:  # a memory migration that failed, say

@@ -41,6 +41,9 @@ class Record:
     value: Any = None
     error: str | None = None
     raw: str | None = None  # a bad line's text, for its dead letter
+    # The input's number when a coordinator numbered it (a shard of a multi-process job):
+    # the engine admits it under this number, so output ids match a single-process run's.
+    seq: int | None = None
 
 
 class Source:

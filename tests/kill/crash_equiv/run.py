@@ -12,6 +12,7 @@ every line of the execution log written after it to that.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -28,6 +29,8 @@ from crash_equiv.render import AGENT_CLASS, render_agent, render_inputs
 from crash_equiv.spec import Case, Kill
 from ratchet._errors import RatchetError
 from ratchet.runtime._memops import from_wire
+from ratchet.runtime._multiproc import wait_for_lock
+from ratchet.runtime._shards import read_layout, shard_of, state_dirs
 from ratchet.store import codec
 from ratchet.store._sqlite import SqliteStore
 
@@ -95,7 +98,7 @@ def _env(log: Path) -> dict[str, str]:
     return env
 
 
-def _command(workdir: Path, chain: Path, case: Case) -> list[str]:
+def _command(workdir: Path, chain: Path, case: Case, workers: int = 1) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -118,13 +121,15 @@ def _command(workdir: Path, chain: Path, case: Case) -> list[str]:
         str(TASK_BUDGET),
         # Generated actions raise on purpose: runs that end in error are part of the case.
         "--allow-errors",
+        # The killed chain may run sharded over worker processes (`ratchet run --workers`).
+        *(["--workers", str(workers)] if workers != 1 else []),
     ]
 
 
-def _start(workdir: Path, chain: Path, case: Case) -> subprocess.Popen[bytes]:
+def _start(workdir: Path, chain: Path, case: Case, workers: int = 1) -> subprocess.Popen[bytes]:
     with open(chain / "stderr.log", "ab") as err:
         return subprocess.Popen(
-            _command(workdir, chain, case),
+            _command(workdir, chain, case, workers),
             env=_env(chain / "exec.log"),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -187,64 +192,99 @@ def _site(payload: bytes | None) -> str | None:
     return None
 
 
+def _keys_of(state: Path) -> list[Any]:
+    """The key of each input, by its number (every generated input line is valid)."""
+    lines = (state.parent.parent / "in.jsonl").read_text().splitlines()
+    return [json.loads(line)["key"] for line in lines if line.strip()]
+
+
+def _admitted(state: Path, sdir: Path, loaded: Any) -> set[int]:
+    """Inputs a state (or one shard of it) had admitted, by number."""
+    if sdir == state:
+        return set(range(int(loaded.source.get("next_seq", 0))))
+    index, n = (int(x) for x in sdir.name.split("-of-"))
+    below = int((loaded.source.get("position") or {}).get("next", 0))
+    keys = _keys_of(state)
+    return {s for s in range(below) if shard_of(keys[s], n) == index}
+
+
+def wait_workers_gone(state: Path) -> None:
+    """A killed coordinator's workers die with it; their shard locks are free once they did."""
+    if (state / "shards" / "layout.json").exists():
+        for d in read_layout(state).dirs:
+            if d.exists():
+                wait_for_lock(d)
+
+
 def read_committed(state: Path, kill: int, log_lines_now: int) -> Committed:
     snap = Committed(kill, log_lines_now)
-    if not (state / "ratchet.db").exists():
+    dirs = state_dirs(state) if state.exists() else []
+    if not dirs or not all((d / "ratchet.db").exists() for d in dirs):
         snap.unreadable = "no database yet"
         return snap
-    try:
-        store = SqliteStore.open_readonly(state)
+    for sdir in dirs:
         try:
-            loaded = store.load()
-        finally:
-            store.close()
-    except (RatchetError, sqlite3.Error) as exc:  # killed before the database was set up
-        snap.unreadable = str(exc)
-        return snap
-    next_seq = int(loaded.source.get("next_seq", 0))
-    pending = {seq for seq, _, _ in loaded.inputs}
-    snap.done = set(range(next_seq)) - pending
-    for seq, _key, _base, journal in loaded.runs:
-        for entry in codec.decode(journal):
-            snap.journaled.add((seq, entry[0]))
-    for r in loaded.calls:
-        if r.status in ("ok", "error"):
-            site = _site(r.payload)
-            if site is not None:
-                snap.recorded.add((r.seq, r.task_id, site))
+            store = SqliteStore.open_readonly(sdir)
+            try:
+                loaded = store.load()
+            finally:
+                store.close()
+        except (RatchetError, sqlite3.Error) as exc:  # killed before the database was set up
+            snap.unreadable = str(exc)
+            return snap
+        pending = {seq for seq, _, _ in loaded.inputs}
+        snap.done |= _admitted(state, sdir, loaded) - pending
+        for seq, _key, _base, journal in loaded.runs:
+            for entry in codec.decode(journal):
+                snap.journaled.add((seq, entry[0]))
+        for r in loaded.calls:
+            if r.status in ("ok", "error"):
+                site = _site(r.payload)
+                if site is not None:
+                    snap.recorded.add((r.seq, r.task_id, site))
     return snap
 
 
 def leftovers(state: Path, n_inputs: int) -> list[str]:
     """What a job that exited 0 must not leave behind: work in flight, unreleased outputs."""
-    store = SqliteStore.open_readonly(state)
-    try:
-        loaded = store.load()
-    finally:
-        store.close()
     found = []
-    next_seq = int(loaded.source.get("next_seq", 0))
-    if next_seq != n_inputs:
-        found.append(f"the finished job's source position is input {next_seq} of {n_inputs}")
-    for what, rows in (
-        ("runs in flight", loaded.runs),
-        ("queued inputs", loaded.inputs),
-        ("unreleased outputs", loaded.outbox),
-        ("durable-call records", loaded.calls),
-    ):
-        if rows:
-            found.append(f"the finished job left {len(rows)} {what} in its state")
+    for sdir in state_dirs(state):
+        store = SqliteStore.open_readonly(sdir)
+        try:
+            loaded = store.load()
+        finally:
+            store.close()
+        where = "" if sdir == state else f" (shard {sdir.name})"
+        if sdir == state:
+            next_seq = int(loaded.source.get("next_seq", 0))
+        else:
+            next_seq = int((loaded.source.get("position") or {}).get("next", 0))
+        if next_seq != n_inputs:
+            found.append(
+                f"the finished job's source position is input {next_seq} of {n_inputs}{where}"
+            )
+        for what, rows in (
+            ("runs in flight", loaded.runs),
+            ("queued inputs", loaded.inputs),
+            ("unreleased outputs", loaded.outbox),
+            ("durable-call records", loaded.calls),
+        ):
+            if rows:
+                found.append(f"the finished job left {len(rows)} {what} in its state{where}")
     return found
 
 
 def read_memory(state: Path) -> dict[Any, dict[str, Any]]:
-    """The committed short-term memory per key, decoded (exact types)."""
-    store = SqliteStore.open_readonly(state)
-    try:
-        rows = store.memories()
-    finally:
-        store.close()
-    return {codec.decode(k): from_wire(codec.decode(m)) for k, m in rows}
+    """The committed short-term memory per key, decoded (exact types), over every shard."""
+    memory: dict[Any, dict[str, Any]] = {}
+    for sdir in state_dirs(state):
+        store = SqliteStore.open_readonly(sdir)
+        try:
+            rows = store.memories()
+        finally:
+            store.close()
+        memory.update({codec.decode(k): from_wire(codec.decode(m)) for k, m in rows})
+    return memory
 
 
 def reexecutions(lines: list[list[str]], snaps: list[Committed]) -> list[str]:
@@ -328,7 +368,9 @@ def run_reference(workdir: Path, case: Case, timeout: float, result: CaseRun) ->
     return Reference(path, seconds, *_counts(path / "exec.log"))
 
 
-def run_chain(workdir: Path, case: Case, ref: Reference, timeout: float, result: CaseRun) -> Path:
+def run_chain(
+    workdir: Path, case: Case, ref: Reference, timeout: float, result: CaseRun, workers: int = 1
+) -> Path:
     """The killed chain; returns its directory. Problems go to result.differences."""
     chain = workdir / "crash"
     chain.mkdir()
@@ -336,7 +378,7 @@ def run_chain(workdir: Path, case: Case, ref: Reference, timeout: float, result:
     snaps: list[Committed] = []
     schedule = list(case.kills)
     while True:
-        proc = _start(workdir, chain, case)
+        proc = _start(workdir, chain, case, workers)
         result.starts += 1
         try:
             deadline = time.monotonic() + timeout
@@ -355,6 +397,7 @@ def run_chain(workdir: Path, case: Case, ref: Reference, timeout: float, result:
             _stop(proc)
         if proc.returncode == -signal.SIGKILL:
             result.kills += 1
+            wait_workers_gone(chain / "state")
             snap = read_committed(chain / "state", result.kills, _count_lines(log))
             if snap.unreadable:
                 result.unreadable.append(f"kill #{result.kills}: {snap.unreadable}")
@@ -371,8 +414,11 @@ def run_chain(workdir: Path, case: Case, ref: Reference, timeout: float, result:
     return chain
 
 
-def run_case(case: Case, workdir: Path, timeout: float = 20.0) -> CaseRun:
-    """Render `case` into `workdir`, run the reference, then the killed chain, and compare."""
+def run_case(case: Case, workdir: Path, timeout: float = 20.0, workers: int = 1) -> CaseRun:
+    """Render `case` into `workdir`, run the reference, then the killed chain, and compare.
+
+    `workers`: the killed chain runs with `ratchet run --workers N` (its coordinator is what
+    is killed); the reference is always one process."""
     t0 = time.monotonic()
     source = render_agent(case)
     (workdir / "agent.py").write_text(source)
@@ -383,7 +429,7 @@ def run_case(case: Case, workdir: Path, timeout: float = 20.0) -> CaseRun:
         result.seconds = time.monotonic() - t0
         result.stderr_tail = _tail(ref.path / "stderr.log")
         return result
-    chain = run_chain(workdir, case, ref, timeout, result)
+    chain = run_chain(workdir, case, ref, timeout, result, workers)
     result.seconds = time.monotonic() - t0
     result.stderr_tail = _tail(chain / "stderr.log")
     if result.differences:

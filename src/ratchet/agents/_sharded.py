@@ -1,0 +1,295 @@
+"""`ratchet run --workers N`: a job over N shard worker processes, and each worker's entry.
+
+The coordinator, the shard wire and the guarantees are in `ratchet.runtime._multiproc`; the
+layout and re-sharding in `ratchet.runtime._shards`. This module puts them together with the
+agent layer (loading the agent, building the source and sink, the per-shard `Job`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ratchet._errors import ConfigError, RatchetError
+from ratchet.agents._agent import Agent
+from ratchet.agents._context import AgentBinding
+from ratchet.agents._run import Job, _sink, _source, load_agent, run_owned
+from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._io import Source, job_identity
+from ratchet.runtime._multiproc import (
+    Coordinator,
+    PipeSink,
+    PipeSource,
+    WorkerConn,
+    die_with_parent,
+    wait_for_lock,
+)
+from ratchet.runtime._shards import (
+    Layout,
+    check_quiet,
+    read_layout,
+    read_position,
+    reshard,
+)
+from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+
+
+def agent_spec(agent: Agent | str) -> str:
+    """How a worker process loads the agent: `module:Class` or `path/file.py:Class`."""
+    if isinstance(agent, str):
+        return agent
+    cls = type(agent)
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if cls.__module__.startswith("ratchet_user_") and path:
+        return f"{path}:{cls.__qualname__}"  # loaded from a file by load_agent
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise ConfigError(
+            f"workers > 1 start the agent {cls.__qualname__} in new processes, which cannot "
+            f"import it from {cls.__module__!r}; define it in a module and pass that module's "
+            f"class (or the spec 'package.module:Class')"
+        )
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+class _NoInput(Source):
+    """The job's source, restored and positioned, but yielding nothing: a single-process state
+    finishes what it holds (runs in flight, queued inputs, the outbox) and admits no input."""
+
+    follow = False
+
+    def __init__(self, inner: Source) -> None:
+        self.inner = inner
+
+    def open(self, job: Any, *, checkpoint_interval: float) -> None:
+        self.inner.open(job, checkpoint_interval=checkpoint_interval)
+
+    def restore(self, position: dict[str, Any]) -> None:
+        self.inner.restore(position)
+
+    def position(self) -> dict[str, Any]:
+        return self.inner.position()
+
+    def next_record(self) -> None:
+        return None
+
+    def unread(self) -> None:
+        pass
+
+    def acknowledge(self, position: dict[str, Any]) -> None:
+        self.inner.acknowledge(position)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def run_sharded(
+    agent: Agent | str,
+    *,
+    inputs: Any,
+    output: Any,
+    state_dir: str | os.PathLike[str],
+    workers: int,
+    key: str = "key",
+    follow: bool = False,
+    config: EngineConfig | None = None,
+    append_output: bool = False,
+    handle_signals: bool = False,
+) -> EngineResult:
+    """Run the job with `workers` shard processes (1: the single-process engine), moving keys
+    between shards first when the state was written with another number of workers."""
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, not {workers}")
+    config = config or EngineConfig()
+    config.validate()
+    if workers > 1 and config.on_bad_input == "dead-letter":
+        raise ConfigError(
+            "--on-bad-input dead-letter is not supported with --workers > 1 yet (a bad line "
+            "has no shard to keep it); use stop or skip, or --workers 1"
+        )
+    spec = agent_spec(agent)
+    instance = load_agent(spec) if isinstance(agent, str) else agent
+    binding = AgentBinding(instance)
+    sdir = Path(state_dir)
+    sdir.mkdir(parents=True, exist_ok=True)
+    lock = StateLock(sdir)
+    lock.acquire()
+    try:
+        layout = read_layout(sdir)
+        if layout.workers != workers:
+            layout = _change_workers(
+                spec, instance, binding, layout, workers, sdir, lock,
+                inputs=inputs, output=output, key=key, config=config, append=append_output,
+            )  # fmt: skip
+        if workers == 1:
+            lock.release()
+            job = Job(
+                instance, inputs=inputs, output=output, state_dir=sdir, key=key, follow=follow,
+                config=config, append_output=append_output,
+            )  # fmt: skip
+            return run_owned(job, handle_signals=handle_signals)
+        return _coordinate(
+            spec, layout, sdir, inputs=inputs, output=output, key=key, follow=follow,
+            config=config, append=append_output, handle_signals=handle_signals,
+        )  # fmt: skip
+    finally:
+        lock.release()
+
+
+def _coordinate(
+    spec: str,
+    layout: Layout,
+    sdir: Path,
+    *,
+    inputs: Any,
+    output: Any,
+    key: str,
+    follow: bool,
+    config: EngineConfig,
+    append: bool,
+    handle_signals: bool,
+    stop_at: int | None = None,
+) -> EngineResult:
+    source = _source(inputs, key, follow and stop_at is None)
+    sink = _sink(output, append)
+    try:
+        job = job_identity(sdir, has_history=False)
+        sink.open(job)
+        source.open(job, checkpoint_interval=config.checkpoint_interval)
+        coordinator = Coordinator(spec, layout, sdir, source, sink, config, stop_at=stop_at)
+        return asyncio.run(coordinator.run(handle_signals=handle_signals))
+    finally:
+        source.close()
+        sink.close()
+
+
+def _change_workers(
+    spec: str,
+    agent: Agent,
+    binding: AgentBinding,
+    layout: Layout,
+    workers: int,
+    sdir: Path,
+    lock: StateLock,
+    *,
+    inputs: Any,
+    output: Any,
+    key: str,
+    config: EngineConfig,
+    append: bool,
+) -> Layout:
+    """Bring every shard of `layout` to one input position with nothing in flight, then move
+    the keys to `workers` shards (at that checkpoint, before any new input is admitted)."""
+    if layout.workers == 1:
+        if not (sdir / DB_NAME).exists():
+            return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
+                           binding.action_names, position=(0, {}))  # fmt: skip
+        # Finish what the single-process state holds, admitting nothing new.
+        lock.release()
+        job = Job(
+            agent, inputs=_NoInput(_source(inputs, key, False)), output=output, state_dir=sdir,
+            config=config, append_output=append,
+        )  # fmt: skip
+        run_owned(job)
+        lock.acquire()
+        store = SqliteStore.open_readonly(sdir)
+        try:
+            src = store.meta("source") or {}
+        finally:
+            store.close()
+        position = (int(src.get("next_seq", 0)), dict(src.get("position") or {}))
+    else:
+        # Every shard reads on to where the furthest one is, and finishes what it holds.
+        furthest = max(read_position(d)[0] for d in layout.dirs)
+        _coordinate(
+            spec, layout, sdir, inputs=inputs, output=output, key=key, follow=False,
+            config=config, append=append, handle_signals=False, stop_at=furthest,
+        )  # fmt: skip
+        spots = [read_position(d) for d in layout.dirs]
+        aligned = {(n, f) for n, f, _at in spots}
+        if aligned != {(furthest, furthest)}:
+            raise ConfigError(
+                f"cannot change the number of workers to {workers}: the {layout.workers} shards "
+                f"of {sdir} did not reach one input position ({sorted(aligned)} (next, from), "
+                f"expected {furthest}); run the job with --workers {layout.workers} to the end "
+                f"of its input first"
+            )
+        position = (furthest, spots[0][2])
+    check_quiet(layout.dirs, workers)
+    return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
+                   binding.action_names, position=position)  # fmt: skip
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """One shard: an ordinary embedded engine fed and drained by the coordinator."""
+    p = argparse.ArgumentParser(prog="ratchet-shard-worker")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--agent", required=True)
+    p.add_argument("--config", required=True)
+    args = p.parse_args(argv)
+    die_with_parent()
+    conn = WorkerConn(socket.socket(fileno=args.fd))
+    try:
+        agent = load_agent(args.agent)
+        config = EngineConfig(**json.loads(args.config))
+        source = PipeSource(conn)
+        sink = PipeSink(conn)
+        wait_for_lock(Path(args.dir))
+        job = Job(agent, inputs=source, output=sink, state_dir=args.dir, config=config)
+        engine = job.engine
+
+        def wake() -> None:
+            loop = engine._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(engine._poke)
+                except RuntimeError:
+                    pass
+
+        def stop() -> None:
+            loop = engine._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(engine.request_stop, "stopped by the coordinator")
+
+        def read() -> None:
+            while True:
+                try:
+                    msg = conn.recv()
+                except OSError:
+                    msg = None
+                if msg is None:
+                    os._exit(70)  # the coordinator is gone: stop as a crash would, safely
+                kind = msg[0]
+                if kind in ("in", "eof"):
+                    source.push(msg)
+                elif kind == "ack":
+                    sink.answered(msg[1], None)
+                elif kind == "nack":
+                    sink.answered(msg[1], msg[2])
+                elif kind == "stop":
+                    stop()
+
+        source.wake = wake
+        threading.Thread(target=read, name="ratchet-shard-reader", daemon=True).start()
+        result = run_owned(job, handle_signals=True)
+        conn.send(["done", asdict(result)])
+    except RatchetError as exc:
+        conn.send(["error", type(exc).__name__, str(exc)])
+        return 2
+    except BaseException as exc:
+        conn.send(["error", type(exc).__name__, f"{type(exc).__name__}: {exc}"])
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker_main())

@@ -1,0 +1,629 @@
+"""The multi-process embedded engine: one coordinator, N shard workers, shared nothing.
+
+The coordinator (the process `ratchet run --workers N` starts) reads the job's source and
+writes its sink; nothing else. It numbers each input by its place in the source (the number
+a single-process engine would give it), sends it to the worker of its key's shard, and writes
+to the sink the outputs workers release. Each worker is an ordinary embedded `Engine` on its
+own shard directory, whose source is the coordinator (`PipeSource`) and whose sink is the
+coordinator (`PipeSink`). docs/operations.md has the guarantees and why they hold.
+
+Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over a socket pair.
+coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's
+position `at` after input `end - 1`), ["eof"], ["stop"], ["ack", n], ["nack", n, why].
+worker -> coordinator: ["hello", next, from, at] (restored), ["took", frames],
+["committed", next, from, at] (after each checkpoint), ["out", n, records], ["done", result],
+["error", type, message].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ratchet import _errors
+from ratchet._errors import BadInputError, RatchetError, StateError
+from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._io import Record, Sink, Source, writable
+from ratchet.runtime._shards import Layout, shard_of
+from ratchet.store import codec
+
+log = logging.getLogger("ratchet.shards")
+
+_HEADER = struct.Struct(">I")
+BATCH = 256  # inputs read from the source per round of frames
+WINDOW = 32  # frames a worker may hold unread before the coordinator waits for it
+RESTARTS = 20  # times one worker may be restarted (killed by a signal) in one run
+PIDS_FILE = "workers.json"  # in shards/: the pids of the coordinator and its workers
+
+
+def _frame(msg: Any) -> bytes:
+    body = codec.encode(msg)
+    return _HEADER.pack(len(body)) + body
+
+
+class WorkerConn:
+    """A worker's end of the socket: blocking sends from any thread, one reader thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        data = _frame(msg)
+        with self._lock:
+            self.sock.sendall(data)
+
+    def recv(self) -> Any:
+        header = self._exactly(_HEADER.size)
+        if header is None:
+            return None
+        body = self._exactly(_HEADER.unpack(header)[0])
+        if body is None:
+            return None
+        return codec.decode(body)
+
+    def _exactly(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+
+# -- the worker's source and sink ------------------------------------------------------------------
+
+
+class PipeSource(Source):
+    """Inputs the coordinator sends this shard, in source order.
+
+    Its position is (next, from, at): every input of this shard numbered below `next` is
+    admitted (it is in the checkpoint's memory, queue or runs); re-reading the job's source
+    from `at` (the place of input number `from`, from <= next) yields every input not yet
+    admitted. An input numbered below `next` that arrives again (a re-send) is dropped.
+    """
+
+    follow = True
+
+    def __init__(self, conn: WorkerConn) -> None:
+        self.conn = conn
+        self.frames: collections.deque[list[Any]] = collections.deque()
+        self.next = 0
+        self.from_ = 0
+        self.at: dict[str, Any] = {}
+        self._i = 0
+        self._taken = 0
+        self.wake: Any = None  # set once the engine's loop runs: pokes it on new frames
+
+    def push(self, frame: list[Any]) -> None:
+        """From the reader thread."""
+        was_empty = not self.frames
+        self.frames.append(frame)
+        if was_empty and self.wake is not None:
+            self.wake()
+
+    def restore(self, position: dict[str, Any]) -> None:
+        if position:
+            if "next" not in position or "at" not in position:
+                raise StateError(
+                    "this shard's state was not written by a shard worker (its source position "
+                    f"has no 'next'/'at': {sorted(position)}); restore the state directory"
+                )
+            self.next = int(position["next"])
+            self.from_ = int(position["from"])
+            self.at = dict(position["at"])
+        self.conn.send(["hello", self.next, self.from_, self.at])
+
+    def position(self) -> dict[str, Any]:
+        return {"next": self.next, "from": self.from_, "at": self.at}
+
+    def next_record(self) -> Record | None:
+        frames = self.frames
+        while frames:
+            frame = frames[0]
+            if frame[0] == "eof":
+                frames.popleft()
+                self._took()
+                self.follow = False
+                return None
+            _kind, end, at, records = frame
+            i = self._i
+            while i < len(records):
+                seq, key, value = records[i]
+                i += 1
+                if seq >= self.next:
+                    self._i = i
+                    self.next = seq + 1
+                    return Record(seq, key=key, value=value, seq=seq)
+            frames.popleft()
+            self._i = 0
+            self._took()
+            if end > self.next:
+                self.next = end
+            if end > self.from_:
+                self.from_, self.at = end, at
+        return None
+
+    def _took(self) -> None:
+        self._taken += 1
+        if self._taken >= 8 or not self.frames:
+            self.conn.send(["took", self._taken])
+            self._taken = 0
+
+    def unread(self) -> None:
+        """Never called: the coordinator sends only good inputs (it handles bad lines)."""
+
+    def acknowledge(self, position: dict[str, Any]) -> None:
+        self.conn.send(["committed", position["next"], position["from"], position["at"]])
+
+
+class PipeSink(Sink):
+    """Outputs go to the coordinator, which writes them to the job's sink; `write` returns
+    only once the coordinator says they are written (durably, for the JSONL sink). Until then
+    they stay in this shard's outbox, and are sent again after a restart (the sink drops an id
+    it already holds)."""
+
+    def __init__(self, conn: WorkerConn) -> None:
+        self.conn = conn
+        self._n = 0
+        self._waits: dict[int, tuple[threading.Event, list[str | None]]] = {}
+        self._lock = threading.Lock()
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._n += 1
+            n = self._n
+            done = threading.Event()
+            why: list[str | None] = [None]
+            self._waits[n] = (done, why)
+        self.conn.send(["out", n, records])
+        done.wait()
+        if why[0] is not None:
+            raise OSError(f"the coordinator could not write the outputs: {why[0]}")
+
+    def answered(self, n: int, why: str | None) -> None:
+        with self._lock:
+            wait = self._waits.pop(n, None)
+        if wait is not None:
+            wait[1][0] = why
+            wait[0].set()
+
+
+# -- the worker process ----------------------------------------------------------------------------
+
+
+def die_with_parent() -> None:
+    """A worker must not outlive its coordinator: on Linux the kernel SIGKILLs it when the
+    coordinator dies (a kill is always safe: the shard restarts from its checkpoint)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere: the closed socket ends the worker at its next read
+    if os.getppid() == 1:
+        os._exit(70)
+
+
+def wait_for_lock(sdir: Path) -> None:
+    """A worker of a killed coordinator may still hold the shard for a moment: wait for it."""
+    import fcntl
+
+    from ratchet.store._sqlite import LOCK_NAME
+
+    sdir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(sdir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the old holder is gone, no polling
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+# -- the coordinator -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Shard:
+    index: int
+    dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    writer: asyncio.StreamWriter | None = None
+    ready: bool = False
+    hello: asyncio.Future[None] | None = None
+    next: int = 0  # what the shard restored (inputs below it are dropped, not re-sent)
+    committed: tuple[int, int, dict[str, Any]] = (0, 0, {})
+    retained: collections.deque[list[Any]] = field(default_factory=collections.deque)
+    inflight: int = 0
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    result: dict[str, Any] | None = None
+    error: tuple[str, str] | None = None
+    restarts: int = 0
+    gone: bool = False  # ended and not to be restarted
+
+
+class Coordinator:
+    """Read the source, route inputs to shard workers, write their outputs to the sink."""
+
+    def __init__(
+        self,
+        agent_spec: str,
+        layout: Layout,
+        state_dir: Path,
+        source: Source,
+        sink: Sink,
+        config: EngineConfig,
+        *,
+        stop_at: int | None = None,
+    ) -> None:
+        self.agent_spec = agent_spec
+        self.layout = layout
+        self.state_dir = state_dir
+        self.source = source
+        self.sink = sink
+        self.config = config
+        self.stop_at = stop_at
+        self.shards = [_Shard(i, d) for i, d in enumerate(layout.dirs)]
+        self.seq = 0
+        self.result = EngineResult()
+        self._eof_sent = False
+        self._stopping = False
+        self._stop_reason = ""
+        self._fatal: BaseException | None = None
+        self._bad: BadInputError | None = None
+        self._acked_from = -1
+        self._sink_thread = concurrent.futures.ThreadPoolExecutor(1, "ratchet-sink")
+        self._wake: asyncio.Event | None = None
+        self._all_done: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def _worker_config(self) -> str:
+        cfg = dict(self.config.as_dict())
+        cfg["follow_poll"] = 1.0  # a worker is poked when input arrives; this is a backstop
+        return json.dumps(cfg)
+
+    async def _spawn(self, shard: _Shard) -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        argv = [
+            sys.executable, "-m", "ratchet.agents._sharded", "--fd", str(theirs.fileno()),
+            "--dir", str(shard.dir), "--agent", self.agent_spec, "--config", self._worker_config(),
+        ]  # fmt: skip
+        # Started from the loop's thread, which lives as long as the job: a worker's
+        # parent-death signal fires when the thread that started it ends.
+        # The worker imports the agent as this process did: with this process's sys.path.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        shard.proc = subprocess.Popen(  # noqa: ASYNC220 - a fork and exec, not a wait
+            argv, pass_fds=[theirs.fileno()], start_new_session=True, env=env
+        )
+        theirs.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        shard.writer = writer
+        shard.ready = False
+        if shard.hello is None:  # a restart before the first hello keeps the start waiting on it
+            shard.hello = loop.create_future()
+        self._write_pids()
+        self._start(self._read(shard, reader, shard.proc))
+
+    def _start(self, coro: Any) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _write_pids(self) -> None:
+        from ratchet.store._files import atomic_json
+
+        path = self.state_dir / "shards" / PIDS_FILE
+        try:
+            atomic_json(
+                path,
+                {
+                    "coordinator": os.getpid(),
+                    "workers": {
+                        str(s.index): s.proc.pid for s in self.shards if s.proc is not None
+                    },
+                },
+            )
+        except OSError as exc:  # informational only
+            log.warning("could not write %s: %s", path, exc)
+
+    def _send(self, shard: _Shard, msg: Any) -> None:
+        if shard.writer is not None and not shard.writer.is_closing():
+            shard.writer.write(_frame(msg))
+
+    async def _read(
+        self, shard: _Shard, reader: asyncio.StreamReader, proc: subprocess.Popen[bytes]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                header = await reader.readexactly(_HEADER.size)
+                msg = codec.decode(await reader.readexactly(_HEADER.unpack(header)[0]))
+                kind = msg[0]
+                if kind == "took":
+                    shard.inflight -= msg[1]
+                    if shard.inflight < WINDOW:
+                        shard.room.set()
+                elif kind == "out":
+                    why = await loop.run_in_executor(self._sink_thread, self._deliver, msg[2])
+                    self._send(shard, ["ack", msg[1]] if why is None else ["nack", msg[1], why])
+                elif kind == "committed":
+                    self._committed(shard, msg[1], msg[2], msg[3])
+                elif kind == "hello":
+                    self._hello(shard, msg[1], msg[2], msg[3])
+                elif kind == "done":
+                    shard.result = msg[1]
+                    why = str(msg[1].get("stopped_by") or "")
+                    if why.startswith("more than"):  # --max-errors, counted per shard
+                        self.request_stop(f"shard {shard.index}: {why}")
+                elif kind == "error":
+                    shard.error = (msg[1], msg[2])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        rc = await loop.run_in_executor(None, proc.wait)
+        if shard.writer is not None:
+            shard.writer.close()
+        shard.ready = False
+        shard.room.set()
+        if shard.result is not None:
+            log.debug("shard %d finished", shard.index)
+        elif rc < 0 and self._fatal and shard.restarts < RESTARTS:
+            shard.gone = True  # killed while the job stops for another reason: not restarted
+        elif rc < 0 and not self._fatal and shard.restarts < RESTARTS:
+            shard.restarts += 1
+            log.warning(
+                "worker of shard %d (pid %d) was killed by signal %d; restarting it from its "
+                "last checkpoint (restart %d)", shard.index, proc.pid, -rc, shard.restarts,
+            )  # fmt: skip
+            try:
+                await self._spawn(shard)
+            except Exception as exc:  # noqa: BLE001 - the job stops, the others checkpoint
+                shard.gone = True
+                self._fail(RatchetError(f"worker of shard {shard.index} cannot restart: {exc}"))
+                self._check_done()
+            return
+        else:
+            err = shard.error
+            what = (
+                f"{err[1]}"
+                if err is not None
+                else f"it exited with code {rc}" + (" (restarted too often)" if rc < 0 else "")
+            )
+            shard.gone = True
+            exc_type = getattr(_errors, err[0], None) if err is not None else None
+            if not (isinstance(exc_type, type) and issubclass(exc_type, RatchetError)):
+                exc_type = RatchetError
+            self._fail(exc_type(f"worker of shard {shard.index} ({shard.dir}) failed: {what}"))
+        self._check_done()
+
+    def _deliver(self, records: list[dict[str, Any]]) -> str | None:
+        """In the sink thread: write a worker's released outputs; None once written."""
+        try:
+            checked, _refused = writable(self.sink, records)
+            self.sink.write(checked)
+        except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
+            log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _hello(self, shard: _Shard, nxt: int, frm: int, at: dict[str, Any]) -> None:
+        shard.next = nxt
+        shard.committed = (nxt, frm, at)
+        replay = 0
+        for frame in shard.retained:  # what it had not committed, in order, again
+            records = [r for r in frame[3] if r[0] >= nxt]
+            self._send(shard, [frame[0], frame[1], frame[2], records])
+            replay += 1
+        if self._eof_sent:
+            self._send(shard, ["eof"])
+        shard.inflight = replay
+        shard.ready = True
+        shard.room.set()
+        if self._stopping:
+            self._send(shard, ["stop"])
+        if shard.hello is not None and not shard.hello.done():
+            shard.hello.set_result(None)
+
+    def _committed(self, shard: _Shard, nxt: int, frm: int, at: dict[str, Any]) -> None:
+        shard.committed = (nxt, frm, at)
+        retained = shard.retained
+        while retained and retained[0][1] <= nxt:
+            retained.popleft()
+        # Upstream may forget inputs once every shard has them in a completed checkpoint.
+        low = min(self.shards, key=lambda s: s.committed[1])
+        if low.committed[1] > self._acked_from and low.committed[2]:
+            self._acked_from = low.committed[1]
+            try:
+                self.source.acknowledge(low.committed[2])
+            except Exception:  # noqa: BLE001 - acknowledged again after the next checkpoint
+                log.exception("the source failed to acknowledge checkpointed inputs upstream")
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = exc
+        self.request_stop(str(exc))
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Stop reading; every worker takes a final checkpoint (runs in flight are saved)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._stop_reason = reason
+        for s in self.shards:
+            if s.ready:
+                self._send(s, ["stop"])
+            s.room.set()
+        if self._wake is not None:
+            self._wake.set()
+
+    def _check_done(self) -> None:
+        if self._all_done is not None and all(s.result is not None or s.gone for s in self.shards):
+            self._all_done.set()
+
+    # -- the source ------------------------------------------------------------------------
+
+    async def _feed(self) -> None:
+        n = len(self.shards)
+        src = self.source
+        while not self._stopping:
+            batches: list[list[list[Any]]] = [[] for _ in range(n)]
+            count = 0
+            exhausted = False
+            while count < BATCH:
+                if self.stop_at is not None and self.seq >= self.stop_at:
+                    exhausted = True
+                    break
+                try:
+                    rec = src.next_record()
+                except RatchetError as exc:
+                    self._fail(exc)
+                    return
+                if rec is None:
+                    exhausted = not src.follow
+                    break
+                if rec.error is not None:
+                    if self.config.on_bad_input == "skip":
+                        log.warning("skipping bad input: %s", rec.error)
+                        self.result.bad_inputs.append(rec.error)
+                        continue
+                    src.unread()  # read again at the next start, once it is fixed
+                    self.result.bad_inputs.append(rec.error)
+                    self._bad = BadInputError(
+                        f"{rec.error}; stopped before admitting it (inputs before it are "
+                        f"processed and checkpointed; fix the line and run again, or pass "
+                        f"--on-bad-input skip)"
+                    )
+                    exhausted = True
+                    break
+                seq = self.seq
+                self.seq += 1
+                shard = self.shards[shard_of(rec.key, n)]
+                if seq >= shard.next:  # below it the shard has it already
+                    batches[shard.index].append([seq, rec.key, rec.value])
+                count += 1
+            if count or exhausted:
+                at = src.position()
+                for s in self.shards:
+                    frame = ["in", self.seq, at, batches[s.index]]
+                    s.retained.append(frame)
+                    if s.ready:
+                        self._send(s, frame)
+                        s.inflight += 1
+                        if s.inflight >= WINDOW:
+                            s.room.clear()
+                await self._drain()
+            if exhausted:
+                self._eof_sent = True
+                for s in self.shards:
+                    if s.ready:
+                        self._send(s, ["eof"])
+                await self._drain()
+                return
+            for s in self.shards:
+                while s.ready and s.inflight >= WINDOW and not self._stopping:
+                    s.room.clear()  # set again by its "took", its end, or a stop
+                    await s.room.wait()
+            if not count:
+                assert self._wake is not None
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.config.follow_poll)
+                except TimeoutError:
+                    pass
+                self._wake.clear()
+
+    async def _drain(self) -> None:
+        for s in self.shards:
+            w = s.writer
+            if s.ready and w is not None and not w.is_closing():
+                try:
+                    await w.drain()
+                except ConnectionError:
+                    pass  # its reader sees the end and restarts it
+
+    # -- the job ---------------------------------------------------------------------------
+
+    async def run(self, handle_signals: bool = False) -> EngineResult:
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._all_done = asyncio.Event()
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop, f"signal {sig.name}")
+        try:
+            for s in self.shards:
+                await self._spawn(s)
+            hellos = [s.hello for s in self.shards if s.hello is not None]
+            stopper = asyncio.ensure_future(self._all_done.wait())
+            while not stopper.done() and not all(h.done() for h in hellos):
+                waiting: list[asyncio.Future[Any]] = [h for h in hellos if not h.done()]
+                waiting.append(stopper)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if self._fatal is None:
+                # Re-read from the shard that is furthest behind; the others drop what they have.
+                low = min(self.shards, key=lambda s: s.committed[1])
+                self.seq = low.committed[1]
+                self.source.restore(low.committed[2])
+                self.result.restored_from = {"shards": {s.index: s.next for s in self.shards}}
+                await self._feed()
+            await self._all_done.wait()
+        finally:
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            for s in self.shards:
+                if s.proc is not None and s.proc.poll() is None:
+                    s.proc.kill()
+                    s.proc.wait()
+                if s.writer is not None:
+                    s.writer.close()
+            for t in list(self._tasks):
+                t.cancel()
+            self._sink_thread.shutdown(wait=True)
+        if self._fatal is not None:
+            raise self._fatal
+        self._sum()
+        if self._bad is not None:
+            raise self._bad
+        return self.result
+
+    def _sum(self) -> None:
+        r = self.result
+        for s in self.shards:
+            got = s.result or {}
+            for name in (
+                "inputs", "runs_completed", "outputs", "tasks_executed", "tasks_replayed",
+                "restored_runs", "runs_failed", "dead_letters", "redriven",
+            ):  # fmt: skip
+                setattr(r, name, getattr(r, name) + int(got.get(name) or 0))
+            r.bad_inputs.extend(got.get("bad_inputs") or [])
+        r.stopped_by = self._stop_reason or "end of input"
+        r.checkpoints = {str(s.index): (s.result or {}).get("checkpoints", {}) for s in self.shards}
+        r.metrics = {"workers": float(len(self.shards))}
+
+
+__all__ = [
+    "Coordinator",
+    "PipeSink",
+    "PipeSource",
+    "WorkerConn",
+    "die_with_parent",
+    "wait_for_lock",
+]

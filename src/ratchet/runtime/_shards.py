@@ -1,0 +1,339 @@
+"""Where a multi-process job keeps its shards, which shard a key belongs to, and re-sharding.
+
+Layout of a state directory (`--state DIR`):
+
+- one worker (the default): `DIR/ratchet.db`, exactly as a single-process job keeps it;
+- N > 1 workers: `DIR/shards/layout.json` says N; shard i lives in `DIR/shards/<i>-of-<N>/`,
+  an ordinary state directory (its own `ratchet.db` and lock) that holds only its keys.
+
+`layout.json` is the one source of truth: it is written atomically, last, when the shards it
+names are complete, so a re-sharding killed half-way leaves the old layout in force.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ratchet._errors import ConfigError, StateError
+from ratchet.store import codec
+from ratchet.store._base import CheckpointRows
+from ratchet.store._files import atomic_json
+from ratchet.store._sqlite import DB_NAME, SqliteStore
+
+SHARDS_DIR = "shards"
+LAYOUT_FILE = "layout.json"
+_LAYOUT_FORMAT = 1
+HASH_NAME = "blake2b-64"
+
+
+def shard_of(key: Any, shards: int) -> int:
+    """The shard of `key` among `shards`: stable across processes, runs and Python versions
+    (not `hash()`, which is salted per process)."""
+    if shards == 1:
+        return 0
+    if isinstance(key, str):
+        raw = b"s" + key.encode("utf-8", "surrogatepass")
+    elif isinstance(key, int) and not isinstance(key, bool):
+        raw = b"i" + str(key).encode()
+    else:
+        raw = b"c" + codec.encode(key)
+    digest = hashlib.blake2b(raw, digest_size=8).digest()
+    return int.from_bytes(digest, "big") % shards
+
+
+def shard_dir(state_dir: Path, index: int, shards: int) -> Path:
+    return state_dir / SHARDS_DIR / f"{index}-of-{shards}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a state directory is split: `workers` shards at `dirs` (one: the directory itself)."""
+
+    workers: int
+    dirs: tuple[Path, ...]
+
+
+def read_layout(state_dir: str | os.PathLike[str]) -> Layout:
+    """The layout in force; a state without `shards/layout.json` is a single-process state."""
+    sdir = Path(state_dir)
+    path = sdir / SHARDS_DIR / LAYOUT_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return Layout(1, (sdir,))
+    except (OSError, ValueError) as exc:
+        raise StateError(f"{path} cannot be read ({exc}); restore it from a backup") from exc
+    n = data.get("workers") if isinstance(data, dict) else None
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != _LAYOUT_FORMAT
+        or data.get("hash") != HASH_NAME
+        or not isinstance(n, int)
+        or n < 2
+    ):
+        raise StateError(
+            f"{path} is not a shard layout this ratchet knows (format {_LAYOUT_FORMAT}, hash "
+            f"{HASH_NAME}, workers >= 2); use the ratchet version that wrote it"
+        )
+    return Layout(n, tuple(shard_dir(sdir, i, n) for i in range(n)))
+
+
+def is_sharded(state_dir: str | os.PathLike[str]) -> bool:
+    return (Path(state_dir) / SHARDS_DIR / LAYOUT_FILE).exists()
+
+
+def refuse_sharded(state_dir: str | os.PathLike[str], command: str) -> None:
+    """Commands that read or write one state database cannot yet act on a sharded job: say so
+    (exit 2) rather than act on one shard silently."""
+    if is_sharded(state_dir):
+        n = read_layout(state_dir).workers
+        raise ConfigError(
+            f"{state_dir} is a job sharded over {n} workers (shards/layout.json); `ratchet "
+            f"{command}` does not act on sharded state yet. Run the job with --workers 1 once "
+            f"(it moves every key back into {state_dir}/ratchet.db) to use it, or look at one "
+            f"shard directly with --state {state_dir}/shards/<i>-of-{n}"
+        )
+
+
+# -- shard positions ---------------------------------------------------------------------------
+
+
+def shard_position(source_meta: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
+    """(next, from, at) of a shard's checkpointed source meta: every input of the shard below
+    `next` is admitted; re-reading the job's source from `at` (input number `from`) gives every
+    input at or after `next`."""
+    pos = source_meta.get("position") or {}
+    if not pos:
+        return 0, 0, {}
+    return int(pos["next"]), int(pos["from"]), dict(pos.get("at") or {})
+
+
+def read_position(sdir: Path) -> tuple[int, int, dict[str, Any]]:
+    if not (sdir / DB_NAME).exists():
+        return 0, 0, {}
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        return shard_position(store.meta("source") or {})
+    finally:
+        store.close()
+
+
+def _quiet(sdir: Path) -> str | None:
+    """Why the shard at `sdir` cannot have its keys moved now (None: it can)."""
+    if not (sdir / DB_NAME).exists():
+        return None
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        s = store.summary()
+        ltm = (
+            store.conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'ltm'").fetchone()[
+                0
+            ]
+            and store.conn.execute("SELECT COUNT(*) FROM ltm").fetchone()[0]
+        )
+    finally:
+        store.close()
+    if s["in_flight_runs"] or s["queued_inputs"]:
+        return (
+            f"{s['in_flight_runs']} run(s) in flight and {s['queued_inputs']} queued input(s) "
+            f"(runs waiting for a signal or a timer cannot move between shards)"
+        )
+    if s["unreleased_outputs"]:
+        return f"{s['unreleased_outputs']} output(s) not yet released to the sink"
+    if s["pending_signals"]:
+        return f"{len(s['pending_signals'])} signal(s) not taken yet"
+    if ltm:
+        return "long-term memory (re-sharding does not move it yet)"
+    return None
+
+
+def check_quiet(dirs: tuple[Path, ...], workers: int) -> None:
+    for d in dirs:
+        why = _quiet(d)
+        if why is not None:
+            raise ConfigError(
+                f"cannot change the number of workers to {workers}: {d} holds {why}. Run the "
+                f"job with its current number of workers until these are done, then change it"
+            )
+
+
+def reshard(
+    state_dir: Path,
+    old: Layout,
+    workers: int,
+    agent_name: str,
+    fingerprint: str,
+    actions: list[str],
+    *,
+    position: tuple[int, dict[str, Any]],
+) -> Layout:
+    """Move every key of the quiet state `old` into `workers` shards; returns the new layout.
+
+    `position`: (n, at), where every shard of `old` stands: all inputs numbered below n are
+    done, and `at` is the source's position after input n - 1 (the caller brought them there
+    and checked they are quiet). Memory, traces and dead letters move with their key.
+    Crash-safe: the new shards are built in directories the old layout does not name and put
+    in force by one atomic step (N > 1: writing `layout.json`; 1: removing it, once
+    `ratchet.db` is complete), then the old files go."""
+    n, at = position
+    if workers == 1:
+        targets = [state_dir]
+        source: dict[str, Any] = {"next_seq": n, "position": at} if at or n else {}
+    else:
+        targets = [shard_dir(state_dir, i, workers) for i in range(workers)]
+        source = {"next_seq": n, "position": {"next": n, "from": n, "at": at}}
+    for t in targets:
+        # Left by a re-sharding killed before it took effect: nothing in force names it.
+        if t != state_dir and t.exists():
+            shutil.rmtree(t)
+        elif t == state_dir:
+            for name in (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm"):
+                if (t / name).exists() and old.workers > 1:
+                    (t / name).unlink()
+    stores = [
+        SqliteStore.open(t, agent_name, fingerprint, actions, synchronous="FULL") for t in targets
+    ]
+    try:
+        moved: list[CheckpointRows] = [CheckpointRows(source=dict(source)) for _ in targets]
+        texts: dict[str, Any] = {}  # key text -> key, to place rows that only name the text
+        for d in old.dirs:
+            if not (d / DB_NAME).exists():
+                continue
+            src = SqliteStore.open_readonly(d)
+            try:
+                for k, text, nd, mem, version in src.conn.execute(
+                    "SELECT key, key_text, next_dispatch, memory, memory_version FROM keys"
+                ):
+                    key = codec.decode(bytes(k), unknown="generic")
+                    texts[str(text)] = key
+                    i = shard_of(key, workers)
+                    moved[i].keys.append((bytes(k), str(text), int(nd), bytes(mem), int(version)))
+            finally:
+                src.close()
+        for store, rows in zip(stores, moved, strict=True):
+            store.write_checkpoint(rows, 0.0)
+        for i, store in enumerate(stores):
+            _copy_per_key_text(store.conn, old.dirs, _placer(texts, i, workers))
+    finally:
+        for store in stores:
+            store.close()
+    layout_path = state_dir / SHARDS_DIR / LAYOUT_FILE
+    if workers == 1:
+        layout_path.unlink(missing_ok=True)
+    else:
+        layout_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_json(layout_path, {"format": _LAYOUT_FORMAT, "hash": HASH_NAME, "workers": workers})
+    # The old layout is out of force now: its files go.
+    for d in old.dirs:
+        if d == state_dir:
+            for name in (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm"):
+                if workers > 1:
+                    (d / name).unlink(missing_ok=True)
+        elif d not in targets:
+            shutil.rmtree(d, ignore_errors=True)
+    if workers == 1:
+        shutil.rmtree(state_dir / SHARDS_DIR, ignore_errors=True)
+    return read_layout(state_dir)
+
+
+def _placer(texts: dict[str, Any], index: int, workers: int) -> Callable[[str], bool]:
+    """Whether a row naming a key by its text belongs to shard `index`."""
+
+    def mine(text: str) -> bool:
+        return shard_of(texts.get(text, text), workers) == index
+
+    return mine
+
+
+def _copy_per_key_text(
+    conn: sqlite3.Connection, dirs: tuple[Path, ...], mine: Callable[[str], bool]
+) -> None:
+    """Traces and dead letters of this shard's keys, from every old shard."""
+    conn.create_function("ratchet_mine", 1, lambda t: 1 if mine(str(t)) else 0)
+    for d in dirs:
+        db = d / DB_NAME
+        if not db.exists():
+            continue
+        conn.execute("ATTACH DATABASE ? AS old", (str(db),))
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for table in ("traces", "dead_letters"):
+                cols = [r[1] for r in conn.execute(f"PRAGMA old.table_info({table})")]
+                ours = {r[1] for r in conn.execute(f"PRAGMA main.table_info({table})")}
+                cols = [c for c in cols if c in ours and c != "id"]
+                if not cols:
+                    continue
+                names = ", ".join(cols)
+                conn.execute(
+                    f"INSERT OR IGNORE INTO main.{table}({names}) SELECT {names} FROM "
+                    f"old.{table} WHERE ratchet_mine(key_text)"
+                )
+            conn.execute("COMMIT")
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            conn.execute("DETACH DATABASE old")
+
+
+# -- reading a sharded state ---------------------------------------------------------------------
+
+
+def state_dirs(state_dir: str | os.PathLike[str]) -> list[Path]:
+    """The directories that hold the state's databases: itself, or every shard that has one."""
+    layout = read_layout(state_dir)
+    if layout.workers == 1:
+        return [Path(state_dir)]
+    return [d for d in layout.dirs if (d / DB_NAME).exists()]
+
+
+_SUMMED = ("keys", "in_flight_runs", "queued_inputs", "unreleased_outputs", "dead_letters",
+           "runs_failed")  # fmt: skip
+_LISTED = ("waiting", "paused", "pending_signals")
+
+
+def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """`ratchet status` of a sharded state: the shards' counts summed, their lists joined, and
+    each shard's own summary under "shards"."""
+    layout = read_layout(state_dir)
+    per: list[dict[str, Any]] = []
+    for d in layout.dirs:
+        if not (d / DB_NAME).exists():
+            continue
+        store = SqliteStore.open_readonly(d)
+        try:
+            per.append(dict(store.summary(), shard=d.name))
+        finally:
+            store.close()
+    if not per:
+        raise StateError(f"no ratchet state in {state_dir}: none of its shards has a database")
+    first = per[0]
+    total: dict[str, Any] = {k: v for k, v in first.items() if k not in ("shard",)}
+    total["state_db"] = [p["state_db"] for p in per]
+    for name in _SUMMED:
+        total[name] = sum(int(p[name]) for p in per)
+    for name in _LISTED:
+        total[name] = [item for p in per for item in p[name]]
+    counts = {
+        c: sum(int(p["checkpoints"]["counts"][c]) for p in per)
+        for c in first["checkpoints"]["counts"]
+    }
+    latest = [
+        p["checkpoints"]["latest_completed"] for p in per if p["checkpoints"]["latest_completed"]
+    ]
+    total["checkpoints"] = {
+        "counts": counts,
+        "latest_completed": max(latest, key=lambda c: c["trigger_timestamp"]) if latest else None,
+        "latest_restored": None,
+    }
+    total["source"] = {p["shard"]: p["source"].get("position", {}).get("next") for p in per}
+    total["workers"] = layout.workers
+    total["shards"] = per
+    return total

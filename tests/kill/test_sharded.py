@@ -1,0 +1,338 @@
+"""`ratchet run --workers N`: real coordinator and worker processes, real SQLite shards, SIGKILL.
+
+Claims checked (each against a single-process run of the same input without kills):
+- every input's output is in the sink exactly once, with the same ids a single process gives;
+- the committed memory of every key is the same;
+- nothing a killed process had committed (a completed input, a journaled task, a recorded
+  durable call) runs again;
+- a killed worker is restarted while the other keeps running (same pid throughout);
+- the number of workers can change between runs (1 -> 2 -> 3 -> 1), also after a kill.
+
+Kill moments come from a seeded RNG; the seed is printed, and RATCHET_SHARD_SEED replays it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet.runtime._multiproc import PIDS_FILE, wait_for_lock
+from ratchet.runtime._shards import read_layout, shard_of, state_dirs
+from ratchet.store import codec
+from ratchet.store._sqlite import SqliteStore
+
+pytestmark = pytest.mark.kill
+
+AGENT = f"{Path(__file__).with_name('kill_agent.py')}:KillAgent"
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+N_INPUTS = 400
+KEYS = 32
+
+
+def _seed(default: int) -> int:
+    seed = int(os.environ.get("RATCHET_SHARD_SEED") or default)
+    print(f"seed {seed} (replay: RATCHET_SHARD_SEED={seed})")
+    return seed
+
+
+def write_inputs(path: Path, lo: int, hi: int) -> None:
+    with path.open("a") as fh:
+        for i in range(lo, hi):
+            fh.write(json.dumps({"key": f"k{i % KEYS}", "id": i, "value": (i * 7) % 101}) + "\n")
+
+
+def start(tmp: Path, inp: Path, state: Path, out: Path, workers: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp / "exec.log"))
+    with open(tmp / "stderr.log", "ab") as err:
+        return subprocess.Popen(
+            [
+                *RATCHET, "run", AGENT, "--input", str(inp), "--output", str(out),
+                "--state", str(state), "--checkpoint-interval", "20",
+                "--max-concurrent-runs", "16", "--workers", str(workers),
+            ],
+            env=env, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+
+
+def log_lines(tmp: Path) -> list[list[str]]:
+    log = tmp / "exec.log"
+    if not log.exists():
+        return []
+    return [line.split() for line in log.read_text().splitlines() if line]
+
+
+def inspect(state: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [*RATCHET, "inspect", "--state", str(state), "--json"], check=True, capture_output=True
+    )
+    return dict(json.loads(out.stdout))
+
+
+def committed(state: Path) -> tuple[set[int], set[tuple[int, str]], set[tuple[int, str]]]:
+    """What the shards' databases hold as done: completed inputs, journaled tasks, calls."""
+    done: set[int] = set()
+    journaled: set[tuple[int, str]] = set()
+    recorded: set[tuple[int, str]] = set()
+    for d in state_dirs(state):
+        store = SqliteStore.open_readonly(d)
+        try:
+            loaded = store.load()
+        finally:
+            store.close()
+        if d == state:
+            below = int(loaded.source.get("next_seq", 0))
+            mine = set(range(below))
+        else:
+            index, n = (int(x) for x in d.name.split("-of-"))
+            below = int((loaded.source.get("position") or {}).get("next", 0))
+            mine = {s for s in range(below) if shard_of(f"k{s % KEYS}", n) == index}
+        done |= mine - {seq for seq, _, _ in loaded.inputs}
+        for seq, _key, _base, journal in loaded.runs:
+            for entry in codec.decode(journal):
+                journaled.add((seq, entry[0]))
+        recorded |= {(r.seq, r.task_id) for r in loaded.calls if r.status == "ok"}
+    return done, journaled, recorded
+
+
+def wait_workers_gone(state: Path) -> None:
+    """The killed coordinator's workers die with it (parent-death signal); their shard locks
+    are free once they are gone."""
+    if (state / "shards" / "layout.json").exists():
+        for d in read_layout(state).dirs:
+            if d.exists():
+                wait_for_lock(d)
+
+
+def check_outputs(out: Path, n: int, seed: int) -> None:
+    outputs = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [o["id"] for o in outputs]
+    assert len(ids) == len(set(ids)), f"seed {seed}: duplicated outputs"
+    assert sorted(o["seq"] for o in outputs) == list(range(n)), f"seed {seed}: lost outputs"
+    for o in outputs:
+        assert o["output"]["price"] == o["output"]["value"] * 3 + 1
+        assert o["id"].startswith(f"k{o['seq'] % KEYS}:{o['seq']}:")  # single-process ids
+
+
+def check_not_rerun(tmp: Path, checks: list[Any], seed: int) -> None:
+    lines = log_lines(tmp)
+    for upto, done, journaled, recorded in checks:
+        for parts in lines[upto:]:
+            kind, seq, task = parts[1], int(parts[2]), parts[3]
+            assert seq not in done, f"seed {seed}: input {seq} re-ran {task} after its commit"
+            if kind == "exec":
+                assert (seq, task) not in journaled, f"seed {seed}: {seq}/{task} ran again"
+            else:
+                assert (seq, task) not in recorded, f"seed {seed}: call {seq}/{task} again"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A single-process run without kills: the memory every sharded run must end with."""
+    ref = tmp_path_factory.mktemp("ref")
+    write_inputs(ref / "in.jsonl", 0, N_INPUTS)
+    proc = start(ref, ref / "in.jsonl", ref / "state", ref / "out.jsonl", 1)
+    assert proc.wait(timeout=120) == 0, (ref / "stderr.log").read_text()
+    return inspect(ref / "state")
+
+
+def run_to_end(tmp: Path, inp: Path, state: Path, out: Path, workers: int) -> None:
+    proc = start(tmp, inp, state, out, workers)
+    assert proc.wait(timeout=120) == 0, (tmp / "stderr.log").read_text()
+
+
+def test_two_workers_give_single_process_outputs_and_memory(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    write_inputs(tmp_path / "in.jsonl", 0, N_INPUTS)
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    run_to_end(tmp_path, tmp_path / "in.jsonl", state, out, 2)
+    check_outputs(out, N_INPUTS, 0)
+    assert inspect(state) == reference
+    assert sorted(p.name for p in (state / "shards").iterdir()) == [
+        "0-of-2", "1-of-2", "layout.json", PIDS_FILE,
+    ]  # fmt: skip
+    status = subprocess.run(
+        [*RATCHET, "status", "--state", str(state), "--json"], check=True, capture_output=True
+    )
+    summary = json.loads(status.stdout)
+    assert summary["workers"] == 2
+    assert summary["keys"] == KEYS
+    assert summary["source"] == {"0-of-2": N_INPUTS, "1-of-2": N_INPUTS}
+    refused = subprocess.run(
+        [*RATCHET, "dead-letters", "--state", str(state)], capture_output=True, text=True
+    )
+    assert refused.returncode == 2
+    assert "sharded over 2 workers" in refused.stderr
+
+
+def test_coordinator_sigkilled_at_random_moments(tmp_path: Path, reference: dict[str, Any]) -> None:
+    seed = _seed(20261202)
+    rng = random.Random(seed)
+    write_inputs(tmp_path / "in.jsonl", 0, N_INPUTS)
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    kills = 0
+    checks: list[Any] = []
+    for _cycle in range(60):
+        before = len(log_lines(tmp_path))
+        proc = start(tmp_path, tmp_path / "in.jsonl", state, out, 2)
+        target = before + rng.randint(5, 400)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and len(log_lines(tmp_path)) < target:
+            assert time.monotonic() < deadline, f"seed {seed}: no progress"
+            time.sleep(0.005)
+        if proc.poll() is None:
+            time.sleep(rng.uniform(0, 0.05))
+        if proc.poll() is None and kills < 6:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            wait_workers_gone(state)
+            checks.append((len(log_lines(tmp_path)), *committed(state)))
+            continue
+        assert proc.wait(timeout=120) == 0, f"seed {seed}: {(tmp_path / 'stderr.log').read_text()}"
+        break
+    assert kills >= 3, f"seed {seed}: only {kills} kills before the job finished"
+    check_outputs(out, N_INPUTS, seed)
+    check_not_rerun(tmp_path, checks, seed)
+    assert inspect(state) == reference, f"seed {seed}: memory differs from a run without kills"
+    print(f"seed {seed}: {kills} coordinator SIGKILLs survived")
+
+
+def test_killed_worker_restarts_while_the_other_keeps_running(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    seed = _seed(5)
+    rng = random.Random(seed)
+    write_inputs(tmp_path / "in.jsonl", 0, N_INPUTS)
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    proc = start(tmp_path, tmp_path / "in.jsonl", state, out, 2)
+    target = rng.randint(100, 700)
+    deadline = time.monotonic() + 60
+    while len(log_lines(tmp_path)) < target:
+        assert proc.poll() is None and time.monotonic() < deadline, "finished before the kill"
+        time.sleep(0.005)
+    pids = json.loads((state / "shards" / PIDS_FILE).read_text())["workers"]
+    os.kill(int(pids["0"]), signal.SIGKILL)
+    # The other worker commits on meanwhile: what is done is read before the lines are
+    # counted, so a line after the count that repeats it is a real re-run.
+    snapshot = committed(state)
+    checks = [(len(log_lines(tmp_path)), *snapshot)]
+    assert proc.wait(timeout=120) == 0, (tmp_path / "stderr.log").read_text()
+    check_outputs(out, N_INPUTS, seed)
+    check_not_rerun(tmp_path, checks, seed)
+    assert inspect(state) == reference
+    by_shard: dict[int, set[str]] = {0: set(), 1: set()}
+    for parts in log_lines(tmp_path):
+        by_shard[shard_of(f"k{int(parts[2]) % KEYS}", 2)].add(parts[0])
+    assert by_shard[1] == {str(pids["1"])}, "the worker that was not killed was restarted"
+    assert len(by_shard[0]) == 2, f"shard 0 ran in {by_shard[0]}: not killed and restarted once"
+    after = json.loads((state / "shards" / PIDS_FILE).read_text())["workers"]
+    assert after["1"] == pids["1"] and after["0"] != pids["0"]
+
+
+def test_workers_change_between_runs_1_2_3_1(tmp_path: Path, reference: dict[str, Any]) -> None:
+    seed = _seed(11)
+    rng = random.Random(seed)
+    inp, state, out = tmp_path / "in.jsonl", tmp_path / "state", tmp_path / "out.jsonl"
+    write_inputs(inp, 0, 150)
+    run_to_end(tmp_path, inp, state, out, 1)  # a single-process state, as before --workers
+    write_inputs(inp, 150, 250)
+    run_to_end(tmp_path, inp, state, out, 2)
+    assert read_layout(state).workers == 2 and not (state / "ratchet.db").exists()
+    write_inputs(inp, 250, 350)
+    # Killed part-way with 2 workers: the shards stand at different inputs, with runs in
+    # flight; the change to 3 first brings both to one position, then moves the keys.
+    proc = start(tmp_path, inp, state, out, 2)
+    target = len(log_lines(tmp_path)) + rng.randint(20, 200)
+    while proc.poll() is None and len(log_lines(tmp_path)) < target:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, f"seed {seed}: finished before the kill"
+    wait_workers_gone(state)
+    # Killed again during the change itself (the old shards catching up, the keys moving, or
+    # the first inputs on 3 workers): the layout in force stays whole, and the next run ends it.
+    proc = start(tmp_path, inp, state, out, 3)
+    time.sleep(rng.uniform(0.2, 2.0))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    wait_workers_gone(state)
+    run_to_end(tmp_path, inp, state, out, 3)
+    assert read_layout(state).workers == 3
+    assert not (state / "shards" / "0-of-2").exists()
+    write_inputs(inp, 350, N_INPUTS)
+    run_to_end(tmp_path, inp, state, out, 1)
+    assert read_layout(state).workers == 1
+    assert (state / "ratchet.db").exists() and not (state / "shards").exists()
+    check_outputs(out, N_INPUTS, seed)
+    assert inspect(state) == reference
+
+
+def test_python_api_runs_workers_over_an_iterable(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    import ratchet
+    from ratchet.agents._run import load_agent
+
+    items = [{"key": f"k{i % KEYS}", "id": i, "value": (i * 7) % 101} for i in range(N_INPUTS)]
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    result = ratchet.run(load_agent(AGENT), inputs=items, output=out, state_dir=state, workers=2)
+    assert (result.inputs, result.outputs, result.runs_completed) == (N_INPUTS,) * 3
+    check_outputs(out, N_INPUTS, 0)
+    assert inspect(state) == reference
+    with pytest.raises(ratchet.ConfigError, match="agent_config"):
+        ratchet.run(
+            load_agent(AGENT), inputs=items, output=out, state_dir=state, workers=2,
+            agent_config={"x": 1},
+        )  # fmt: skip
+
+
+def test_a_worker_that_fails_stops_the_job_naming_its_shard(tmp_path: Path) -> None:
+    write_inputs(tmp_path / "in.jsonl", 0, 100)
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    run_to_end(tmp_path, tmp_path / "in.jsonl", state, out, 2)
+    broken = state / "shards" / "1-of-2"
+    (broken / "ratchet.db").write_bytes(b"not a database at all")
+    for name in ("ratchet.db-wal", "ratchet.db-shm"):
+        (broken / name).unlink(missing_ok=True)
+    write_inputs(tmp_path / "in.jsonl", 100, 150)
+    done = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+         "--state", str(state), "--workers", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"worker of shard 1 ({broken}) failed" in done.stderr
+    assert "not a ratchet state database" in done.stderr
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--supervise"], "--supervise and --rest-port do not work with a sharded job"),
+        (["--on-bad-input", "dead-letter"], "dead-letter is not supported with --workers > 1"),
+        (["--workers", "0"], "--workers must be >= 1, not 0"),
+    ],
+)
+def test_what_a_sharded_run_cannot_do_is_refused(
+    tmp_path: Path, extra: list[str], message: str
+) -> None:
+    write_inputs(tmp_path / "in.jsonl", 0, 10)
+    done = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output",
+         str(tmp_path / "out.jsonl"), "--state", str(tmp_path / "state"), "--workers", "2",
+         *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert not (tmp_path / "state" / "shards").exists()

@@ -23,10 +23,7 @@ from typing import Any
 
 import pytest
 
-from ratchet.runtime._multiproc import wait_for_lock
-from ratchet.runtime._shards import read_layout, shard_of, state_dirs
-from ratchet.store import codec
-from ratchet.store._sqlite import SqliteStore
+from support.shard_state import committed, workers_gone
 
 pytestmark = pytest.mark.kill
 
@@ -87,43 +84,6 @@ def log_lines(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines() if line]
 
 
-def committed(
-    state: Path, keys: int = 8
-) -> tuple[set[int], set[tuple[int, str]], set[tuple[int, str]]]:
-    """From the state a killed process left (every shard of a sharded one): completed inputs,
-    journaled tasks, recorded calls."""
-    done: set[int] = set()
-    journaled: set[tuple[int, str]] = set()
-    recorded: set[tuple[int, str]] = set()
-    for sdir in state_dirs(state):
-        store = SqliteStore.open_readonly(sdir)
-        try:
-            loaded = store.load()
-        finally:
-            store.close()
-        if sdir == state:
-            admitted = set(range(int(loaded.source.get("next_seq", 0))))
-        else:  # shard i of n: its inputs below its position's "next"
-            index, n = (int(x) for x in sdir.name.split("-of-"))
-            below = int((loaded.source.get("position") or {}).get("next", 0))
-            admitted = {s for s in range(below) if shard_of(f"k{s % keys}", n) == index}
-        done |= admitted - {seq for seq, _, _ in loaded.inputs}
-        for seq, _key, _base, journal in loaded.runs:
-            for entry in codec.decode(journal):
-                journaled.add((seq, entry[0]))
-        recorded |= {(r.seq, r.task_id) for r in loaded.calls if r.status == "ok"}
-    return done, journaled, recorded
-
-
-def workers_gone(state: Path) -> None:
-    """A killed `ratchet run --workers N` takes its workers with it; wait until they are gone
-    (their shard locks free) before reading what they committed."""
-    if (state / "shards" / "layout.json").exists():
-        for d in read_layout(state).dirs:
-            if d.exists():
-                wait_for_lock(d)
-
-
 def inspect(state: Path) -> dict[str, Any]:
     out = subprocess.run(
         [*RATCHET, "inspect", "--state", str(state), "--json"], check=True, capture_output=True
@@ -154,7 +114,7 @@ def kill_until_done(
             kills += 1
             workers_gone(state)
             # Whatever the killed process left committed must never run again.
-            checks.append((len(log_lines(log)), *committed(state)))
+            checks.append((len(log_lines(log)), *committed(state, 8)))
             continue
         proc.wait()
         stderr = (tmp / "stderr.log").read_text()

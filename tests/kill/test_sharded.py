@@ -25,10 +25,9 @@ from typing import Any
 
 import pytest
 
-from ratchet.runtime._multiproc import PIDS_FILE, wait_for_lock
-from ratchet.runtime._shards import read_layout, shard_of, state_dirs
-from ratchet.store import codec
-from ratchet.store._sqlite import SqliteStore
+from ratchet.runtime._multiproc import PIDS_FILE
+from ratchet.runtime._shards import read_layout, shard_of
+from support.shard_state import committed, workers_gone
 
 pytestmark = pytest.mark.kill
 
@@ -75,41 +74,6 @@ def inspect(state: Path) -> dict[str, Any]:
         [*RATCHET, "inspect", "--state", str(state), "--json"], check=True, capture_output=True
     )
     return dict(json.loads(out.stdout))
-
-
-def committed(state: Path) -> tuple[set[int], set[tuple[int, str]], set[tuple[int, str]]]:
-    """What the shards' databases hold as done: completed inputs, journaled tasks, calls."""
-    done: set[int] = set()
-    journaled: set[tuple[int, str]] = set()
-    recorded: set[tuple[int, str]] = set()
-    for d in state_dirs(state):
-        store = SqliteStore.open_readonly(d)
-        try:
-            loaded = store.load()
-        finally:
-            store.close()
-        if d == state:
-            below = int(loaded.source.get("next_seq", 0))
-            mine = set(range(below))
-        else:
-            index, n = (int(x) for x in d.name.split("-of-"))
-            below = int((loaded.source.get("position") or {}).get("next", 0))
-            mine = {s for s in range(below) if shard_of(f"k{s % KEYS}", n) == index}
-        done |= mine - {seq for seq, _, _ in loaded.inputs}
-        for seq, _key, _base, journal in loaded.runs:
-            for entry in codec.decode(journal):
-                journaled.add((seq, entry[0]))
-        recorded |= {(r.seq, r.task_id) for r in loaded.calls if r.status == "ok"}
-    return done, journaled, recorded
-
-
-def wait_workers_gone(state: Path) -> None:
-    """The killed coordinator's workers die with it (parent-death signal); their shard locks
-    are free once they are gone."""
-    if (state / "shards" / "layout.json").exists():
-        for d in read_layout(state).dirs:
-            if d.exists():
-                wait_for_lock(d)
 
 
 def check_outputs(out: Path, n: int, seed: int) -> None:
@@ -195,8 +159,8 @@ def test_coordinator_sigkilled_at_random_moments(tmp_path: Path, reference: dict
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
-            wait_workers_gone(state)
-            checks.append((len(log_lines(tmp_path)), *committed(state)))
+            workers_gone(state)
+            checks.append((len(log_lines(tmp_path)), *committed(state, KEYS)))
             continue
         assert proc.wait(timeout=120) == 0, f"seed {seed}: {(tmp_path / 'stderr.log').read_text()}"
         break
@@ -224,7 +188,7 @@ def test_killed_worker_restarts_while_the_other_keeps_running(
     os.kill(int(pids["0"]), signal.SIGKILL)
     # The other worker commits on meanwhile: what is done is read before the lines are
     # counted, so a line after the count that repeats it is a real re-run.
-    snapshot = committed(state)
+    snapshot = committed(state, KEYS)
     checks = [(len(log_lines(tmp_path)), *snapshot)]
     assert proc.wait(timeout=120) == 0, (tmp_path / "stderr.log").read_text()
     check_outputs(out, N_INPUTS, seed)
@@ -257,14 +221,14 @@ def test_workers_change_between_runs_1_2_3_1(tmp_path: Path, reference: dict[str
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, f"seed {seed}: finished before the kill"
-    wait_workers_gone(state)
+    workers_gone(state)
     # Killed again during the change itself (the old shards catching up, the keys moving, or
     # the first inputs on 3 workers): the layout in force stays whole, and the next run ends it.
     proc = start(tmp_path, inp, state, out, 3)
     time.sleep(rng.uniform(0.2, 2.0))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    wait_workers_gone(state)
+    workers_gone(state)
     run_to_end(tmp_path, inp, state, out, 3)
     assert read_layout(state).workers == 3
     assert not (state / "shards" / "0-of-2").exists()

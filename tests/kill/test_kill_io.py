@@ -67,7 +67,7 @@ def test_unwritable_outputs_are_the_same_error_records_exactly_once_across_kills
     src = tmp_path / "in.jsonl"
     with src.open("w") as fh:
         for i in range(n):
-            row = {"key": f"k{i % 6}", "i": i, "bad": i % 7 == 3, "sleep": 0.002}
+            row = {"key": f"k{i % 6}", "i": i, "bad": i % 7 == 3, "sleep": 0.006}
             fh.write(json.dumps(row) + "\n")
     ref = tmp_path / "ref"
     ref.mkdir()

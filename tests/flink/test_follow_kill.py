@@ -75,8 +75,9 @@ def test_every_key_runs_again_after_each_worker_kill_on_a_followed_input(tmp_pat
             every=0.5,
         )
     finally:
+        tree = descendants(proc.pid)  # before the kill: the JVM is reparented once its parent dies
         proc.kill()
-        kill_pids(descendants(proc.pid))
+        kill_pids(tree)
         proc.wait()
     pids = {ln[0] for ln in exec_log(tmp_path) if ln[1] == "exec"}
     assert set(killed) <= pids and len(pids) >= KILLS + 1, (killed, pids)

@@ -779,10 +779,10 @@ class AgentBinding:
 
     def is_output(self, event: Emitted) -> bool:
         kind = self._kind(event.cls)
-        if kind & _OUTPUT or not kind:
-            return bool(kind)
+        if kind & _OUTPUT:
+            return True
         # A failure nobody handles is reported as an output rather than vanishing.
-        return not self.listeners(event)
+        return bool(kind & _ERROR) and not self.listeners(event)
 
     def action_mode(self, action: str) -> str:
         return self._modes[action]

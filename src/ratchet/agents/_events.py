@@ -243,13 +243,13 @@ def _validate(cls: type[Event], data: Any) -> Event:
     return cls.model_validate(data)
 
 
+# The exact types a value of plain data may have at its leaves (subclasses are not plain).
+_SCALAR_TYPES = frozenset((str, int, float, bool, bytes, type(None)))
+
+
 def _scalars(fields: dict[str, Any]) -> bool:
     """Whether every value is exactly a None, bool, int, float, str or bytes."""
-    for v in fields.values():
-        t = type(v)
-        if not (t is str or t is int or t is float or t is bool or v is None or t is bytes):
-            return False
-    return True
+    return all(type(v) in _SCALAR_TYPES for v in fields.values())
 
 
 _NOT_PLAIN: Any = object()
@@ -263,39 +263,29 @@ def _plain_copy(v: Any, depth: int) -> Any:
     nested deeply enough to come near the codec's limit), which the caller sends through the
     codec instead."""
     t = type(v)
+    if t in _SCALAR_TYPES:
+        return v
+    if t is not dict and t is not list:
+        return _NOT_PLAIN
+    if depth >= _PLAIN_DEPTH:
+        return _NOT_PLAIN
     if t is dict:
-        if depth >= _PLAIN_DEPTH:
-            return _NOT_PLAIN
         out = {}
         for k, x in v.items():
             if type(k) is not str:
                 return _NOT_PLAIN
-            tx = type(x)
-            if tx is str or tx is int or tx is float or tx is bool or x is None or tx is bytes:
-                out[k] = x
-            else:
-                c = _plain_copy(x, depth + 1)
-                if c is _NOT_PLAIN:
-                    return _NOT_PLAIN
-                out[k] = c
+            c = x if type(x) in _SCALAR_TYPES else _plain_copy(x, depth + 1)
+            if c is _NOT_PLAIN:
+                return _NOT_PLAIN
+            out[k] = c
         return out
-    if t is list:
-        if depth >= _PLAIN_DEPTH:
+    items = []
+    for x in v:
+        c = x if type(x) in _SCALAR_TYPES else _plain_copy(x, depth + 1)
+        if c is _NOT_PLAIN:
             return _NOT_PLAIN
-        items = []
-        for x in v:
-            tx = type(x)
-            if tx is str or tx is int or tx is float or tx is bool or x is None or tx is bytes:
-                items.append(x)
-            else:
-                c = _plain_copy(x, depth + 1)
-                if c is _NOT_PLAIN:
-                    return _NOT_PLAIN
-                items.append(c)
-        return items
-    if t is str or t is int or t is float or t is bool or v is None or t is bytes:
-        return v
-    return _NOT_PLAIN
+        items.append(c)
+    return items
 
 
 def _same(a: Any, b: Any) -> bool:

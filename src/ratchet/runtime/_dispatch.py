@@ -383,7 +383,6 @@ class Dispatcher:
         self._thread_name = thread_name
         self._q: queue.SimpleQueue[tuple[Task, TaskCalls] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._modes: dict[str, str] = {}
         self.executed = 0
 
     def start(self) -> None:
@@ -410,9 +409,7 @@ class Dispatcher:
     def dispatch(self, task: Task, calls: TaskCalls) -> Outcome | None:
         """Run or schedule `task`; an inline task's outcome is returned at once, else None."""
         self.executed += 1
-        mode = self._modes.get(task.action)
-        if mode is None:
-            mode = self._modes[task.action] = self.binding.action_mode(task.action)
+        mode = self.binding.action_mode(task.action)  # the binding keeps them by name
         if mode == INLINE:
             return run_task(self.binding, task, calls)
         if mode == ASYNC:

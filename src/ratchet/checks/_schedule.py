@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ratchet.checks._receipts import ReceiptBook
 from ratchet.checks._seams import Waiter
+from ratchet.checks._threads import FIRST_COMPLETED, StageFuture, pool_for
 
 __all__ = ["SCHEDULER_TICK_SECONDS", "Progress", "schedule"]
 
@@ -117,10 +117,10 @@ def schedule(
     exception propagates.
     """
     graph = _Graph(book.order, stages)
-    running: dict[Future[None], str] = {}
+    running: dict[StageFuture, str] = {}
     busy: set[str] = set()
     status = book.status
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ratchet-stage") as pool:
+    with pool_for(waiter, jobs, "ratchet-stage") as pool:
         try:
             while graph.pending or running:
                 for sid in graph.take(busy, jobs - len(running)):

@@ -13,8 +13,6 @@ import os
 import random
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
-from concurrent.futures import wait as _futures_wait
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +21,8 @@ from ratchet.checks._execute import SubprocessExecutor
 from ratchet.checks._explain import ManifestSource
 from ratchet.checks._receipts import JournalAppender, ReceiptWriter, append_record
 from ratchet.checks._signing import SECRET_ENV
+from ratchet.checks._threads import StageFuture
+from ratchet.checks._threads import wait as _stage_wait
 from ratchet.checks.checkpoints import Checkpoints
 from ratchet.checks.common import atomic_json
 
@@ -100,14 +100,17 @@ class Executor(Protocol):
 
 
 class Waiter(Protocol):
-    """`concurrent.futures.wait`: the scheduler's pause between two looks at the run."""
+    """`concurrent.futures.wait`'s signature: the scheduler's pause between two looks at
+    the run. With the default (`ratchet.checks._threads.wait`) the scheduler runs stages
+    on its own light pool; with any other waiter, on a `ThreadPoolExecutor`, so the
+    futures it is given are `concurrent.futures.Future`s."""
 
     def __call__(
         self,
-        fs: Iterable[Future[None]],
+        fs: Iterable[StageFuture],
         timeout: float | None = ...,
         return_when: str = ...,
-    ) -> tuple[set[Future[None]], set[Future[None]]]: ...
+    ) -> tuple[set[StageFuture], set[StageFuture]]: ...
 
 
 def extra_env_keys() -> list[str]:
@@ -196,7 +199,7 @@ class Seams:
         executor: Executor = _FRESH,
         writer: ReceiptWriter = _atomic_json,
         journal: JournalAppender | None = append_record,
-        waiter: Waiter = _futures_wait,
+        waiter: Waiter = _stage_wait,
         environment: Callable[[], Mapping[str, str] | str] = environment_fingerprint,
     ) -> None:
         values = {

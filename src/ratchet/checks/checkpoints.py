@@ -29,6 +29,7 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.checks._errors import ProjectError
+from ratchet.checks._threads import map_threads
 from ratchet.store import (
     atomic_write_bytes,
     canonical_json,
@@ -733,11 +734,8 @@ class Checkpoints:
                     self._listings[root] = finished[root]
             return self.repository_digest(name)
 
-        from concurrent.futures import ThreadPoolExecutor
-
         try:
-            with ThreadPoolExecutor(max_workers=min(4, len(names) or 1)) as pool:
-                return dict(zip(names, pool.map(probe, names), strict=True))
+            return dict(zip(names, map_threads(probe, names, max_workers=4), strict=True))
         finally:
             for proc in started.values():
                 if proc.poll() is None:

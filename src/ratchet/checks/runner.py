@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,8 @@ def _write(path: Path, payload: dict[str, Any]) -> None:
 
 
 def _wait(
-    fs: Iterable[Future[None]], timeout: float | None = None, return_when: str = "ALL_COMPLETED"
-) -> tuple[set[Future[None]], set[Future[None]]]:
+    fs: Iterable[Any], timeout: float | None = None, return_when: str = "ALL_COMPLETED"
+) -> tuple[set[Any], set[Any]]:
     done, not_done = wait(fs, timeout=timeout, return_when=return_when)
     return done, not_done
 

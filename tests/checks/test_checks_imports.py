@@ -15,16 +15,24 @@ AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", 
 # part of the command line's start-up (issue 17: under 2x the in-process time): what
 # `dataclasses` (-> `inspect`, `ast`, `dis`), `platform`, `socket`, `ctypes` (the
 # parent-death signal, loaded before the first stage command), `tempfile`, `datetime` and
-# `asyncio` were imported for.
+# `asyncio` were imported for; `concurrent.futures` (-> `logging`, `traceback`,
+# `linecache`, `tokenize`, `textwrap`), which the scheduler's pool and the start-of-run
+# probe used before they had threads of their own (`ratchet.checks._threads`).
 STARTUP_HEAVY = (
     "asyncio",
+    "concurrent.futures",
     "ctypes",
     "dataclasses",
     "datetime",
     "inspect",
+    "linecache",
+    "logging",
     "platform",
     "socket",
     "tempfile",
+    "textwrap",
+    "tokenize",
+    "traceback",
 )
 
 
@@ -126,3 +134,35 @@ def test_import_ratchet_is_lazy_and_every_public_name_still_resolves() -> None:
     assert report["missing"] == []
     assert report["listed"] is True
     assert report["error"] == "module 'ratchet' has no attribute 'NoSuchName'"
+
+
+def test_the_command_line_flushes_its_output_and_runs_atexit_handlers_before_it_leaves(
+    two_repos: Workspace,
+) -> None:
+    """Run as the program, `ratchet checks` ends with `os._exit` (no interpreter teardown):
+    what it printed and what atexit handlers do must still happen, and the exit code is
+    the run's."""
+    ws = two_repos
+    ws.project([check("a", repos=["app"]), check("b", repos=["lib"], deps=["a"])])
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('atexit handler ran'))\n"
+        f"sys.argv = ['ratchet', 'checks', '--workspace-root', {str(ws.root)!r}, "
+        f"'--state-dir', {str(ws.state_dir)!r}, 'run', '--json']\n"
+        "from ratchet.cli import main\n"
+        "main()\n"
+        "print('not reached')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    receipt, _, rest = proc.stdout.rpartition("}")
+    assert json.loads(receipt + "}")["status"] == "passed"
+    assert rest.strip() == "atexit handler ran"
+    ws.project([check("b", "raise SystemExit(3)", repos=["lib"])])
+    failed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stdout.rstrip().endswith("atexit handler ran")

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
+from ratchet._exit import exit_process
 from ratchet.checks._cli import main
 
-sys.exit(main())
+exit_process(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import threading
@@ -108,10 +109,23 @@ def _configure_logging(verbose: bool, fmt: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command in `argv` (default: the process's arguments) and return its exit
+    code. Called as the program (no `argv`), `ratchet checks` ends the process itself once
+    its output is flushed, skipping the interpreter's teardown (see `ratchet._exit`)."""
+    as_program = argv is None
     argv = _global_flags(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
+    fast_start = as_program and command == "checks"
+    if fast_start:
+        # Start-up makes ~14,000 objects that live as long as the process (modules,
+        # functions, the parser); collecting them while they are made found nothing to free
+        # and cost 5-6 ms. Freeze them once made, so later collections skip them too.
+        gc.disable()
     parser = build_parser(command if command in ("run", "status", "inspect", "checks") else None)
     args = parser.parse_args(argv)
+    if fast_start:
+        gc.freeze()
+        gc.enable()
     if args.command != "checks" or args.verbose or args.log_format != "text":
         # `ratchet checks` logs nothing: without -v or --log-format json it does not pay
         # for importing `logging` at start-up.
@@ -139,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if as_program and args.command == "checks":
+        from ratchet._exit import exit_process
+
+        exit_process(code)
     return code
 
 

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,42 @@ _DESCRIPTION = (
 )
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Give `parser` the workspace options and the run/recover/explain/list subcommands."""
+def configure(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> None:
+    """Give `parser` the workspace options and the run/recover/explain/list subcommands.
+
+    With `argv` (what follows `checks`), only the subcommand it names is built when that
+    can be told for sure (`subcommand_of`): building all of them is a few milliseconds of
+    every start-up, most of a no-op run's argument parsing."""
     add_common_arguments(parser)
     sub = parser.add_subparsers(dest="checks_command", required=True, metavar="COMMAND")
-    register(sub)
+    register(sub, only=None if argv is None else subcommand_of(argv))
     parser.set_defaults(func=dispatch)
+
+
+SUBCOMMANDS = ("run", "recover", "explain", "gc", "cache", "list")
+# The options of `ratchet checks` itself (`add_common_arguments`) that take a value.
+_VALUE_OPTIONS = ("--workspace-root", "--project", "--state-dir")
+
+
+def subcommand_of(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` (the arguments after `checks`) runs, or None when that is not
+    certain without argparse (help, an unknown or ambiguous option): then every subcommand
+    is built. Long options may be abbreviated, as argparse allows."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--json" or (arg.startswith("--") and "=" in arg):
+            continue
+        if arg.startswith("-"):
+            known = [
+                o for o in (*_VALUE_OPTIONS, "--json") if arg.startswith("--") and o.startswith(arg)
+            ]
+            if len(known) != 1:
+                return None  # -h, --, an unknown or an ambiguous option: let argparse say
+            if known[0] != "--json":
+                next(args, None)  # its value
+            continue
+        return arg if arg in SUBCOMMANDS else None
+    return None
 
 
 def exit_code(result: dict[str, Any]) -> int:
@@ -112,8 +142,9 @@ def dispatch(parsed: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m ratchet.checks", description=_DESCRIPTION)
-    configure(parser)
+    configure(parser, argv)
     parsed = parser.parse_args(argv)
     return int(parsed.func(parsed))
 
@@ -253,8 +284,24 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, suppress: bool = Fa
     )
 
 
-def register(subparsers: Any) -> None:
-    """Add `run`, `recover`, `explain` and `list`; each sets `handler(parsed) -> dict`."""
+def register(subparsers: Any, only: str | None = None) -> None:
+    """Add `run`, `recover`, `explain`, `gc`, `cache` and `list` (only `only`, when given);
+    each sets `handler(parsed) -> dict`."""
+    if only is None or only == "run":
+        _register_run(subparsers)
+    if only is None or only == "recover":
+        _register_recover(subparsers)
+    if only is None or only == "explain":
+        _register_explain(subparsers)
+    if only is None or only == "gc":
+        _register_gc(subparsers)
+    if only is None or only == "cache":
+        _register_cache(subparsers)
+    if only is None or only == "list":
+        _register_list(subparsers)
+
+
+def _register_run(subparsers: Any) -> None:
     run_p = subparsers.add_parser("run", help="run the checks (or resume a run)")
     add_common_arguments(run_p, suppress=True)
     run_p.add_argument("--profile", default=None, help="run only this profile's checks")
@@ -338,6 +385,8 @@ def register(subparsers: Any) -> None:
     )
     run_p.set_defaults(handler=_handle_run, cache=True)
 
+
+def _register_recover(subparsers: Any) -> None:
     rec_p = subparsers.add_parser("recover", help="mark a crashed run interrupted")
     add_common_arguments(rec_p, suppress=True)
     rec_p.add_argument("run_id", metavar="RUN_ID")
@@ -354,12 +403,16 @@ def register(subparsers: Any) -> None:
     )
     rec_p.set_defaults(handler=_handle_recover)
 
+
+def _register_explain(subparsers: Any) -> None:
     exp_p = subparsers.add_parser("explain", help="why a stage re-ran or was reused")
     add_common_arguments(exp_p, suppress=True)
     exp_p.add_argument("run_id", metavar="RUN_ID")
     exp_p.add_argument("stage", metavar="STAGE")
     exp_p.set_defaults(handler=_handle_explain)
 
+
+def _register_gc(subparsers: Any) -> None:
     gc_p = subparsers.add_parser("gc", help="bound the cache and the kept runs")
     add_common_arguments(gc_p, suppress=True)
     gc_p.add_argument("--cache-dir", default=None, metavar="DIR", help="the cache folder")
@@ -378,6 +431,8 @@ def register(subparsers: Any) -> None:
     gc_p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     gc_p.set_defaults(handler=_handle_gc)
 
+
+def _register_cache(subparsers: Any) -> None:
     cache_p = subparsers.add_parser("cache", help="the cache server")
     cache_sub = cache_p.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
     serve_p = cache_sub.add_parser(
@@ -398,6 +453,8 @@ def register(subparsers: Any) -> None:
     )
     serve_p.set_defaults(handler=_handle_cache_serve)
 
+
+def _register_list(subparsers: Any) -> None:
     list_p = subparsers.add_parser("list", help="list checks, profiles and recent runs")
     add_common_arguments(list_p, suppress=True)
     list_p.set_defaults(handler=_handle_list)

@@ -16,12 +16,15 @@ _GROUPS = {
 }
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    command: str | None = None, rest: list[str] | None = None
+) -> argparse.ArgumentParser:
     """The whole CLI; for a known `command`, the other groups are stubs (not imported).
 
     `ratchet run` is what a restarted worker executes, so its start-up should not pay for
     importing the check runner or the Flink front end; `ratchet checks` registers only the
-    checks group, so it imports nothing of the agent side.
+    checks group, so it imports nothing of the agent side. `rest`, the arguments after the
+    command, lets `checks` build only the subcommand they name.
     """
     parser = argparse.ArgumentParser(
         prog="ratchet",
@@ -50,7 +53,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         elif group == "checks":
             from ratchet.cli import _checks
 
-            _checks.register(sub)
+            _checks.register(sub, rest)
         else:
             from ratchet.cli import _flink
 
@@ -59,8 +62,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _command_of(argv: list[str]) -> str | None:
+    at = _command_index(argv)
+    return None if at is None else argv[at]
+
+
+def _command_index(argv: list[str]) -> int | None:
     skip = False
-    for arg in argv:
+    for i, arg in enumerate(argv):
         if skip:
             skip = False
             continue
@@ -68,7 +76,7 @@ def _command_of(argv: list[str]) -> str | None:
             skip = True
             continue
         if not arg.startswith("-"):
-            return arg
+            return i
     return None
 
 
@@ -114,14 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     its output is flushed, skipping the interpreter's teardown (see `ratchet._exit`)."""
     as_program = argv is None
     argv = _global_flags(sys.argv[1:] if argv is None else argv)
-    command = _command_of(argv)
+    at = _command_index(argv)
+    command = None if at is None else argv[at]
     fast_start = as_program and command == "checks"
     if fast_start:
         # Start-up makes ~14,000 objects that live as long as the process (modules,
         # functions, the parser); collecting them while they are made found nothing to free
         # and cost 5-6 ms. Freeze them once made, so later collections skip them too.
         gc.disable()
-    parser = build_parser(command if command in ("run", "status", "inspect", "checks") else None)
+    parser = build_parser(
+        command if command in ("run", "status", "inspect", "checks") else None,
+        None if at is None else argv[at + 1 :],
+    )
     args = parser.parse_args(argv)
     if fast_start:
         gc.freeze()

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from ratchet.checks import _cli
 
 
-def register(sub: Any) -> argparse.ArgumentParser:
-    """Add the `checks` command to the top-level subparsers; `func` returns the exit code."""
+def register(sub: Any, argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Add the `checks` command to the top-level subparsers; `func` returns the exit code.
+    `argv`, the arguments after `checks`, lets it build only the subcommand they name."""
     parser: argparse.ArgumentParser = sub.add_parser(
         "checks",
         help="run checks incrementally with sealed receipts",
         description=__doc__,
     )
-    _cli.configure(parser)
+    _cli.configure(parser, argv)
     return parser

@@ -21,7 +21,6 @@ from ratchet.checks import _report
 from ratchet.checks._ci import ci_report, write_junit
 from ratchet.checks._errors import ProjectError, ReceiptError
 from ratchet.checks._explain import explain
-from ratchet.checks._gc import collect_garbage
 from ratchet.checks._plan import load_project, plan_stages
 from ratchet.checks._receipts import read_receipt, state_dir_for
 from ratchet.checks._recover import recover
@@ -198,6 +197,8 @@ def _handle_explain(parsed: argparse.Namespace) -> dict[str, Any]:
 
 
 def _handle_gc(parsed: argparse.Namespace) -> dict[str, Any]:
+    from ratchet.checks._gc import collect_garbage  # not part of every start-up
+
     root = Path(parsed.workspace_root).resolve()
     state_dir = state_dir_for(root, parsed.state_dir)
     if parsed.max_age_days < 0 or parsed.keep_runs < 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import glob
 import hashlib
 import hmac
 import itertools
@@ -553,6 +552,8 @@ def outputs_manifest(workspace_root: str | os.PathLike[str], patterns: list[str]
     """Declared outputs as they are on disk: workspace-relative path -> identity, for every
     file a pattern (a path or a glob; `**` recurses) matches; a matched directory counts
     with every file under it."""
+    import glob  # only stages that declare outputs need it, not every start-up
+
     root = Path(workspace_root)
     out: dict[str, str] = {}
     for pattern in patterns:

@@ -17,7 +17,9 @@ AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", 
 # parent-death signal, loaded before the first stage command), `tempfile`, `datetime` and
 # `asyncio` were imported for; `concurrent.futures` (-> `logging`, `traceback`,
 # `linecache`, `tokenize`, `textwrap`), which the scheduler's pool and the start-of-run
-# probe used before they had threads of their own (`ratchet.checks._threads`).
+# probe used before they had threads of their own (`ratchet.checks._threads`); and
+# `subprocess` (-> `selectors`, `select`, `locale`): `git ls-files` is spawned with
+# `os.posix_spawnp` (`ratchet.checks._spawn`), stage commands import it when one starts.
 STARTUP_HEAVY = (
     "asyncio",
     "concurrent.futures",
@@ -28,7 +30,9 @@ STARTUP_HEAVY = (
     "linecache",
     "logging",
     "platform",
+    "selectors",
     "socket",
+    "subprocess",
     "tempfile",
     "textwrap",
     "tokenize",

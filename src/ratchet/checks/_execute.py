@@ -10,14 +10,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ratchet.checks._errors import StageTimeoutError
+
+if TYPE_CHECKING:
+    import subprocess
 
 __all__ = [
     "RunStoppedError",
@@ -93,6 +95,8 @@ def execute_stage_command(
     StageTimeoutError is raised; leftovers of a finished stage are killed too, so nothing
     outlives the stage's resource locks.
     """
+    import subprocess  # when the first stage command starts: a no-op run starts none
+
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             list(stage["argv"]),

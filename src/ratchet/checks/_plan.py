@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ratchet.checks._errors import ProjectError
 from ratchet.checks.common import read_json
 from ratchet.store import canonical_json, sha256_bytes
+
+if TYPE_CHECKING:
+    import subprocess
 
 SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_SECONDS = 3600.0
@@ -383,6 +385,8 @@ def check_to_stage(check: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _git_out(path: Path, *argv: str) -> subprocess.CompletedProcess[bytes]:
+    import subprocess  # only `--changed` runs git here
+
     return subprocess.run(["git", "-C", str(path), *argv], capture_output=True, check=False)
 
 

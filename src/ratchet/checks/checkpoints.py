@@ -20,7 +20,6 @@ import operator
 import os
 import stat
 import struct
-import subprocess
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.checks._errors import ProjectError
+from ratchet.checks._spawn import Child, output_of
 from ratchet.checks._threads import map_threads
 from ratchet.store import (
     atomic_write_bytes,
@@ -74,24 +74,27 @@ def _parse_listing(stdout: bytes) -> list[str]:
 
 
 def _git_files(root: Path) -> list[str] | None:
-    proc = subprocess.run(_ls_files_argv(root), capture_output=True, check=False)
-    return _listing(proc.returncode, proc.stdout)
+    return _listing(*output_of(_ls_files_argv(root)))
 
 
 def _git_raw(root: Path) -> bytes | None:
     """`git ls-files`'s raw output for `root` (None when git cannot list it)."""
-    proc = subprocess.run(_ls_files_argv(root), capture_output=True, check=False)
-    return proc.stdout if proc.returncode == 0 else None
+    returncode, stdout = output_of(_ls_files_argv(root))
+    return stdout if returncode == 0 else None
 
 
-def _start_listing(root: Path) -> subprocess.Popen[bytes]:
+def _start_listing(root: Path) -> Child:
     """`git ls-files` of `root`, started; `_finish_listing` collects it."""
-    return subprocess.Popen(_ls_files_argv(root), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    return Child(_ls_files_argv(root))
 
 
-def _finish_listing(proc: subprocess.Popen[bytes]) -> bytes | None:
-    stdout, _ = proc.communicate()
-    return stdout if proc.returncode == 0 else None
+def _finish_listing(child: Child) -> bytes | None:
+    try:
+        returncode, stdout = child.output()
+    except BaseException:
+        child.stop()
+        raise
+    return stdout if returncode == 0 else None
 
 
 def _walk_files(root: Path, exclude: tuple[Path, ...]) -> list[str]:
@@ -579,6 +582,8 @@ def runtime_identity(
     """Declared runtime inputs: label -> digest. A `path` is hashed like an input (a file,
     or every file of a folder, ignored or not); an `argv` is run and its exit code, stdout
     and stderr are hashed (`python --version`). A command that cannot run raises OSError."""
+    import subprocess  # only stages with runtime inputs run commands here
+
     out: dict[str, str] = {}
     for item in items:
         if "path" in item:
@@ -738,10 +743,8 @@ class Checkpoints:
         try:
             return dict(zip(names, map_threads(probe, names, max_workers=4), strict=True))
         finally:
-            for proc in started.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
+            for child in started.values():
+                child.stop()  # a no-op for a listing already collected
             with self._guard:
                 self._listings = {}  # never used later, when it may be out of date
 

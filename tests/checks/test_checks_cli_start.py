@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from ratchet._argparse import HelpFormatter, terminal_columns
 from ratchet.checks._cli import SUBCOMMANDS, subcommand_of
 from ratchet.cli import build_parser
 
@@ -65,3 +66,17 @@ def _comparable(ns: argparse.Namespace) -> dict[str, object]:
     return {k: v for k, v in vars(ns).items() if k not in ("func", "handler")} | {
         "handler": ns.handler.__name__
     }
+
+
+@pytest.mark.parametrize("columns", ["100", "37", "0", "-5", "wide", None])
+def test_the_help_is_as_wide_as_argparse_would_make_it(
+    monkeypatch: pytest.MonkeyPatch, columns: str | None
+) -> None:
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    ours = HelpFormatter("ratchet")
+    theirs = argparse.HelpFormatter("ratchet")  # asks shutil.get_terminal_size()
+    assert (ours._width, ours._max_help_position) == (theirs._width, theirs._max_help_position)
+    assert terminal_columns() == ours._width + 2

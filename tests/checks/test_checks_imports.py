@@ -19,9 +19,12 @@ AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", 
 # `linecache`, `tokenize`, `textwrap`), which the scheduler's pool and the start-of-run
 # probe used before they had threads of their own (`ratchet.checks._threads`); and
 # `subprocess` (-> `selectors`, `select`, `locale`): `git ls-files` is spawned with
-# `os.posix_spawnp` (`ratchet.checks._spawn`), stage commands import it when one starts.
+# `os.posix_spawnp` (`ratchet.checks._spawn`), stage commands import it when one starts;
+# `shutil` (-> `bz2`, `lzma`, `zlib`), which argparse imported for the terminal's width
+# (`ratchet._argparse` asks `os`).
 STARTUP_HEAVY = (
     "asyncio",
+    "bz2",
     "concurrent.futures",
     "ctypes",
     "dataclasses",
@@ -29,8 +32,10 @@ STARTUP_HEAVY = (
     "inspect",
     "linecache",
     "logging",
+    "lzma",
     "platform",
     "selectors",
+    "shutil",
     "socket",
     "subprocess",
     "tempfile",

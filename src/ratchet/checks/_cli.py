@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ratchet._argparse import Parser
 from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, RatchetError
 from ratchet.checks import _report
 from ratchet.checks._ci import ci_report, write_junit
@@ -142,7 +143,7 @@ def dispatch(parsed: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m ratchet.checks", description=_DESCRIPTION)
+    parser = Parser(prog="python -m ratchet.checks", description=_DESCRIPTION)
     configure(parser, argv)
     parsed = parser.parse_args(argv)
     return int(parsed.func(parsed))

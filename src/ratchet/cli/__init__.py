@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 
+from ratchet._argparse import Parser
 from ratchet._errors import EXIT_INTERRUPTED, EXIT_OK, RatchetError, exit_code_for
 
 _GROUPS = {
@@ -26,7 +27,7 @@ def build_parser(
     checks group, so it imports nothing of the agent side. `rest`, the arguments after the
     command, lets `checks` build only the subcommand they name.
     """
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = Parser(
         prog="ratchet",
         description="Durable, event-driven agents and incremental, verified checks.",
     )

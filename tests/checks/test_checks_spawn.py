@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
+from checks_helpers import Workspace
 
+from ratchet.checks import checkpoints
 from ratchet.checks._spawn import Child, output_of
 
 
@@ -54,3 +57,25 @@ def test_stop_after_output_changes_nothing() -> None:
     assert child.output() == (0, b"done\n")
     child.stop()
     assert child.returncode == 0
+
+
+def test_a_listing_that_cannot_start_stops_those_already_started(
+    two_repos: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[Child] = []
+
+    def start(root: Path) -> Child:
+        if started:
+            raise OSError("no more processes")
+        child = Child([sys.executable, "-c", "import time; time.sleep(60)"])
+        started.append(child)
+        return child
+
+    monkeypatch.setattr(checkpoints, "_start_listing", start)
+    ws = two_repos
+    prober = checkpoints.Checkpoints(
+        ws.root, {"app": ws.root / "app", "lib": ws.root / "lib"}, ws.state_dir
+    )
+    with pytest.raises(OSError, match="no more processes"):
+        prober.source_identity()
+    assert [c.returncode for c in started] == [-signal.SIGKILL]  # killed and reaped

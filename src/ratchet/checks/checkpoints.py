@@ -723,9 +723,15 @@ class Checkpoints:
         (which release the GIL) overlap the others' and their listings."""
         rest = [WORKSPACE_REST] if self._has_rest else []
         names = sorted([*self.repositories, *rest])
-        started = {
-            root: _start_listing(root) for root in self.repositories.values() if root.is_dir()
-        }
+        started: dict[Path, Child] = {}
+        try:
+            for root in self.repositories.values():
+                if root.is_dir() and root not in started:
+                    started[root] = _start_listing(root)
+        except BaseException:
+            for child in started.values():
+                child.stop()  # no listing left running when one cannot start
+            raise
 
         finished: dict[Path, bytes | None] = {}
         once = {root: threading.Lock() for root in started}  # two names may share a folder

@@ -18,7 +18,7 @@ import signal
 __all__ = ["Child", "output_of"]
 
 _DEFAULT_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)
 )
 
 

@@ -70,8 +70,12 @@ def test_contract_9_sigkill_mid_run_then_recover_then_resume(
     # The stage ran in its own session; its parent-death signal ends it with ratchet, and
     # the user makes sure before confirming recovery (it may already be gone).
     _wait_for(lambda: pid_file.read_text().strip() != "", "the stage pid")
+    stage_pid = int(pid_file.read_text())
     with contextlib.suppress(ProcessLookupError):
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        os.kill(stage_pid, signal.SIGKILL)
+    # Gone, not only signalled: until init reaps it (slow on a loaded machine) its process
+    # group still exists, and `recover` rightly refuses while a stage's group is alive.
+    _wait_for(lambda: not _group_alive(stage_pid), "the killed stage's process group to end")
     run_id = run_dir.name
 
     # receipt.json still holds the run's start; the journal beside it, folded, the rest.
@@ -111,3 +115,11 @@ def test_contract_9_sigkill_mid_run_then_recover_then_resume(
     assert "reused_from" not in recs["last"]
     assert Path(recs["slow"]["log_path"]).read_text() == "slow done\n"
     assert Path(recs["quick"]["log_path"]).read_text() == "quick\n"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

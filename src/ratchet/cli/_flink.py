@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK
-from ratchet._errors import EXIT_OK, EXIT_USAGE
+from ratchet._errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def register(sub: Any) -> argparse.ArgumentParser:
@@ -45,6 +47,19 @@ def register(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--bundle-size", type=int, default=100, help="python.fn-execution.bundle.size")
     run.add_argument("--bundle-time", type=int, default=10, metavar="MS")
     run.add_argument("--max-concurrent-tasks", type=int, default=64, help="per subtask")
+    run.add_argument(
+        "--max-concurrent-runs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keys with a run in flight, per subtask (default: no limit)",
+    )
+    run.add_argument(
+        "--on-bad-input",
+        choices=["stop", "skip", "dead-letter"],
+        default="stop",
+        help="a bad line: refuse the input (exit 3), skip it, or keep it in OUTPUT/_bad-input",
+    )
     run.add_argument("--sync-workers", type=int, default=16, help="threads per subtask")
     run.add_argument(
         "--follow", type=int, default=None, metavar="MS", help="watch the input; unbounded job"
@@ -95,7 +110,9 @@ def _config(args: argparse.Namespace) -> Any:
         bundle_time_ms=args.bundle_time,
         tmp_dir=args.tmp_dir,
         core=CoreConfig(
-            max_concurrent_tasks=args.max_concurrent_tasks, sync_workers=args.sync_workers
+            max_concurrent_tasks=args.max_concurrent_tasks,
+            max_concurrent_runs=args.max_concurrent_runs,
+            sync_workers=args.sync_workers,
         ),
         extra=extra,
     )
@@ -111,20 +128,46 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    import os
-
+    from ratchet._errors import RatchetError
     from ratchet.agents._run import load_agent
     from ratchet.flink import build_job, environment
 
-    load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
+    if args.max_concurrent_runs is not None and args.max_concurrent_runs < 1:
+        print("ratchet flink: --max-concurrent-runs must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
+        config = _config(args)
+        config.validate()
+    except RatchetError as exc:
+        print(f"ratchet flink: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    bad: list[str] = []
+    if args.follow is None:
+        # A bounded input is read here first: a bad line is refused before anything runs
+        # (a Flink job keeps no state for a second `flink run` to continue from, so stopping
+        # half way would make the run after the fix repeat the first half).
+        if not Path(args.input).exists():
+            print(f"ratchet flink: --input {args.input} does not exist", file=sys.stderr)
+            return EXIT_USAGE
+        bad = scan_input(Path(args.input), args.key)
+        if bad and args.on_bad_input == "stop":
+            more = f" (and {len(bad) - 1} more bad line(s))" if len(bad) > 1 else ""
+            print(
+                f"ratchet flink: bad input: {bad[0]}{more}; nothing was submitted: fix the "
+                f"line and run again, or pass --on-bad-input skip or dead-letter",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
     agent = args.agent
     target, _, attr = agent.rpartition(":")
     if target.endswith(".py") or os.sep in target:
         agent = f"{os.path.abspath(target)}:{attr}"
-    config = _config(args)
     name = args.job_name or f"ratchet {args.agent}"
     if args.jobmanager:
-        return _submit(args, agent, config, name)
+        code = _submit(args, agent, config, name)
+        _report_bad(args, bad)
+        return code
     env = environment(config)
     build_job(
         env,
@@ -135,6 +178,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         config=config,
         follow_ms=args.follow,
         memory_dir=args.memory_output,
+        on_bad_input=args.on_bad_input,
     )
     started = SYSTEM_CLOCK.monotonic()
     client = env.execute_async(name)
@@ -142,25 +186,78 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(json.dumps({"job_id": job_id, "name": name}), flush=True)
     if args.detach:
         return EXIT_OK
-    client.get_job_execution_result().result()
-    print(
-        json.dumps(
-            {
-                "job_id": job_id,
-                "status": "FINISHED",
-                "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
-            }
-        ),
-        flush=True,
-    )
+    try:
+        client.get_job_execution_result().result()
+    except Exception as exc:  # py4j's error, with the Java cause chain as text
+        return _job_failed(job_id, exc)
+    summary: dict[str, Any] = {
+        "job_id": job_id,
+        "status": "FINISHED",
+        "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
+    }
+    if bad:
+        summary["bad_inputs"] = bad
+    print(json.dumps(summary), flush=True)
+    _report_bad(args, bad)
     return EXIT_OK
+
+
+def scan_input(path: Path, key_field: str) -> list[str]:
+    """The bad lines of a bounded input (a file, or the files under a folder that Flink's file
+    source reads: names starting with `.` or `_` are skipped), as the embedded engine words
+    them (`path:line: ...`)."""
+    from ratchet.flink._function import parse_line
+
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    bad: list[str] = []
+    for f in files:
+        if any(part[:1] in (".", "_") for part in f.relative_to(path).parts) and f != path:
+            continue
+        with f.open("rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                text = raw.decode("utf-8", errors="replace")
+                _key, _line, error = parse_line(text, f"{f}:{n}", key_field)
+                if error is not None:
+                    bad.append(error)
+    return bad
+
+
+def _report_bad(args: argparse.Namespace, bad: list[str]) -> None:
+    if not bad:
+        return
+    what = (
+        "skipped"
+        if args.on_bad_input == "skip"
+        else "kept in " + os.path.join(args.output, "_bad-input")
+    )
+    print(
+        f"ratchet flink: {len(bad)} bad input line(s) {what} (--on-bad-input "
+        f"{args.on_bad_input}); the first: {bad[0]}",
+        file=sys.stderr,
+    )
+
+
+def _job_failed(job_id: str, exc: BaseException) -> int:
+    from ratchet.flink._function import BAD_INPUT_MARK
+
+    text = str(exc)
+    at = text.find(BAD_INPUT_MARK)
+    if at >= 0:
+        line = text[at + len(BAD_INPUT_MARK) :].splitlines()[0].strip()
+        print(f"ratchet flink: bad input: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    cause = [ln for ln in text.splitlines() if "Error" in ln or "Exception" in ln]
+    print(
+        f"ratchet flink: job {job_id} failed: {cause[-1].strip() if cause else text[:500]}",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
 
 
 def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int:
     """Submit to a running cluster with the pip package's `flink run -py` (a context
     environment bound to the cluster), running `ratchet.flink._entry` as the job script."""
     import dataclasses
-    import os
     import re
     import subprocess
     from pathlib import Path
@@ -183,6 +280,7 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
         "key": args.key,
         "follow_ms": args.follow,
         "memory_dir": os.path.abspath(args.memory_output) if args.memory_output else None,
+        "on_bad_input": args.on_bad_input,
         "name": name,
         "config": dataclasses.asdict(config),
     }

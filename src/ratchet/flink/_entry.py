@@ -37,6 +37,7 @@ def main(argv: list[str]) -> None:
         config=config,
         follow_ms=spec["follow_ms"],
         memory_dir=spec["memory_dir"],
+        on_bad_input=spec.get("on_bad_input", "stop"),
     )
     env.execute(spec["name"])
 

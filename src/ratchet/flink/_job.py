@@ -24,10 +24,12 @@ from pyflink.datastream.connectors.file_system import (
 
 from ratchet._errors import ConfigError
 from ratchet.flink._config import FlinkConfig
-from ratchet.flink._function import MEMORY_TAG, AgentFunction, ParseLines
+from ratchet.flink._function import BAD_INPUT_TAG, MEMORY_TAG, AgentFunction, ParseLines
 from ratchet.runtime._journal import decode_memory
 
 log = logging.getLogger("ratchet.flink")
+
+BAD_INPUT_DIR = "_bad-input"  # under the output folder: bad lines kept (--on-bad-input dead-letter)
 
 
 def environment(
@@ -139,13 +141,15 @@ def file_sink(directory: str | os.PathLike[str], prefix: str = "part") -> FileSi
 
 
 def read_output_dir(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every committed output record in a file-sink directory (hidden in-progress files skipped)."""
+    """Every committed output record in a file-sink directory (hidden in-progress files and
+    folders starting with `_` or `.`, such as `_bad-input`, skipped)."""
     out: list[dict[str, Any]] = []
     root = Path(directory)
     if not root.exists():
         return out
     for path in sorted(root.rglob("*")):
-        if path.is_file() and not path.name.startswith("."):
+        rel = path.relative_to(root).parts
+        if path.is_file() and not any(part[:1] in (".", "_") for part in rel):
             for line in path.read_text().splitlines():
                 if line.strip():
                     out.append(json.loads(line))
@@ -168,8 +172,12 @@ def build_job(
     follow_ms: int | None = None,
     memory_dir: str | os.PathLike[str] | None = None,
     agent_config: dict[str, Any] | None = None,
+    on_bad_input: str = "stop",
 ) -> None:
-    """Source (JSONL file or folder) -> parse -> agent -> exactly-once file sink, with uids."""
+    """Source (JSONL file or folder) -> parse -> agent -> exactly-once file sink, with uids.
+
+    With `on_bad_input="dead-letter"` bad lines go to `output_dir/_bad-input/` (part files
+    prefixed `bad-input`); `read_output_dir` does not read that folder as outputs."""
     config = config or FlinkConfig()
     src_path = Path(input_path).resolve()
     if not src_path.exists() and follow_ms is None:
@@ -180,12 +188,17 @@ def build_job(
     ds = env.from_source(builder.build(), WatermarkStrategy.no_watermarks(), "ratchet input")
     ds = ds.uid("ratchet-source")
     pairs = (
-        ds.flat_map(
-            ParseLines(key_field), output_type=Types.TUPLE([Types.STRING(), Types.STRING()])
+        ds.process(
+            ParseLines(key_field, on_bad_input),
+            output_type=Types.TUPLE([Types.STRING(), Types.STRING()]),
         )
         .uid("ratchet-parse")
         .name("parse JSONL")
     )
+    if on_bad_input == "dead-letter":
+        pairs.get_side_output(BAD_INPUT_TAG).sink_to(
+            file_sink(Path(output_dir) / BAD_INPUT_DIR, "bad-input")
+        ).uid("ratchet-bad-input-sink").name("bad input")
     outputs = apply_agent(
         pairs,
         agent,

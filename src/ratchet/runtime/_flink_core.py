@@ -16,7 +16,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine
+from collections import OrderedDict, deque
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,10 +43,37 @@ from ratchet.store._base import CallRecord
 
 log = logging.getLogger("ratchet.flink")
 
-# Machine slots are not shared across keys on Flink: a key's run starts when its input
-# arrives, so a callback for one key never starts another key's run (whose state it could
-# not write). Concurrency of actual work is bounded by `max_concurrent_tasks`.
+# Without `max_concurrent_runs` machine slots are not shared across keys on Flink: a key's run
+# starts when its input arrives, so a callback for one key never starts another key's run.
+# With it, a run that ends frees a slot for another key's run, whose first tasks wait in
+# `_held` until a callback with that key current (`others`) dispatches them and writes its state.
 _UNBOUNDED = 1 << 62
+
+# Flink keys are strings; an integer key is tagged so that `1` and `"1"` stay two keys, as they
+# are on the embedded engine. A string key is its own Flink key (savepoints of string-keyed jobs
+# keep their layout); a string key that starts with NUL is refused (it could collide).
+_INT_KEY = "\x00i:"
+
+
+def flink_key(key: Any) -> str:
+    """The Flink (string) key of a ratchet key (a str or an int; bool is not a key)."""
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise ConfigError(f"key {key!r} is a {type(key).__name__}; keys are strings or integers")
+    if isinstance(key, int):
+        return f"{_INT_KEY}{key}"
+    if key.startswith("\x00"):
+        raise ConfigError(
+            f"key {key!r} starts with a NUL character, which the Flink engine reserves to tell "
+            f"integer keys from strings; use another key"
+        )
+    return key
+
+
+def native_key(key: str) -> Any:
+    """The ratchet key of a Flink key made by `flink_key` (other strings are themselves)."""
+    if key.startswith(_INT_KEY):
+        return int(key[len(_INT_KEY) :])
+    return key
 
 
 class KeyStore(Protocol):
@@ -69,8 +97,10 @@ class CoreConfig:
     """Knobs of the operator core (times in milliseconds)."""
 
     max_concurrent_tasks: int = 64
+    max_concurrent_runs: int | None = None  # per subtask; None: every key with input runs
     max_tasks_per_run: int = 10_000
     sync_workers: int = 16
+    idle_keys_cached: int = 10_000  # idle keys kept loaded (their state is also in Flink)
     poll_min_ms: int = 2
     poll_max_ms: int = 100
     end_wait_log_s: float = 30.0
@@ -152,10 +182,13 @@ class AgentCore:
         self.binding = binding
         self.config = config or CoreConfig()
         self.clock = clock
+        limit = self.config.max_concurrent_runs
+        if limit is not None and limit < 1:
+            raise ConfigError(f"max_concurrent_runs must be at least 1, not {limit}")
         self.machine = Machine(
             binding.listeners,
             binding.is_output,
-            _UNBOUNDED,
+            _UNBOUNDED if limit is None else limit,
             self.config.max_tasks_per_run,
             binding.budget_output,
             delayed=self._no_delays,
@@ -165,9 +198,17 @@ class AgentCore:
         self._cond = threading.Condition(self._lock)
         self._done: dict[Any, list[tuple[Task, Outcome]]] = {}
         self._calls: dict[Any, list[CallRecord]] = {}
+        self._held: dict[Any, list[Task]] = {}  # first tasks of runs started for another key
+        # Idle keys stay loaded, least recently used first: keyed state is only ever written
+        # through this worker, so the loaded copy is the stored one, and a key's next input
+        # needs no state reads.
+        self._idle: OrderedDict[Any, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
-        self._sem: asyncio.Semaphore | None = None
+        # Async tasks admitted on the loop: at most `max_concurrent_tasks` run, the rest wait in
+        # order; running ones are held here (the loop keeps only weak references to tasks).
+        self._running: set[asyncio.Task[None]] = set()
+        self._waiting: deque[Coroutine[Any, Any, None]] = deque()
         self._dispatcher = Dispatcher(
             binding,
             spawn=self._spawn,
@@ -190,7 +231,6 @@ class AgentCore:
 
         def run() -> None:
             asyncio.set_event_loop(loop)
-            self._sem = asyncio.Semaphore(self.config.max_concurrent_tasks)
             ready.set()
             loop.run_forever()
 
@@ -215,6 +255,8 @@ class AgentCore:
                 if not self._loop_thread.is_alive():
                     loop.close()
         self._dispatcher.stop()
+        while self._waiting:
+            self._waiting.popleft().close()  # never started: its run is in state as in flight
         self._loop = None
 
     # -- callbacks (the function calls these with the current key set) ---------------------
@@ -232,12 +274,11 @@ class AgentCore:
         return step
 
     def timer(self, key: Any, store: KeyStore, *, end: bool = False) -> Step:
-        """Apply the key's finished tasks; with `end` (end of input) wait until the key is idle."""
+        """Apply the key's finished tasks. With `end` (end of input), wait until the key is
+        idle; `drain` waits for every key at once instead (the PyFlink function uses it)."""
         info = self._load(key, store)
-        step = Step()
-        self._pump(key, info, step)  # a run restored by `_load` dispatches its first tasks
-        applied = self._apply_done(key, info, step)
-        if end:
+        step = self._callback(key, info, store)
+        if end and self._key_busy(key):
             waited = self.clock.monotonic()
             while self._key_busy(key):
                 with self._cond:
@@ -247,6 +288,43 @@ class AgentCore:
                 if self.clock.monotonic() - waited > self.config.end_wait_log_s:
                     log.warning("end of input: key %r still has work running", key)
                     waited = self.clock.monotonic()
+            self._persist(key, info, store, step)
+        return step
+
+    def others(self, current: Any, switch: Callable[[Any], KeyStore]) -> Iterator[tuple[Any, Step]]:
+        """Apply the finished tasks of every other key that has some (and dispatch the held
+        first tasks of runs started for other keys), each with its own keyed state:
+        `switch(key)` makes `key` current and returns its `KeyStore`. The caller registers
+        each yielded step's timer before taking the next (the key is current until then)."""
+        with self._lock:
+            keys = [k for k, done in self._done.items() if done and k != current]
+        keys += [k for k in self._held if k != current and k not in keys]
+        for key in keys:
+            info = self._keys.get(key)
+            if info is None:
+                continue  # evicted meanwhile: nothing of it runs
+            store = switch(key)
+            yield key, self._callback(key, info, store)
+
+    def drain(self, switch: Callable[[Any], KeyStore]) -> Iterator[tuple[Any, Step]]:
+        """End of a bounded input: apply every key's finished tasks as they come, until no
+        key of this worker has work. All keys run concurrently meanwhile (the operator cannot
+        take a checkpoint until this returns; see docs/flink.md)."""
+        waited = self.clock.monotonic()
+        while any(self._key_busy(k) for k in list(self.machine.keys)):
+            with self._cond:
+                if not any(self._done.values()) and not self._held:
+                    self._cond.wait(timeout=1.0)
+            yield from self.others(None, switch)
+            if self.clock.monotonic() - waited > self.config.end_wait_log_s:
+                busy = [k for k in self.machine.keys if self._key_busy(k)]
+                log.warning("end of input: %d key(s) still have work running", len(busy))
+                waited = self.clock.monotonic()
+
+    def _callback(self, key: Any, info: _Key, store: KeyStore) -> Step:
+        step = Step()
+        self._pump(key, info, step)  # a run restored by `_load` dispatches its first tasks
+        applied = self._apply_done(key, info, step)
         cfg = self.config
         if applied:
             info.poll_ms = cfg.poll_min_ms
@@ -268,6 +346,7 @@ class AgentCore:
     def _load(self, key: Any, store: KeyStore) -> _Key:
         info = self._keys.get(key)
         if info is not None:
+            self._idle.pop(key, None)
             return info
         info = self._keys[key] = _Key(poll_ms=self.config.poll_min_ms)
         b = self.binding
@@ -341,10 +420,16 @@ class AgentCore:
                     info.calls_written = True
         step.active = run is not None or bool(ks.queue)
         if info.executing > 0:
+            # Work running: call again (a key waiting for a run slot needs no timer: the
+            # callback whose run frees the slot starts its run, and `others` dispatches it).
             step.poll_ms = info.poll_ms
         elif not step.active:
-            m.evict_key(key)
-            del self._keys[key]
+            idle = self._idle
+            idle[key] = None
+            while len(idle) > self.config.idle_keys_cached:
+                old, _ = idle.popitem(last=False)
+                if m.evict_key(old):
+                    del self._keys[old]
 
     # -- execution --------------------------------------------------------------------------
 
@@ -369,17 +454,32 @@ class AgentCore:
     def _pump(self, key: Any, info: _Key, step: Step) -> None:
         m = self.machine
         b = self.binding
+        held = self._held.pop(key, None)
+        if held:
+            m.dispatched[:0] = held
         while True:
             dispatched, outputs, completed = m.take_effects()
             for out in outputs:
-                step.outputs.append(json_line_or_error(b.output_record(out)))
+                rec = b.output_record(out)
+                if isinstance(key, int):
+                    # Inputs are numbered per key on Flink, so `1:0:...` would name the first
+                    # output of both key 1 and key "1": integer keys' ids start with `#`.
+                    rec["id"] = f"#{rec['id']}"
+                step.outputs.append(json_line_or_error(rec))
             if completed:
                 info.key_dirty = True
             if not dispatched:
                 return
             for task in dispatched:
                 if task.key != key:
-                    raise InternalError(f"a callback for key {key!r} dispatched key {task.key!r}")
+                    if self.config.max_concurrent_runs is None:
+                        raise InternalError(
+                            f"a callback for key {key!r} dispatched key {task.key!r}"
+                        )
+                    # A slot freed by this key's run went to another key's run: its first
+                    # tasks wait until that key is current (`others`).
+                    self._held.setdefault(task.key, []).append(task)
+                    continue
                 calls = info.recorded.calls_for(task, _KeyWriter(self, key))
                 outcome = self._dispatcher.dispatch(task, calls)
                 if outcome is None:
@@ -391,12 +491,26 @@ class AgentCore:
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._limited(coro), self._loop)
+        self._loop.call_soon_threadsafe(self._admit, coro)
 
-    async def _limited(self, coro: Coroutine[Any, Any, None]) -> None:
-        assert self._sem is not None
-        async with self._sem:
-            await coro
+    def _admit(self, coro: Coroutine[Any, Any, None]) -> None:
+        # On the loop. A plain counter and queue rather than an asyncio.Semaphore, whose waiters
+        # (tasks made by run_coroutine_threadsafe) were seen never to wake: runs stuck with
+        # every permit free, under benchmarks/peers workload 3's pooled HTTP client.
+        if len(self._running) >= self.config.max_concurrent_tasks:
+            self._waiting.append(coro)
+            return
+        assert self._loop is not None
+        t = self._loop.create_task(coro)
+        self._running.add(t)
+        t.add_done_callback(self._finished)
+
+    def _finished(self, t: asyncio.Task[None]) -> None:
+        self._running.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("an action task failed outside its action", exc_info=t.exception())
+        if self._waiting:
+            self._admit(self._waiting.popleft())
 
     def _deliver(self, task: Task, outcome: Outcome) -> None:
         self._deliver_batch([(task, outcome)])

@@ -143,6 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"ratchet flink: {exc}", file=sys.stderr)
         return EXIT_USAGE
     bad: list[str] = []
+    inputs = 0
     if args.follow is None:
         # A bounded input is read here first: a bad line is refused before anything runs
         # (a Flink job keeps no state for a second `flink run` to continue from, so stopping
@@ -150,7 +151,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not Path(args.input).exists():
             print(f"ratchet flink: --input {args.input} does not exist", file=sys.stderr)
             return EXIT_USAGE
-        bad = scan_input(Path(args.input), args.key)
+        bad, inputs = scan_input(Path(args.input), args.key)
         if bad and args.on_bad_input == "stop":
             more = f" (and {len(bad) - 1} more bad line(s))" if len(bad) > 1 else ""
             print(
@@ -168,6 +169,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = _submit(args, agent, config, name)
         _report_bad(args, bad)
         return code
+    # A bounded input runs as a stream (the source keeps watching) until every input's run is
+    # done, then the job stops with a savepoint that drains it: keys keep running concurrently
+    # and checkpoints keep completing to the last input (a bounded source's end would make
+    # the operator finish every key's work in one callback, with no checkpoint meanwhile).
+    to_completion = args.follow is None and not args.detach and not args.from_savepoint
+    progress_dir = None
+    if to_completion:
+        import uuid
+
+        progress_dir = os.path.join(args.output, PROGRESS_DIR, uuid.uuid4().hex)
     env = environment(config)
     build_job(
         env,
@@ -176,9 +187,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.output,
         key_field=args.key,
         config=config,
-        follow_ms=args.follow,
+        follow_ms=_WATCH_MS if to_completion else args.follow,
         memory_dir=args.memory_output,
         on_bad_input=args.on_bad_input,
+        progress_dir=progress_dir,
     )
     started = SYSTEM_CLOCK.monotonic()
     client = env.execute_async(name)
@@ -186,7 +198,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(json.dumps({"job_id": job_id, "name": name}), flush=True)
     if args.detach:
         return EXIT_OK
+    savepoint = None
     try:
+        if progress_dir is not None:
+            savepoint = _run_to_completion(client, args, progress_dir, inputs - len(bad))
         client.get_job_execution_result().result()
     except Exception as exc:  # py4j's error, with the Java cause chain as text
         return _job_failed(job_id, exc)
@@ -195,6 +210,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "status": "FINISHED",
         "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
     }
+    if savepoint is not None:
+        summary["savepoint"] = savepoint
     if bad:
         summary["bad_inputs"] = bad
     print(json.dumps(summary), flush=True)
@@ -202,24 +219,78 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def scan_input(path: Path, key_field: str) -> list[str]:
+PROGRESS_DIR = "_progress"  # under the output folder: one committed line per finished run
+_WATCH_MS = 3_600_000  # how often a bounded input run as a stream looks for new files
+_POLL_S = 0.25
+_REPORT_S = 5.0
+
+
+def _run_to_completion(client: Any, args: argparse.Namespace, progress: str, inputs: int) -> Any:
+    """Wait until `inputs` runs are done for good (their progress lines are committed), printing
+    a progress line now and then, then stop the job with a draining savepoint; returns its
+    path (None when the job ended by itself, which the caller then reports)."""
+    from ratchet.flink import count_progress
+
+    terminal = {"FINISHED", "FAILED", "CANCELED"}
+    started = last = SYSTEM_CLOCK.monotonic()
+    reported = -1
+    while True:
+        done = count_progress(progress)
+        now = SYSTEM_CLOCK.monotonic()
+        if done >= inputs:
+            break
+        if str(client.get_job_status().result()) in terminal:
+            return None
+        if now - last >= _REPORT_S and done != reported:
+            rate = done / (now - started) if now > started else 0.0
+            print(
+                f"ratchet flink: {done}/{inputs} inputs done ({rate:.0f}/s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            reported, last = done, now
+        SYSTEM_CLOCK.sleep_sync(_POLL_S)
+    where = args.checkpoint_dir
+    if where and "://" in where:
+        target = where.rstrip("/") + "/savepoints"
+    else:  # beside the checkpoints, or in the output folder (hidden from the outputs)
+        target = os.path.abspath(
+            os.path.join(where, "savepoints") if where else os.path.join(args.output, "_savepoints")
+        )
+    return _stop_with_savepoint(client, target, drain=True)
+
+
+def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:
+    """`JobClient.stopWithSavepoint` called on the Java client: PyFlink's wrapper passes two
+    arguments, Flink 2's method takes three (the savepoint format too)."""
+    from pyflink.java_gateway import get_gateway
+
+    fmt = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
+    return str(client._j_job_client.stopWithSavepoint(drain, target, fmt).get())
+
+
+def scan_input(path: Path, key_field: str) -> tuple[list[str], int]:
     """The bad lines of a bounded input (a file, or the files under a folder that Flink's file
     source reads: names starting with `.` or `_` are skipped), as the embedded engine words
-    them (`path:line: ...`)."""
+    them (`path:line: ...`), and how many non-blank lines it has."""
     from ratchet.flink._function import parse_line
 
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     bad: list[str] = []
+    lines = 0
     for f in files:
         if any(part[:1] in (".", "_") for part in f.relative_to(path).parts) and f != path:
             continue
         with f.open("rb") as fh:
             for n, raw in enumerate(fh, 1):
                 text = raw.decode("utf-8", errors="replace")
-                _key, _line, error = parse_line(text, f"{f}:{n}", key_field)
+                _key, line, error = parse_line(text, f"{f}:{n}", key_field)
                 if error is not None:
                     bad.append(error)
-    return bad
+                    lines += 1
+                elif line is not None:
+                    lines += 1
+    return bad, lines
 
 
 def _report_bad(args: argparse.Namespace, bad: list[str]) -> None:

@@ -5,11 +5,18 @@ state, checkpoints by Flink, outputs through the exactly-once file sink. See doc
 """
 
 from ratchet.flink._config import FlinkConfig
-from ratchet.flink._function import END_OF_INPUT, MEMORY_TAG, AgentFunction, ParseLines
+from ratchet.flink._function import (
+    END_OF_INPUT,
+    MEMORY_TAG,
+    PROGRESS_TAG,
+    AgentFunction,
+    ParseLines,
+)
 from ratchet.flink._job import (
     AgentsEnvironment,
     apply_agent,
     build_job,
+    count_progress,
     decode_memory_line,
     environment,
     file_sink,
@@ -21,6 +28,8 @@ from ratchet.runtime._journal import decode_memory, encode_memory
 __all__ = [
     "END_OF_INPUT",
     "MEMORY_TAG",
+    "PROGRESS_TAG",
+    "count_progress",
     "AgentFunction",
     "AgentsEnvironment",
     "CoreConfig",

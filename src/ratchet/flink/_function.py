@@ -37,6 +37,11 @@ MEMORY_TAG = OutputTag("ratchet-memory", Types.STRING())
 `{"key": ..., "memory": "<base64 of the codec-encoded memory>"}` (decode with
 `ratchet.flink.decode_memory_line`)."""
 
+PROGRESS_TAG = OutputTag("ratchet-progress", Types.STRING())
+"""Side output of `apply_agent(..., emit_progress=True)`: one JSON line per finished run,
+`{"key": ..., "seq": ...}`. Written through an exactly-once sink, its committed lines say how
+many inputs are done for good: `ratchet flink run` stops a job whose every input is done."""
+
 _BYTES = Types.PRIMITIVE_ARRAY(Types.BYTE())
 
 
@@ -164,12 +169,14 @@ class AgentFunction(KeyedProcessFunction):
         agent_config: dict[str, Any] | None = None,
         json_pairs: bool = False,
         emit_memory: bool = False,
+        emit_progress: bool = False,
     ) -> None:
         self.agent = agent
         self.core_config = core_config
         self.agent_config = agent_config
         self.json_pairs = json_pairs
         self.emit_memory = emit_memory
+        self.emit_progress = emit_progress
         self.core: AgentCore | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -211,7 +218,7 @@ class AgentFunction(KeyedProcessFunction):
         step = self.core.element(key, value, self.state)
         self._m_inputs.inc()
         self._timers(ctx, key, step, register_end=self.emit_memory)
-        yield from self._emit(step.outputs)
+        yield from self._emit(key, step)
         yield from self._others(ctx, fkey, key)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Any:
@@ -225,17 +232,17 @@ class AgentFunction(KeyedProcessFunction):
             # End of a bounded input: every key of this worker drains at once (not one key
             # per end timer), then this key's own state is current again.
             step = self.core.timer(key, self.state)
-            yield from self._emit(step.outputs)
+            yield from self._emit(key, step)
             for other, st in self.core.drain(self._switch):
                 self._timers(ctx, other, st, register_end=False)
-                yield from self._emit(st.outputs)
+                yield from self._emit(other, st)
             self._switch(key)
             step = self.core.timer(key, self.state, end=True)
         else:
             step = self.core.timer(key, self.state, end=end)
         if not end:
             self._timers(ctx, key, step, register_end=False)
-        yield from self._emit(step.outputs)
+        yield from self._emit(key, step)
         if not end:
             yield from self._others(ctx, fkey, key)
         if end and self.emit_memory:
@@ -248,10 +255,13 @@ class AgentFunction(KeyedProcessFunction):
                 )
                 yield MEMORY_TAG, line
 
-    def _emit(self, outputs: list[str]) -> Any:
-        if outputs:
-            self._m_outputs.inc(len(outputs))
-            yield from outputs
+    def _emit(self, key: Any, step: Step) -> Any:
+        if step.outputs:
+            self._m_outputs.inc(len(step.outputs))
+            yield from step.outputs
+        if self.emit_progress:
+            for seq in step.completed:
+                yield PROGRESS_TAG, json.dumps({"key": key, "seq": seq})
 
     def _switch(self, key: Any) -> _State:
         assert self._backend is not None
@@ -268,7 +278,7 @@ class AgentFunction(KeyedProcessFunction):
         for other, st in self.core.others(key, self._switch):
             switched = True
             self._timers(ctx, other, st, register_end=False)
-            yield from self._emit(st.outputs)
+            yield from self._emit(other, st)
         if switched:
             self._backend.set_current_key(Row(fkey))
 

@@ -111,6 +111,7 @@ class Step:
     """What one callback produced: output lines and whether the key still needs callbacks."""
 
     outputs: list[str] = field(default_factory=list)
+    completed: list[int] = field(default_factory=list)  # seqs of the key's runs that ended
     poll_ms: int | None = None  # register a processing-time timer this far ahead
     active: bool = False  # the key has a run or queued inputs
 
@@ -468,6 +469,7 @@ class AgentCore:
                 step.outputs.append(json_line_or_error(rec))
             if completed:
                 info.key_dirty = True
+                step.completed.extend(run.seq for run in completed)
             if not dispatched:
                 return
             for task in dispatched:

@@ -284,7 +284,7 @@ def scan_input(path: Path, key_field: str) -> tuple[list[str], int]:
         with f.open("rb") as fh:
             for n, raw in enumerate(fh, 1):
                 text = raw.decode("utf-8", errors="replace")
-                _key, line, error = parse_line(text, f"{f}:{n}", key_field)
+                _key, line, error = parse_line(text, str(f), key_field, n)
                 if error is not None:
                     bad.append(error)
                     lines += 1

@@ -30,6 +30,7 @@ else:
 
 TABLE = "ratchet_call_journal"
 FLAG = "--call-journal"
+DSN_ENV = "RATCHET_CALL_JOURNAL"  # the URI when not on the command line (it may hold a password)
 
 _SCHEMA = (
     f"CREATE TABLE IF NOT EXISTS {TABLE} ("

@@ -150,3 +150,26 @@ def test_no_returned_call_is_made_again_after_a_kill_or_a_savepoint(
         vs = [r["v"] for r in first + second if r["key"] == f"k{k}"]
         assert last[f"k{k}"]["n"] == len(vs)
         assert last[f"k{k}"]["sum"] == sum(v * 7 + (-v - 1) * 7 for v in vs)
+
+
+def test_an_unusable_call_journal_is_exit_2_before_anything_runs(tmp_path: Path) -> None:
+    from .cluster import free_port
+
+    inputs = tmp_path / "in.jsonl"
+    write_inputs(inputs, _rows(0, 3))
+    base = [*CLI, f"{AGENTS}:Journaled", "--input", str(inputs), "--output", str(tmp_path / "o")]
+    for uri, said in [
+        ("postgresql://u:hunter2@127.0.0.1/db?nonsense=1", "invalid"),
+        (f"postgresql://u:hunter2@127.0.0.1:{free_port()}/db", "cannot use PostgreSQL"),
+    ]:
+        proc = subprocess.run(
+            [*base, "--call-journal", uri],
+            env=flink_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert said in proc.stderr and "u:***@127.0.0.1" in proc.stderr, proc.stderr
+        assert "hunter2" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+        assert proc.stdout == ""  # nothing was submitted

@@ -74,6 +74,26 @@ def register(sub: Any) -> argparse.ArgumentParser:
         metavar="DIR",
         help="each key's final memory (end of input)",
     )
+    run.add_argument(
+        "--call-journal",
+        default=None,
+        metavar="URI",
+        help="postgresql://... journal of durable-call results, written before a result returns "
+        "(default: $RATCHET_CALL_JOURNAL; none: calls after the last checkpoint may repeat)",
+    )
+    run.add_argument(
+        "--call-journal-namespace",
+        default=None,
+        metavar="NAME",
+        help="this job's records in the journal (default: agent + checkpoint dir or output)",
+    )
+    run.add_argument(
+        "--call-journal-margin",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="prune records of runs completed this long before the latest checkpoint",
+    )
     run.add_argument("--tmp-dir", default=None, help="Flink temp files (io.tmp.dirs)")
     run.add_argument("--job-name", default=None)
     run.add_argument("--detach", action="store_true", help="submit, print the job id, exit")
@@ -97,6 +117,9 @@ def _config(args: argparse.Namespace) -> Any:
         extra.setdefault("execution.state-recovery.path", args.from_savepoint)
     if args.allow_non_restored_state:
         extra.setdefault("execution.state-recovery.ignore-unclaimed-state", "true")
+    if args.call_journal and not args.jobmanager:
+        # The local mini-cluster's REST API on a known port: the pruner reads checkpoints there.
+        extra.setdefault("rest.port", str(_free_port()))
     return FlinkConfig(
         checkpoint_interval_ms=args.checkpoint_interval,
         state_backend=args.state_backend,
@@ -115,7 +138,50 @@ def _config(args: argparse.Namespace) -> Any:
             sync_workers=args.sync_workers,
         ),
         extra=extra,
+        call_journal=args.call_journal,
+        journal_namespace=journal_namespace(args) if args.call_journal else None,
     )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def journal_namespace(args: argparse.Namespace) -> str:
+    """The job's namespace in the call journal: given, or the agent's class and a digest of
+    where its checkpoints (else its outputs) live, so that a resumed job finds its records."""
+    if args.call_journal_namespace:
+        return str(args.call_journal_namespace)
+    import hashlib
+
+    where = args.checkpoint_dir or args.output
+    if "://" not in where:
+        where = os.path.abspath(where)
+    cls = args.agent.rpartition(":")[2]
+    return f"{cls}@{hashlib.sha256(where.encode()).hexdigest()[:16]}"
+
+
+def _open_journal(args: argparse.Namespace, config: Any) -> Any:
+    """The call journal, checked (reachable, table there); a fresh job (no --from-savepoint)
+    starts its namespace empty: no restore of it can need older records."""
+    from ratchet.connectors._pg_journal import PostgresCallJournal
+
+    journal = PostgresCallJournal(config.call_journal, config.journal_namespace)
+    if not args.from_savepoint:
+        journal.clear()
+    return journal
+
+
+def _pruner(args: argparse.Namespace, journal: Any, rest: str, job_id: str) -> Any:
+    from ratchet.flink._prune import JournalPruner
+
+    pruner = JournalPruner(journal, rest, job_id, margin_s=args.call_journal_margin)
+    pruner.start()
+    return pruner
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -130,18 +196,34 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from ratchet._errors import RatchetError
     from ratchet.agents._run import load_agent
-    from ratchet.flink import build_job, environment
 
     if args.max_concurrent_runs is not None and args.max_concurrent_runs < 1:
         print("ratchet flink: --max-concurrent-runs must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    from ratchet.connectors._pg_journal import DSN_ENV
+
+    if args.call_journal is None:
+        args.call_journal = os.environ.get(DSN_ENV) or None
+    journal = None
     try:
         load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
         config = _config(args)
         config.validate()
+        if config.call_journal:
+            journal = _open_journal(args, config)  # a bad URI or a server down: exit 2 here
     except RatchetError as exc:
         print(f"ratchet flink: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        return _run(args, config, journal)
+    finally:
+        if journal is not None:
+            journal.close()
+
+
+def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
+    from ratchet.flink import build_job, environment
+
     bad: list[str] = []
     inputs = 0
     if args.follow is None:
@@ -166,7 +248,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         agent = f"{os.path.abspath(target)}:{attr}"
     name = args.job_name or f"ratchet {args.agent}"
     if args.jobmanager:
-        code = _submit(args, agent, config, name)
+        code = _submit(args, agent, config, name, journal)
         _report_bad(args, bad)
         return code
     # A bounded input runs as a stream (the source keeps watching) until every input's run is
@@ -199,12 +281,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.detach:
         return EXIT_OK
     savepoint = None
+    pruner = None
+    if journal is not None:
+        pruner = _pruner(args, journal, f"http://127.0.0.1:{config.extra['rest.port']}", job_id)
     try:
         if progress_dir is not None:
             savepoint = _run_to_completion(client, args, progress_dir, inputs - len(bad))
         client.get_job_execution_result().result()
     except Exception as exc:  # py4j's error, with the Java cause chain as text
         return _job_failed(job_id, exc)
+    finally:
+        if pruner is not None:
+            pruner.stop()
     summary: dict[str, Any] = {
         "job_id": job_id,
         "status": "FINISHED",
@@ -212,6 +300,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     if savepoint is not None:
         summary["savepoint"] = savepoint
+    if pruner is not None:
+        summary["call_journal"] = {
+            "namespace": config.journal_namespace,
+            "pruned": pruner.pruned,
+        }
     if bad:
         summary["bad_inputs"] = bad
     print(json.dumps(summary), flush=True)
@@ -325,7 +418,7 @@ def _job_failed(job_id: str, exc: BaseException) -> int:
     return EXIT_FAILED
 
 
-def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int:
+def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journal: Any) -> int:
     """Submit to a running cluster with the pip package's `flink run -py` (a context
     environment bound to the cluster), running `ratchet.flink._entry` as the job script."""
     import dataclasses
@@ -336,6 +429,7 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
     import pyflink
 
     import ratchet.flink._entry as entry
+    from ratchet.connectors._pg_journal import DSN_ENV
 
     host, sep, port = args.jobmanager.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -355,6 +449,12 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
         "name": name,
         "config": dataclasses.asdict(config),
     }
+    env = dict(os.environ)
+    env.pop(DSN_ENV, None)
+    if config.call_journal:  # through the environment: argv is visible to every user (ps)
+        env[DSN_ENV] = spec["config"].pop("call_journal")
+    else:
+        spec["config"].pop("call_journal", None)
     flink = Path(pyflink.__file__).parent / "bin" / "flink"
     cmd = [
         "bash",
@@ -372,17 +472,26 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
     ]
     if args.detach:
         cmd.insert(3, "-d")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     assert proc.stdout is not None
     job_id = None
+    pruner = None
     tail: list[str] = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-40:]
-        m = re.search(r"JobID ([0-9a-f]{32})", line)
-        if m and job_id is None:
-            job_id = m.group(1)
-            print(json.dumps({"job_id": job_id, "name": name}), flush=True)
-    code = proc.wait()
+    try:
+        for line in proc.stdout:
+            tail = (tail + [line])[-40:]
+            m = re.search(r"JobID ([0-9a-f]{32})", line)
+            if m and job_id is None:
+                job_id = m.group(1)
+                print(json.dumps({"job_id": job_id, "name": name}), flush=True)
+                if journal is not None and not args.detach:
+                    pruner = _pruner(args, journal, f"http://{args.jobmanager}", job_id)
+        code = proc.wait()
+    finally:
+        if pruner is not None:
+            pruner.stop()
     if code != 0 or job_id is None:
         print("ratchet flink: submission failed:\n" + "".join(tail), file=sys.stderr)
         return code or 1

@@ -176,8 +176,10 @@ class AgentFunction(KeyedProcessFunction):
         json_pairs: bool = False,
         emit_memory: bool = False,
         emit_progress: bool = False,
+        journal: tuple[str, str] | None = None,
     ) -> None:
         self.agent = agent
+        self.journal = journal  # (PostgreSQL URI, namespace) of the external call journal
         self.core_config = core_config
         self.agent_config = agent_config
         self.json_pairs = json_pairs
@@ -191,7 +193,14 @@ class AgentFunction(KeyedProcessFunction):
 
         start_parent_watchdog()
         agent = load_agent(self.agent) if isinstance(self.agent, str) else self.agent
-        self.core = AgentCore(AgentBinding(agent, self.agent_config), self.core_config)
+        journal = None
+        if self.journal is not None:
+            from ratchet.connectors._pg_journal import PostgresCallJournal
+
+            journal = PostgresCallJournal(*self.journal)
+        self.core = AgentCore(
+            AgentBinding(agent, self.agent_config), self.core_config, journal=journal
+        )
         self.core.open()
         self.state = _State(runtime_context)
         # PyFlink's keyed state backend of this worker: a callback may apply another key's
@@ -214,6 +223,8 @@ class AgentFunction(KeyedProcessFunction):
     def close(self) -> None:
         if self.core is not None:
             self.core.close()
+            if self.core.journal is not None:
+                self.core.journal.close()
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Any:
         assert self.core is not None

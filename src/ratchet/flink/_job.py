@@ -94,7 +94,17 @@ def apply_agent(
         if key_selector is None:
             raise ConfigError("apply_agent() needs a key_selector for an unkeyed DataStream")
         keyed = stream.key_by(key_selector, key_type=Types.STRING())
-    fn = AgentFunction(agent, config.core, agent_config, _json_pairs, emit_memory, emit_progress)
+    fn = AgentFunction(
+        agent,
+        config.core,
+        agent_config,
+        _json_pairs,
+        emit_memory,
+        emit_progress,
+        journal=(config.call_journal, config.journal_namespace or "")
+        if config.call_journal
+        else None,
+    )
     return keyed.process(fn, output_type=Types.STRING()).uid(uid).name(f"ratchet agent ({uid})")
 
 

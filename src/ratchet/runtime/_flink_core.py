@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterator
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import ConfigError, InternalError, RatchetError
+from ratchet._errors import CheckpointError, ConfigError, InternalError, RatchetError
 from ratchet.agents._context import install_task_factory
 from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome
 from ratchet.runtime._io import json_line_or_error
@@ -40,6 +41,7 @@ from ratchet.runtime._journal import (
 from ratchet.runtime._machine import Machine, Task
 from ratchet.store import codec
 from ratchet.store._base import CallRecord
+from ratchet.store._call_journal import CallJournalStore, JournalledCall
 
 log = logging.getLogger("ratchet.flink")
 
@@ -104,6 +106,9 @@ class CoreConfig:
     poll_min_ms: int = 2
     poll_max_ms: int = 100
     end_wait_log_s: float = 30.0
+    # How long a call record may fail to reach the external call journal (retried with
+    # backoff) before the job fails with a CheckpointError (docs/flink.md).
+    journal_retry_s: float = 30.0
 
 
 @dataclass
@@ -126,27 +131,140 @@ class _Key:
     executing: int = 0
     poll_ms: int = 0
     recorded: CallJournal = field(default_factory=CallJournal)
+    # Records from the external call journal for runs not started yet, by seq.
+    journalled: dict[int, list[JournalledCall]] = field(default_factory=dict)
+    run_input: tuple[int, str] | None = None  # (seq, fingerprint of its input) of the last run
 
 
 class _KeyWriter:
-    """The durable-call writer `TaskCalls` needs, bound to one key.
+    """The durable-call writer `TaskCalls` needs, bound to one key and run.
 
     A record is kept in the worker and written to the key's state at the key's next callback,
-    so it is in Flink's state at the next checkpoint that follows that callback. The future
-    resolves at once: the record is not durable before that (see docs/flink.md).
+    so it is in Flink's state at the next checkpoint that follows that callback. Without an
+    external call journal the future resolves at once: the record is not durable before that
+    checkpoint (see docs/flink.md). With one, the future resolves once the journal committed it.
     """
 
-    __slots__ = ("_core", "_key")
+    __slots__ = ("_core", "_key", "_input")
 
-    def __init__(self, core: AgentCore, key: Any) -> None:
+    def __init__(self, core: AgentCore, key: Any, input_fp: str | None) -> None:
         self._core = core
         self._key = key
+        self._input = input_fp
 
     def put_call(self, record: CallRecord) -> concurrent.futures.Future[None]:
-        self._core._add_call(self._key, record)
+        core, key = self._core, self._key
+        writer = core._journal_writer
+        if writer is not None and self._input is not None:
+            fut = writer.put(JournalledCall(flink_key(key), self._input, record))
+
+            def to_state(done: concurrent.futures.Future[None]) -> None:
+                # Into keyed state only once journalled: the journal is never behind it.
+                if done.exception() is None:
+                    core._add_call(key, record)
+
+            fut.add_done_callback(to_state)
+            return fut
+        core._add_call(key, record)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+
+class _JournalWriter(threading.Thread):
+    """The one thread that writes the external call journal: records are group-committed,
+    each future resolved once its group is durable; completion marks ride along.
+
+    A failed write is retried with backoff for `retry_s`, then every waiting and later record
+    fails with a `CheckpointError` (an engine fault: it fails the job, it is never the action's
+    error), so no result returns to an action as if it were durable when it is not.
+    """
+
+    def __init__(self, store: CallJournalStore, retry_s: float, clock: Clock) -> None:
+        super().__init__(name="ratchet-call-journal", daemon=True)
+        self.store = store
+        self.retry_s = retry_s
+        self.clock = clock
+        self._q: queue.SimpleQueue[tuple[str, Any, concurrent.futures.Future[None] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._failed: CheckpointError | None = None
+
+    def put(self, call: JournalledCall) -> concurrent.futures.Future[None]:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        fut.set_result(None)
+        self._q.put(("put", call, fut))
         return fut
+
+    def complete(self, key: str, seq: int) -> None:
+        self._q.put(("done", (key, seq), None))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._q.put(("stop", None, None))
+        self.join(timeout)
+
+    def run(self) -> None:
+        while True:
+            items = [self._q.get()]
+            while True:
+                try:
+                    items.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            self._write(
+                [(c, f) for kind, c, f in items if kind == "put" and f is not None],
+                [m for kind, m, _ in items if kind == "done"],
+            )
+            if any(kind == "stop" for kind, _, _ in items):
+                return
+
+    def _write(
+        self,
+        puts: list[tuple[JournalledCall, concurrent.futures.Future[None]]],
+        marks: list[tuple[str, int]],
+    ) -> None:
+        store = self.store
+        if puts:
+            calls = [c for c, _ in puts]
+            error = self._failed or self._retrying("durable-call records", lambda: store.put(calls))
+            if error is not None:
+                self._failed = error
+            for _, fut in puts:
+                _settle(fut, error)
+        if marks and self._failed is None:
+            # Taken now, after the callback that completed the runs wrote their key's state:
+            # `prune` compares it with a checkpoint's trigger time.
+            at = self.clock.now()
+            if self._retrying("run completions", lambda: store.complete(marks, at)):
+                log.warning("call journal: %d run completion(s) not marked", len(marks))
+
+    def _retrying(self, what: str, write: Callable[[], None]) -> CheckpointError | None:
+        started = self.clock.monotonic()
+        attempt = 0
+        while True:
+            try:
+                write()
+                return None
+            except Exception as exc:  # noqa: BLE001 - any storage fault is retried
+                attempt += 1
+                if self.clock.monotonic() - started >= self.retry_s:
+                    return CheckpointError(
+                        f"the call journal did not take {what} for {self.retry_s:g}s "
+                        f"({attempt} attempts); last error: {type(exc).__name__}: "
+                        f"{str(exc).strip()[:300]}. The job fails rather than return a result "
+                        f"that is not durable; Flink restarts it from its last checkpoint"
+                    )
+                log.warning("call journal: %s not written (attempt %d): %s", what, attempt, exc)
+                self.clock.sleep_sync(min(0.05 * 2**attempt, 2.0))
+
+
+def _settle(fut: concurrent.futures.Future[None], error: BaseException | None) -> None:
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(None)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class AgentCore:
@@ -160,7 +278,11 @@ class AgentCore:
             )
 
     def __init__(
-        self, binding: Binding, config: CoreConfig | None = None, clock: Clock = SYSTEM_CLOCK
+        self,
+        binding: Binding,
+        config: CoreConfig | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        journal: CallJournalStore | None = None,
     ) -> None:
         if binding.memory_version != 1:
             # Keyed state holds memory without a layout version: a migration could not tell
@@ -183,6 +305,10 @@ class AgentCore:
         self.binding = binding
         self.config = config or CoreConfig()
         self.clock = clock
+        # The external call journal (None: records are durable at the next checkpoint only).
+        self.journal = journal
+        self._journal_writer: _JournalWriter | None = None
+        self._journal_keys: set[str] = set()  # keys with records in the journal, not read yet
         limit = self.config.max_concurrent_runs
         if limit is not None and limit < 1:
             raise ConfigError(f"max_concurrent_runs must be at least 1, not {limit}")
@@ -239,6 +365,14 @@ class AgentCore:
         self._loop_thread = threading.Thread(target=run, name="ratchet-flink-loop", daemon=True)
         self._loop_thread.start()
         ready.wait()
+        if self.journal is not None:
+            # Which keys have records (after a restore: the runs since the checkpoint); a key's
+            # records are read when this worker first loads the key. None for a fresh job.
+            self._journal_keys = self.journal.keys()
+            self._journal_writer = _JournalWriter(
+                self.journal, self.config.journal_retry_s, self.clock
+            )
+            self._journal_writer.start()
         self._dispatcher.start()
 
     def close(self) -> None:
@@ -259,6 +393,9 @@ class AgentCore:
         while self._waiting:
             self._waiting.popleft().close()  # never started: its run is in state as in flight
         self._loop = None
+        if self._journal_writer is not None:
+            self._journal_writer.stop()
+            self._journal_writer = None
 
     # -- callbacks (the function calls these with the current key set) ---------------------
 
@@ -375,7 +512,35 @@ class AgentCore:
                 if rec.seq == run.seq:
                     info.recorded.add(rec)
         self.machine.load_key(key, memory, next_dispatch, run, queued)
+        if self._journal_keys:
+            first = run.seq if run is not None else min(s for s, _ in queued) if queued else None
+            self._read_journal(key, info, info.next_seq if first is None else first)
         return info
+
+    def _read_journal(self, key: Any, info: _Key, first: int) -> None:
+        """The key's records in the external journal, kept for its runs from `first` on
+        (runs before it completed in the restored state: their rows are marked completed)."""
+        fkey = flink_key(key)
+        if fkey not in self._journal_keys:
+            return
+        assert self.journal is not None and self._journal_writer is not None
+        try:
+            calls = self.journal.get(fkey)
+        except Exception as exc:  # noqa: BLE001 - any storage fault fails the job
+            raise CheckpointError(
+                f"the call journal could not be read for key {key!r}: {type(exc).__name__}: "
+                f"{str(exc).strip()[:300]}; the job fails and Flink restarts it"
+            ) from None
+        self._journal_keys.discard(fkey)
+        done = -1
+        for call in calls:
+            seq = call.record.seq
+            if seq < first:
+                done = max(done, seq)
+            else:
+                info.journalled.setdefault(seq, []).append(call)
+        if done >= 0:
+            self._journal_writer.complete(fkey, done)
 
     def _persist(self, key: Any, info: _Key, store: KeyStore, step: Step) -> None:
         m = self.machine
@@ -430,7 +595,9 @@ class AgentCore:
             while len(idle) > self.config.idle_keys_cached:
                 old, _ = idle.popitem(last=False)
                 if m.evict_key(old):
-                    del self._keys[old]
+                    gone = self._keys.pop(old)
+                    if gone.journalled:  # read again if the key comes back
+                        self._journal_keys.add(flink_key(old))
 
     # -- execution --------------------------------------------------------------------------
 
@@ -470,6 +637,8 @@ class AgentCore:
             if completed:
                 info.key_dirty = True
                 step.completed.extend(run.seq for run in completed)
+                if self._journal_writer is not None:
+                    self._journal_writer.complete(flink_key(key), max(r.seq for r in completed))
             if not dispatched:
                 return
             for task in dispatched:
@@ -482,7 +651,8 @@ class AgentCore:
                     # tasks wait until that key is current (`others`).
                     self._held.setdefault(task.key, []).append(task)
                     continue
-                calls = info.recorded.calls_for(task, _KeyWriter(self, key))
+                writer = _KeyWriter(self, key, self._input_fp(info, task))
+                calls = info.recorded.calls_for(task, writer)
                 outcome = self._dispatcher.dispatch(task, calls)
                 if outcome is None:
                     info.executing += 1
@@ -490,6 +660,21 @@ class AgentCore:
                     raise outcome
                 else:
                     m.finish(task, outcome)
+
+    def _input_fp(self, info: _Key, task: Task) -> str | None:
+        """The fingerprint of the task's run input (with a journal only); the first task of a
+        run also takes the run's records that the external journal holds for that input."""
+        if self.journal is None:
+            return None
+        run = task.run
+        if info.run_input is None or info.run_input[0] != run.seq:
+            info.run_input = (run.seq, codec.digest(self.binding.event_to_wire(run.input_event)))
+        fp = info.run_input[1]
+        found = info.journalled.pop(run.seq, None)
+        for call in found or ():
+            if call.input == fp:  # the same input at the same number on this key
+                info.recorded.add(call.record)
+        return fp
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self._loop is not None

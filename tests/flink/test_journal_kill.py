@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -41,9 +42,13 @@ def _submit(cluster, tmp: Path, inputs: Path, out: Path, dsn: str, *extra: str) 
     env = flink_env(tmp, RATCHET_CALL_JOURNAL=dsn)  # the URI through the environment
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"submit failed:\n{proc.stderr[-4000:]}"
-    job_id = json.loads(proc.stdout.splitlines()[0])["job_id"]
+    said = json.loads(proc.stdout.splitlines()[0])
+    job_id, NAMESPACE[0] = said["job_id"], said["call_journal_namespace"]
     wait_for(f"job {job_id} RUNNING", lambda: cluster.job_status(job_id) == "RUNNING", 120)
     return str(job_id)
+
+
+NAMESPACE = [""]  # the journal namespace the last submission printed
 
 
 def _rows(start: int, n: int) -> list[dict[str, int | str]]:
@@ -138,6 +143,28 @@ def test_no_returned_call_is_made_again_after_a_kill_or_a_savepoint(
         assert again_sp == [], again_sp
     finally:
         cluster.cancel(job)
+
+    # The detached job's journal, pruned by `ratchet flink prune-journal` (margin 0: every run
+    # completed before the last checkpoint's trigger); what stays is at most the runs after it.
+    from ratchet.connectors._pg_journal import PostgresCallJournal
+
+    journal = PostgresCallJournal(postgres.dsn, NAMESPACE[0])
+    try:
+        rows = journal.count()
+        proc = subprocess.run(
+            [sys.executable, "-m", "ratchet.cli", "flink", "prune-journal", job, "--once",
+             "--call-journal-namespace", NAMESPACE[0], "--call-journal-margin", "0",
+             "--jobmanager", cluster.jobmanager],
+            env=flink_env(tmp_path, RATCHET_CALL_JOURNAL=postgres.dsn),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        pruned = json.loads(proc.stdout)["pruned"]
+        left = journal.count()
+    finally:
+        journal.close()
+    print(f"prune-journal: {rows} rows, {pruned} pruned, {left} left")
+    assert pruned > 0 and left == rows - pruned and left < 2 * 2 * KEYS, (rows, pruned, left)
 
     outputs = read_output_dir(out)
     ids = Counter(r["id"] for r in outputs)

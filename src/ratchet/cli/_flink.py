@@ -101,6 +101,9 @@ def register(sub: Any) -> argparse.ArgumentParser:
         "--conf", action="append", default=[], metavar="KEY=VALUE", help="any Flink option"
     )
     run.set_defaults(func=cmd_run)
+    from ratchet.cli import _flink_ops
+
+    _flink_ops.register(group)
     return parser
 
 
@@ -485,7 +488,10 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journa
             m = re.search(r"JobID ([0-9a-f]{32})", line)
             if m and job_id is None:
                 job_id = m.group(1)
-                print(json.dumps({"job_id": job_id, "name": name}), flush=True)
+                said: dict[str, Any] = {"job_id": job_id, "name": name}
+                if journal is not None:  # what `ratchet flink prune-journal` needs
+                    said["call_journal_namespace"] = config.journal_namespace
+                print(json.dumps(said), flush=True)
                 if journal is not None and not args.detach:
                     pruner = _pruner(args, journal, f"http://{args.jobmanager}", job_id)
         code = proc.wait()

@@ -17,12 +17,11 @@ from ratchet.flink._job import (
     apply_agent,
     build_job,
     count_progress,
-    decode_memory_line,
     environment,
     file_sink,
-    read_output_dir,
 )
 from ratchet.runtime._flink_core import CoreConfig
+from ratchet.runtime._flink_files import decode_memory_line, latest_memories, read_output_dir
 from ratchet.runtime._journal import decode_memory, encode_memory
 
 __all__ = [
@@ -42,5 +41,6 @@ __all__ = [
     "encode_memory",
     "environment",
     "file_sink",
+    "latest_memories",
     "read_output_dir",
 ]

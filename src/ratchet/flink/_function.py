@@ -34,8 +34,9 @@ BACKSTOP_MS = 3000
 
 MEMORY_TAG = OutputTag("ratchet-memory", Types.STRING())
 """Side output of `apply_agent(..., emit_memory=True)`: one JSON line per key at end of input,
-`{"key": ..., "memory": "<base64 of the codec-encoded memory>"}` (decode with
-`ratchet.flink.decode_memory_line`)."""
+`{"key": ..., "memory": "<base64 of the codec-encoded memory>", "inputs": N}` (N: how many
+inputs the key had admitted; decode with `ratchet.flink.decode_memory_line`, or read a whole
+folder with `ratchet.flink.latest_memories`)."""
 
 PROGRESS_TAG = OutputTag("ratchet-progress", Types.STRING())
 """Side output of `apply_agent(..., emit_progress=True)`: one JSON line per finished run,
@@ -267,10 +268,11 @@ class AgentFunction(KeyedProcessFunction):
 
             memory = self.core.memory(key, self.state)
             if memory is not None:
-                line = json.dumps(
-                    {"key": key, "memory": base64.b64encode(encode_memory(memory)).decode()}
-                )
-                yield MEMORY_TAG, line
+                rec = {"key": key, "memory": base64.b64encode(encode_memory(memory)).decode()}
+                admitted = self.core.admitted(key)
+                if admitted is not None:  # which of a key's records is the latest
+                    rec["inputs"] = admitted
+                yield MEMORY_TAG, json.dumps(rec)
 
     def _emit(self, key: Any, step: Step) -> Any:
         if step.outputs:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from ratchet.flink._function import (
     AgentFunction,
     ParseLines,
 )
-from ratchet.runtime._journal import decode_memory
+from ratchet.runtime._flink_files import read_output_dir
 
 log = logging.getLogger("ratchet.flink")
 
@@ -158,22 +156,6 @@ def file_sink(directory: str | os.PathLike[str], prefix: str = "part") -> FileSi
     )
 
 
-def read_output_dir(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every committed output record in a file-sink directory (hidden in-progress files and
-    folders starting with `_` or `.`, such as `_bad-input`, skipped)."""
-    out: list[dict[str, Any]] = []
-    root = Path(directory)
-    if not root.exists():
-        return out
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).parts
-        if path.is_file() and not any(part[:1] in (".", "_") for part in rel):
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    out.append(json.loads(line))
-    return out
-
-
 def count_progress(directory: str | os.PathLike[str]) -> int:
     """How many distinct runs a progress folder (`build_job(progress_dir=...)`) says are done,
     counting committed part files only."""
@@ -181,11 +163,6 @@ def count_progress(directory: str | os.PathLike[str]) -> int:
     for rec in read_output_dir(directory):
         done.add((rec["key"], rec["seq"]))
     return len(done)
-
-
-def decode_memory_line(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A memory side-output record to (key, memory), every value with its exact type."""
-    return record["key"], decode_memory(base64.b64decode(record["memory"]))
 
 
 def build_job(

@@ -479,6 +479,11 @@ class AgentCore:
         raw = store.get_key()
         return None if raw is None else decode_memory(codec.decode(raw)["m"])
 
+    def admitted(self, key: Any) -> int | None:
+        """How many inputs the key has admitted (None if it is not loaded)."""
+        info = self._keys.get(key)
+        return None if info is None else info.next_seq
+
     # -- loading and storing one key --------------------------------------------------------
 
     def _load(self, key: Any, store: KeyStore) -> _Key:

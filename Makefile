@@ -30,8 +30,8 @@ test-sharded: $(STAMP)
 FLINK_VENV := .venv-flink
 test-flink:
 	@test -x $(FLINK_VENV)/bin/python || $(PY) -m venv $(FLINK_VENV)
-	@test -f $(FLINK_VENV)/.installed || { $(FLINK_VENV)/bin/python -m pip install -q --upgrade pip && \
-		$(FLINK_VENV)/bin/python -m pip install -q -e '.[flink]' pytest pytest-timeout && touch $(FLINK_VENV)/.installed; }
+	@test -f $(FLINK_VENV)/.installed-postgres || { $(FLINK_VENV)/bin/python -m pip install -q --upgrade pip && \
+		$(FLINK_VENV)/bin/python -m pip install -q -e '.[flink,postgres]' pytest pytest-timeout && touch $(FLINK_VENV)/.installed-postgres; }
 	$(FLINK_VENV)/bin/python -m pytest -q -m flink tests/flink
 
 lint: $(STAMP)

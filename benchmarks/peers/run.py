@@ -80,6 +80,9 @@ PEERS = [
     Peer("PyFlink", "pyflink", "pyflink_peer.py", "default",
          "Flink checkpoints every 1 s (hashmap state, filesystem storage); outputs by FileSink, committed on checkpoint",
          ["apache-flink"], {"w1", "w4"}, w4_copy=False, w4_settle=3.0, timeout=900),
+    Peer("ratchet on Flink", "ratchet-flink", "ratchet_flink_peer.py", "default",
+         "Flink checkpoints every 1 s (hashmap state, filesystem storage); outputs by FileSink, committed on checkpoint; durable-call records in keyed state",
+         ["ratchet", "apache-flink"], ALL, w4_copy=False, w4_settle=3.0, timeout=900),
 ]  # fmt: skip
 
 
@@ -193,7 +196,9 @@ def w3_once(peer: Peer, wd: Path, url: str) -> dict[str, Any]:
 
 
 def out_path(peer: Peer, wd: Path) -> Path:
-    return wd / ("out" if peer.venv in ("flink-agents", "pyflink") else "out.jsonl")
+    return wd / (
+        "out" if peer.venv in ("flink-agents", "pyflink", "ratchet-flink") else "out.jsonl"
+    )
 
 
 def wait_ids(

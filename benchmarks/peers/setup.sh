@@ -23,8 +23,10 @@ declare -A PKGS=(
   # Only 0.2.0 has a ready-built wheel; it needs PyFlink 2.2.x (about 1.7 GB, ~90 s).
   [flink-agents]="flink-agents==0.2.0 apache-flink==2.2.1"
   [pyflink]="apache-flink==2.3.0"
+  # ratchet's Flink engine: the repo (editable) with PyFlink 2.3.0 (its flink extra).
+  [ratchet-flink]="-e $ROOT apache-flink==2.3.0"
 )
-ORDER=(ratchet asyncio langgraph dbos flink-agents pyflink)
+ORDER=(ratchet asyncio langgraph dbos flink-agents pyflink ratchet-flink)
 if [ $# -gt 0 ]; then ORDER=("$@"); fi
 
 # pip, without the index's "Location ... is ignored" noise; returns pip's own status.

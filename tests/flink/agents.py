@@ -177,3 +177,27 @@ class Slow(Agent):
         mem = ctx.short_term_memory
         mem.set("seen", [*mem.get("seen", []), got])
         ctx.send_event(OutputEvent(output={"v": got, "n": len(mem.get("seen"))}))
+
+
+async def journaled_call(key: str, v: int) -> int:
+    note("call journaled", key, v)
+    await asyncio.sleep(0.04)
+    return v * 7
+
+
+class Journaled(Agent):
+    """The call journal's kill test: two durable calls per input, each noted when it is really
+    made and when its result is back in the action ("returned"), so a test can count the calls
+    that had returned before a kill and how often each was made."""
+
+    @action(InputEvent)
+    async def handle(self, event: InputEvent, ctx: Any) -> None:
+        v = event.input["v"]
+        a = await ctx.durable_execute_async(journaled_call, ctx.key, v)
+        note("returned", ctx.key, v)
+        b = await ctx.durable_execute_async(journaled_call, ctx.key, -v - 1)
+        note("returned", ctx.key, -v - 1)
+        mem = ctx.short_term_memory
+        mem.set("sum", mem.get("sum", 0) + a + b)
+        mem.set("n", mem.get("n", 0) + 1)
+        ctx.send_event(OutputEvent(output={"v": v, "n": mem.get("n"), "sum": mem.get("sum")}))

@@ -23,3 +23,27 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """A real PostgreSQL server (the connector tests' helper) for the call journal's tests."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "connectors"))
+    from connector_servers import PG_PACKAGE, Postgres, pg_bin
+
+    bindir = pg_bin()
+    if bindir is None:
+        pytest.skip(
+            f"PostgreSQL server binaries (initdb, postgres) not found; install the Debian "
+            f"package {PG_PACKAGE} (`apt-get install {PG_PACKAGE}`)"
+        )
+    pytest.importorskip(
+        "psycopg", reason="psycopg is not installed: pip install 'ratchet[postgres]'"
+    )
+    server = Postgres(bindir)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -86,9 +86,7 @@ def test_after_a_worker_crash_replay_gives_the_same_outputs_and_memory(
     """The Python worker dies (os._exit) while `slow` of input v=7 waits and its sibling `fast`
     has finished but cannot commit (FIFO). Flink restarts from its last checkpoint and replays:
     outputs (exactly once) and memory are the embedded engine's. What is not re-executed is
-    checked by the TaskManager kill test, where checkpoints are known to cover the parked run
-    (here the input ends at once, and at the end of a bounded input checkpoints wait for the
-    remaining runs: see docs/flink.md)."""
+    checked by the TaskManager kill test, where checkpoints are known to cover the parked run."""
     inputs = tmp_path / "in.jsonl"
     write_inputs(inputs, ROWS)
     want_out, want_mem = embedded(tmp_path, monkeypatch, inputs)

@@ -202,3 +202,217 @@ def test_a_chat_agent_runs_on_the_flink_core_as_embedded() -> None:
     embedded_out, _, _ = run_embedded(Asker(), rows)
     assert per_key(flink_out) == per_key(embedded_out)
     assert [o.get("output") for o in flink_out] == ["ok"] * 4  # no error records
+
+
+# -- keys keep their type; max_concurrent_runs; all keys drain at once ---------------------------
+
+
+def test_integer_and_string_keys_are_distinct_flink_keys() -> None:
+    from ratchet import ConfigError
+    from ratchet.runtime._flink_core import flink_key, native_key
+
+    assert flink_key(1) != flink_key("1")
+    for key in (1, -7, 0, "1", "k", "", "x:1"):
+        assert native_key(flink_key(key)) == key
+        assert type(native_key(flink_key(key))) is type(key)
+    assert flink_key("user-1") == "user-1"  # string keys keep their Flink key (savepoints)
+    with pytest.raises(ConfigError, match="starts with a NUL character"):
+        flink_key("\x00i:1")
+    with pytest.raises(ConfigError, match="keys are strings or integers"):
+        flink_key(True)
+
+
+class _Count(Agent):
+    @action(InputEvent, inline=True)
+    def count(self, event: InputEvent, ctx: Any) -> None:
+        n = ctx.short_term_memory.get("n", 0) + 1
+        ctx.short_term_memory.set("n", n)
+        ctx.send_event(OutputEvent(output=n))
+
+
+def test_the_integer_key_1_and_the_string_key_1_stay_two_keys_on_the_flink_core() -> None:
+    rows = [{"key": 1}, {"key": "1"}, {"key": 1}, {"key": "1"}, {"key": 1}]
+    out, mem = run_flink_core(_Count(), rows)
+    assert per_key(out) == {1: [1, 2, 3], "1": [1, 2]}
+    assert mem == {1: {"n": 3}, "1": {"n": 2}}
+    # Output ids stay unique although inputs are numbered per key on Flink.
+    assert len({o["id"] for o in out}) == len(out) == 5
+    assert sorted(o["id"] for o in out if o["key"] == 1) == [
+        "#1:0:r>count:0",
+        "#1:1:r>count:0",
+        "#1:2:r>count:0",
+    ]
+
+
+class _Slow(Agent):
+    """Each run holds its key for a while; counts the runs in flight at once."""
+
+    lock = threading.Lock()
+    running = 0
+    peak = 0
+    together = 0  # with N, a run waits (up to 10 s) until N runs are in flight at once
+    all_in: asyncio.Event | None = None
+
+    @action(InputEvent)
+    async def go(self, event: InputEvent, ctx: Any) -> None:
+        cls = type(self)
+        with cls.lock:
+            cls.running += 1
+            cls.peak = max(cls.peak, cls.running)
+        if cls.together:
+            if cls.all_in is None:
+                cls.all_in = asyncio.Event()  # on the core's loop, where every action runs
+            if cls.running >= cls.together:
+                cls.all_in.set()
+            try:
+                await asyncio.wait_for(cls.all_in.wait(), 10)
+            except TimeoutError:
+                pass  # not all keys ran at once: the assertion on `peak` says so
+        await asyncio.sleep(0.01)
+        with cls.lock:
+            cls.running -= 1
+        ctx.short_term_memory.set(
+            "seen", [*ctx.short_term_memory.get("seen", []), event.input["v"]]
+        )
+        ctx.send_event(OutputEvent(output=event.input["v"]))
+
+
+class _Operator:
+    """Drives the core as the PyFlink function does: each key is worked on only in its own
+    callbacks (an element, or its timer when its step asked for one); the end of input drains
+    all keys, each with its own state current."""
+
+    def __init__(self, agent: Agent, **config: Any) -> None:
+        from ratchet.agents._context import AgentBinding
+        from ratchet.runtime._flink_core import AgentCore, CoreConfig
+
+        self.state = MemoryKeyedState()
+        self.core = AgentCore(
+            AgentBinding(agent), CoreConfig(poll_min_ms=1, poll_max_ms=4, **config)
+        )
+        self.core.open()
+        self.outputs: list[dict[str, Any]] = []
+        self.timers: set[Any] = set()
+        self.current: Any = None
+
+    def _switch(self, key: Any) -> Any:
+        self.current = key
+        return self.state.view(key)
+
+    def _take(self, key: Any, step: Any) -> None:
+        import json
+
+        self.outputs += [json.loads(line) for line in step.outputs]
+        if step.poll_ms is not None:
+            self.timers.add(key)
+
+    def element(self, key: Any, value: Any) -> None:
+        self.current = key
+        self._take(key, self.core.element(key, value, self.state.view(key)))
+
+    def fire(self) -> None:
+        timers, self.timers = self.timers, set()
+        for key in timers:
+            self.current = key
+            self._take(key, self.core.timer(key, self.state.view(key)))
+
+    def end(self) -> None:
+        for key, step in self.core.drain(self._switch):
+            assert self.current == key  # the key's state is current while it is applied
+            self._take(key, step)
+
+    def memory(self) -> dict[Any, Any]:
+        return {k: self.core.memory(k, self.state.view(k)) for k in self.state.keys()}
+
+
+def test_max_concurrent_runs_bounds_runs_in_flight_per_subtask_and_loses_nothing() -> None:
+    _Slow.peak, _Slow.together = 0, 0
+    op = _Operator(_Slow(), max_concurrent_runs=2)
+    try:
+        rows = [{"key": f"k{i % 6}", "v": i} for i in range(30)]
+        for row in rows:
+            op.element(row["key"], row)
+            assert sum(1 for ks in op.core.machine.keys.values() if ks.run) <= 2
+            op.fire()
+        op.end()
+        assert sum(1 for ks in op.core.machine.keys.values() if ks.run) == 0
+    finally:
+        op.core.close()
+    assert _Slow.peak <= 2
+    got = per_key(op.outputs)
+    assert got == {f"k{j}": [i for i in range(30) if i % 6 == j] for j in range(6)}
+    assert op.memory() == {f"k{j}": {"seen": got[f"k{j}"]} for j in range(6)}
+
+
+def test_with_max_concurrent_runs_waiting_keys_poll_and_finish_without_an_end_of_input() -> None:
+    """A followed input never ends: a key whose run waits for a slot (or whose run another
+    key's callback started) must get its own timer, or it would wait for good."""
+    import time
+
+    _Slow.peak, _Slow.together = 0, 0
+    op = _Operator(_Slow(), max_concurrent_runs=2)
+    try:
+        rows = [{"key": f"k{i % 6}", "v": i} for i in range(30)]
+        for row in rows:
+            op.element(row["key"], row)
+        deadline = time.monotonic() + 30
+        while len(op.outputs) < len(rows) and time.monotonic() < deadline:
+            assert op.timers, "keys with work left and no timer: they would never run again"
+            time.sleep(0.005)
+            op.fire()
+            assert sum(1 for ks in op.core.machine.keys.values() if ks.run) <= 2
+    finally:
+        op.core.close()
+    assert _Slow.peak <= 2
+    got = per_key(op.outputs)
+    assert got == {f"k{j}": [i for i in range(30) if i % 6 == j] for j in range(6)}
+    assert op.memory() == {f"k{j}": {"seen": got[f"k{j}"]} for j in range(6)}
+
+
+def test_at_the_end_of_input_all_keys_drain_at_once_not_one_after_another() -> None:
+    _Slow.peak, _Slow.together, _Slow.all_in = 0, 8, None
+    op = _Operator(_Slow())
+    try:
+        rows = [{"key": f"k{i % 8}", "v": i} for i in range(40)]
+        for row in rows:  # no timer fires: every key has runs queued at the end of input
+            op.element(row["key"], row)
+        op.end()
+    finally:
+        op.core.close()
+        _Slow.together = 0
+    # The drain ran the eight keys' runs side by side (one key at a time, the first run
+    # would have waited 10 s for the others and the peak would be lower).
+    assert _Slow.peak == 8
+    assert per_key(op.outputs) == {f"k{j}": [i for i in range(40) if i % 8 == j] for j in range(8)}
+
+
+class _Hop(Agent):
+    """Many short awaits per run (a model call over a pooled connection, say)."""
+
+    @action(InputEvent)
+    async def go(self, event: InputEvent, ctx: Any) -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await ctx.durable_execute_async(_echo, event.input["v"])
+        ctx.send_event(OutputEvent(output=event.input["v"]))
+
+
+async def _echo(v: int) -> int:
+    await asyncio.sleep(0.001)
+    return v
+
+
+def test_more_async_tasks_than_max_concurrent_tasks_all_run_to_the_end() -> None:
+    """Tasks beyond `max_concurrent_tasks` wait their turn, in order, and all run. (The limit
+    was an asyncio semaphore, whose waiters were seen never to wake under benchmarks/peers
+    workload 3, a pooled HTTP client: runs stuck with every permit free. This test covers the
+    queue that replaced it; it did not reproduce that hang.)"""
+    op = _Operator(_Hop(), max_concurrent_tasks=4)
+    try:
+        rows = [{"key": f"k{i % 50}", "v": i} for i in range(200)]
+        for row in rows:
+            op.element(row["key"], row)
+        op.end()
+    finally:
+        op.core.close()
+    assert sorted(o["output"] for o in op.outputs) == list(range(200))

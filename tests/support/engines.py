@@ -52,9 +52,16 @@ def store_memory(store: MemoryStore) -> dict[Any, dict[str, Any]]:
 class FlinkSim:
     """The Flink core driven as the PyFlink operator drives it, on in-memory keyed state."""
 
-    def __init__(self, agent: Agent, state: MemoryKeyedState | None = None) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        state: MemoryKeyedState | None = None,
+        journal: Any = None,
+        journal_retry_s: float = 30.0,
+    ) -> None:
         self.state = state if state is not None else MemoryKeyedState()
-        self.core = AgentCore(AgentBinding(agent), CoreConfig(poll_min_ms=1, poll_max_ms=4))
+        config = CoreConfig(poll_min_ms=1, poll_max_ms=4, journal_retry_s=journal_retry_s)
+        self.core = AgentCore(AgentBinding(agent), config, journal=journal)
         self.core.open()
         self.outputs: list[dict[str, Any]] = []
         self.polling: set[Any] = set()

@@ -14,6 +14,7 @@ from ratchet._errors import (
     EXIT_ERRORS,
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     BadInputError,
     ConfigError,
     RatchetError,
@@ -160,6 +161,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     where = status.add_mutually_exclusive_group(required=True)
     where.add_argument("--state", help="read a state directory")
     where.add_argument("--url", help="ask a supervised job's REST API, e.g. http://127.0.0.1:8765")
+    where.add_argument(
+        "--jobmanager",
+        metavar="HOST:PORT",
+        help="ask a Flink cluster's JobManager (REST port): its jobs, or with --job one job",
+    )
+    status.add_argument("--job", default=None, help="with --jobmanager: a Flink job id")
     status.add_argument(
         "--rest-token",
         default=None,
@@ -170,7 +177,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status.set_defaults(func=cmd_status)
 
     inspect = sub.add_parser("inspect", help="the committed short-term memory per key")
-    inspect.add_argument("--state", required=True)
+    source = inspect.add_mutually_exclusive_group(required=True)
+    source.add_argument("--state", help="a state directory of the embedded engine")
+    source.add_argument(
+        "--flink-memory",
+        metavar="DIR",
+        help="the memory output of a Flink job (`ratchet flink run --memory-output DIR`)",
+    )
     inspect.add_argument("--key", default=None, help="only this key")
     inspect.add_argument(
         "--agent",
@@ -494,6 +507,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if args.url:
         return _status_url(args)
+    if args.jobmanager:
+        from ratchet.cli import _flink_ops
+
+        return _flink_ops.cmd_status(args)
+    if args.job:
+        print("ratchet: --job goes with --jobmanager (a Flink job id)", file=sys.stderr)
+        return EXIT_USAGE
     from ratchet.runtime._shards import is_sharded, sharded_summary
 
     if is_sharded(args.state):
@@ -582,6 +602,24 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
+def _flink_memory_rows(directory: str, only: str | None) -> list[tuple[bytes, bytes]]:
+    """A Flink job's memory output as the (key, memory) rows a state's `memories` gives."""
+    import os
+
+    from ratchet.runtime._flink_files import latest_memory_records
+    from ratchet.store import codec
+
+    if not os.path.isdir(directory):
+        raise ConfigError(
+            f"--flink-memory {directory}: no such folder (give the job's --memory-output folder)"
+        )
+    rows = []
+    for key, raw in latest_memory_records(directory).items():
+        if only is None or str(key) == only:
+            rows.append((codec.encode(key), raw))
+    return rows
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Show committed short-term memory; a value of a type this process has not registered is
     shown in a generic form (its stored name and fields), never an error.
@@ -606,7 +644,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     rows: list[tuple[bytes, bytes]] = []
     owner = None
-    for sdir in state_dirs(args.state):  # every shard of a sharded job: a key is in one
+    if args.flink_memory is not None:
+        rows = _flink_memory_rows(args.flink_memory, args.key)
+    for sdir in state_dirs(args.state) if args.state is not None else []:
+        # every shard of a sharded job: a key is in one
         store = SqliteStore.open_readonly(sdir)
         try:
             rows += store.memories(args.key)

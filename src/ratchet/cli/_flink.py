@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK
-from ratchet._errors import EXIT_OK, EXIT_USAGE
+from ratchet._errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def register(sub: Any) -> argparse.ArgumentParser:
@@ -45,6 +47,19 @@ def register(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--bundle-size", type=int, default=100, help="python.fn-execution.bundle.size")
     run.add_argument("--bundle-time", type=int, default=10, metavar="MS")
     run.add_argument("--max-concurrent-tasks", type=int, default=64, help="per subtask")
+    run.add_argument(
+        "--max-concurrent-runs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keys with a run in flight, per subtask (default: no limit)",
+    )
+    run.add_argument(
+        "--on-bad-input",
+        choices=["stop", "skip", "dead-letter"],
+        default="stop",
+        help="a bad line: refuse the input (exit 3), skip it, or keep it in OUTPUT/_bad-input",
+    )
     run.add_argument("--sync-workers", type=int, default=16, help="threads per subtask")
     run.add_argument(
         "--follow", type=int, default=None, metavar="MS", help="watch the input; unbounded job"
@@ -59,6 +74,26 @@ def register(sub: Any) -> argparse.ArgumentParser:
         metavar="DIR",
         help="each key's final memory (end of input)",
     )
+    run.add_argument(
+        "--call-journal",
+        default=None,
+        metavar="URI",
+        help="postgresql://... journal of durable-call results, written before a result returns "
+        "(default: $RATCHET_CALL_JOURNAL; none: calls after the last checkpoint may repeat)",
+    )
+    run.add_argument(
+        "--call-journal-namespace",
+        default=None,
+        metavar="NAME",
+        help="this job's records in the journal (default: agent + checkpoint dir or output)",
+    )
+    run.add_argument(
+        "--call-journal-margin",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="prune records of runs completed this long before the latest checkpoint",
+    )
     run.add_argument("--tmp-dir", default=None, help="Flink temp files (io.tmp.dirs)")
     run.add_argument("--job-name", default=None)
     run.add_argument("--detach", action="store_true", help="submit, print the job id, exit")
@@ -66,6 +101,9 @@ def register(sub: Any) -> argparse.ArgumentParser:
         "--conf", action="append", default=[], metavar="KEY=VALUE", help="any Flink option"
     )
     run.set_defaults(func=cmd_run)
+    from ratchet.cli import _flink_ops
+
+    _flink_ops.register(group)
     return parser
 
 
@@ -82,6 +120,9 @@ def _config(args: argparse.Namespace) -> Any:
         extra.setdefault("execution.state-recovery.path", args.from_savepoint)
     if args.allow_non_restored_state:
         extra.setdefault("execution.state-recovery.ignore-unclaimed-state", "true")
+    if args.call_journal and not args.jobmanager:
+        # The local mini-cluster's REST API on a known port: the pruner reads checkpoints there.
+        extra.setdefault("rest.port", str(_free_port()))
     return FlinkConfig(
         checkpoint_interval_ms=args.checkpoint_interval,
         state_backend=args.state_backend,
@@ -95,10 +136,55 @@ def _config(args: argparse.Namespace) -> Any:
         bundle_time_ms=args.bundle_time,
         tmp_dir=args.tmp_dir,
         core=CoreConfig(
-            max_concurrent_tasks=args.max_concurrent_tasks, sync_workers=args.sync_workers
+            max_concurrent_tasks=args.max_concurrent_tasks,
+            max_concurrent_runs=args.max_concurrent_runs,
+            sync_workers=args.sync_workers,
         ),
         extra=extra,
+        call_journal=args.call_journal,
+        journal_namespace=journal_namespace(args) if args.call_journal else None,
     )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def journal_namespace(args: argparse.Namespace) -> str:
+    """The job's namespace in the call journal: given, or the agent's class and a digest of
+    where its checkpoints (else its outputs) live, so that a resumed job finds its records."""
+    if args.call_journal_namespace:
+        return str(args.call_journal_namespace)
+    import hashlib
+
+    where = args.checkpoint_dir or args.output
+    if "://" not in where:
+        where = os.path.abspath(where)
+    cls = args.agent.rpartition(":")[2]
+    return f"{cls}@{hashlib.sha256(where.encode()).hexdigest()[:16]}"
+
+
+def _open_journal(args: argparse.Namespace, config: Any) -> Any:
+    """The call journal, checked (reachable, table there); a fresh job (no --from-savepoint)
+    starts its namespace empty: no restore of it can need older records."""
+    from ratchet.connectors._pg_journal import PostgresCallJournal
+
+    journal = PostgresCallJournal(config.call_journal, config.journal_namespace)
+    if not args.from_savepoint:
+        journal.clear()
+    return journal
+
+
+def _pruner(args: argparse.Namespace, journal: Any, rest: str, job_id: str) -> Any:
+    from ratchet.flink._prune import JournalPruner
+
+    pruner = JournalPruner(journal, rest, job_id, margin_s=args.call_journal_margin)
+    pruner.start()
+    return pruner
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -111,20 +197,73 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    import os
-
+    from ratchet._errors import RatchetError
     from ratchet.agents._run import load_agent
+
+    if args.max_concurrent_runs is not None and args.max_concurrent_runs < 1:
+        print("ratchet flink: --max-concurrent-runs must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    from ratchet.connectors._pg_journal import DSN_ENV
+
+    if args.call_journal is None:
+        args.call_journal = os.environ.get(DSN_ENV) or None
+    journal = None
+    try:
+        load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
+        config = _config(args)
+        config.validate()
+        if config.call_journal:
+            journal = _open_journal(args, config)  # a bad URI or a server down: exit 2 here
+    except RatchetError as exc:
+        print(f"ratchet flink: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return _run(args, config, journal)
+    finally:
+        if journal is not None:
+            journal.close()
+
+
+def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
     from ratchet.flink import build_job, environment
 
-    load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
+    bad: list[str] = []
+    inputs = 0
+    if args.follow is None:
+        # A bounded input is read here first: a bad line is refused before anything runs
+        # (a Flink job keeps no state for a second `flink run` to continue from, so stopping
+        # half way would make the run after the fix repeat the first half).
+        if not Path(args.input).exists():
+            print(f"ratchet flink: --input {args.input} does not exist", file=sys.stderr)
+            return EXIT_USAGE
+        bad, inputs = scan_input(Path(args.input), args.key)
+        if bad and args.on_bad_input == "stop":
+            more = f" (and {len(bad) - 1} more bad line(s))" if len(bad) > 1 else ""
+            print(
+                f"ratchet flink: bad input: {bad[0]}{more}; nothing was submitted: fix the "
+                f"line and run again, or pass --on-bad-input skip or dead-letter",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
     agent = args.agent
     target, _, attr = agent.rpartition(":")
     if target.endswith(".py") or os.sep in target:
         agent = f"{os.path.abspath(target)}:{attr}"
-    config = _config(args)
     name = args.job_name or f"ratchet {args.agent}"
     if args.jobmanager:
-        return _submit(args, agent, config, name)
+        code = _submit(args, agent, config, name, journal)
+        _report_bad(args, bad)
+        return code
+    # A bounded input runs as a stream (the source keeps watching) until every input's run is
+    # done, then the job stops with a savepoint that drains it: keys keep running concurrently
+    # and checkpoints keep completing to the last input (a bounded source's end would make
+    # the operator finish every key's work in one callback, with no checkpoint meanwhile).
+    to_completion = args.follow is None and not args.detach and not args.from_savepoint
+    progress_dir = None
+    if to_completion:
+        import uuid
+
+        progress_dir = os.path.join(args.output, PROGRESS_DIR, uuid.uuid4().hex)
     env = environment(config)
     build_job(
         env,
@@ -133,8 +272,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.output,
         key_field=args.key,
         config=config,
-        follow_ms=args.follow,
+        follow_ms=_WATCH_MS if to_completion else args.follow,
         memory_dir=args.memory_output,
+        on_bad_input=args.on_bad_input,
+        progress_dir=progress_dir,
     )
     started = SYSTEM_CLOCK.monotonic()
     client = env.execute_async(name)
@@ -142,25 +283,148 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(json.dumps({"job_id": job_id, "name": name}), flush=True)
     if args.detach:
         return EXIT_OK
-    client.get_job_execution_result().result()
-    print(
-        json.dumps(
-            {
-                "job_id": job_id,
-                "status": "FINISHED",
-                "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
-            }
-        ),
-        flush=True,
-    )
+    savepoint = None
+    pruner = None
+    if journal is not None:
+        pruner = _pruner(args, journal, f"http://127.0.0.1:{config.extra['rest.port']}", job_id)
+    try:
+        if progress_dir is not None:
+            savepoint = _run_to_completion(client, args, progress_dir, inputs - len(bad))
+        client.get_job_execution_result().result()
+    except Exception as exc:  # py4j's error, with the Java cause chain as text
+        return _job_failed(job_id, exc)
+    finally:
+        if pruner is not None:
+            pruner.stop()
+    summary: dict[str, Any] = {
+        "job_id": job_id,
+        "status": "FINISHED",
+        "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
+    }
+    if savepoint is not None:
+        summary["savepoint"] = savepoint
+    if pruner is not None:
+        summary["call_journal"] = {
+            "namespace": config.journal_namespace,
+            "pruned": pruner.pruned,
+        }
+    if bad:
+        summary["bad_inputs"] = bad
+    print(json.dumps(summary), flush=True)
+    _report_bad(args, bad)
     return EXIT_OK
 
 
-def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int:
+PROGRESS_DIR = "_progress"  # under the output folder: one committed line per finished run
+_WATCH_MS = 3_600_000  # how often a bounded input run as a stream looks for new files
+_POLL_S = 0.25
+_REPORT_S = 5.0
+
+
+def _run_to_completion(client: Any, args: argparse.Namespace, progress: str, inputs: int) -> Any:
+    """Wait until `inputs` runs are done for good (their progress lines are committed), printing
+    a progress line now and then, then stop the job with a draining savepoint; returns its
+    path (None when the job ended by itself, which the caller then reports)."""
+    from ratchet.flink import count_progress
+
+    terminal = {"FINISHED", "FAILED", "CANCELED"}
+    started = last = SYSTEM_CLOCK.monotonic()
+    reported = -1
+    while True:
+        done = count_progress(progress)
+        now = SYSTEM_CLOCK.monotonic()
+        if done >= inputs:
+            break
+        if str(client.get_job_status().result()) in terminal:
+            return None
+        if now - last >= _REPORT_S and done != reported:
+            rate = done / (now - started) if now > started else 0.0
+            print(
+                f"ratchet flink: {done}/{inputs} inputs done ({rate:.0f}/s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            reported, last = done, now
+        SYSTEM_CLOCK.sleep_sync(_POLL_S)
+    where = args.checkpoint_dir
+    if where and "://" in where:
+        target = where.rstrip("/") + "/savepoints"
+    else:  # beside the checkpoints, or in the output folder (hidden from the outputs)
+        target = os.path.abspath(
+            os.path.join(where, "savepoints") if where else os.path.join(args.output, "_savepoints")
+        )
+    return _stop_with_savepoint(client, target, drain=True)
+
+
+def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:
+    """`JobClient.stopWithSavepoint` called on the Java client: PyFlink's wrapper passes two
+    arguments, Flink 2's method takes three (the savepoint format too)."""
+    from pyflink.java_gateway import get_gateway
+
+    fmt = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
+    return str(client._j_job_client.stopWithSavepoint(drain, target, fmt).get())
+
+
+def scan_input(path: Path, key_field: str) -> tuple[list[str], int]:
+    """The bad lines of a bounded input (a file, or the files under a folder that Flink's file
+    source reads: names starting with `.` or `_` are skipped), as the embedded engine words
+    them (`path:line: ...`), and how many non-blank lines it has."""
+    from ratchet.flink._function import parse_line
+
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    bad: list[str] = []
+    lines = 0
+    for f in files:
+        if any(part[:1] in (".", "_") for part in f.relative_to(path).parts) and f != path:
+            continue
+        with f.open("rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                text = raw.decode("utf-8", errors="replace")
+                _key, line, error = parse_line(text, str(f), key_field, n)
+                if error is not None:
+                    bad.append(error)
+                    lines += 1
+                elif line is not None:
+                    lines += 1
+    return bad, lines
+
+
+def _report_bad(args: argparse.Namespace, bad: list[str]) -> None:
+    if not bad:
+        return
+    what = (
+        "skipped"
+        if args.on_bad_input == "skip"
+        else "kept in " + os.path.join(args.output, "_bad-input")
+    )
+    print(
+        f"ratchet flink: {len(bad)} bad input line(s) {what} (--on-bad-input "
+        f"{args.on_bad_input}); the first: {bad[0]}",
+        file=sys.stderr,
+    )
+
+
+def _job_failed(job_id: str, exc: BaseException) -> int:
+    from ratchet.flink._function import BAD_INPUT_MARK
+
+    text = str(exc)
+    at = text.find(BAD_INPUT_MARK)
+    if at >= 0:
+        line = text[at + len(BAD_INPUT_MARK) :].splitlines()[0].strip()
+        print(f"ratchet flink: bad input: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    cause = [ln for ln in text.splitlines() if "Error" in ln or "Exception" in ln]
+    print(
+        f"ratchet flink: job {job_id} failed: {cause[-1].strip() if cause else text[:500]}",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
+def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journal: Any) -> int:
     """Submit to a running cluster with the pip package's `flink run -py` (a context
     environment bound to the cluster), running `ratchet.flink._entry` as the job script."""
     import dataclasses
-    import os
     import re
     import subprocess
     from pathlib import Path
@@ -168,6 +432,7 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
     import pyflink
 
     import ratchet.flink._entry as entry
+    from ratchet.connectors._pg_journal import DSN_ENV
 
     host, sep, port = args.jobmanager.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -183,9 +448,16 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
         "key": args.key,
         "follow_ms": args.follow,
         "memory_dir": os.path.abspath(args.memory_output) if args.memory_output else None,
+        "on_bad_input": args.on_bad_input,
         "name": name,
         "config": dataclasses.asdict(config),
     }
+    env = dict(os.environ)
+    env.pop(DSN_ENV, None)
+    if config.call_journal:  # through the environment: argv is visible to every user (ps)
+        env[DSN_ENV] = spec["config"].pop("call_journal")
+    else:
+        spec["config"].pop("call_journal", None)
     flink = Path(pyflink.__file__).parent / "bin" / "flink"
     cmd = [
         "bash",
@@ -203,17 +475,29 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str) -> int
     ]
     if args.detach:
         cmd.insert(3, "-d")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     assert proc.stdout is not None
     job_id = None
+    pruner = None
     tail: list[str] = []
-    for line in proc.stdout:
-        tail = (tail + [line])[-40:]
-        m = re.search(r"JobID ([0-9a-f]{32})", line)
-        if m and job_id is None:
-            job_id = m.group(1)
-            print(json.dumps({"job_id": job_id, "name": name}), flush=True)
-    code = proc.wait()
+    try:
+        for line in proc.stdout:
+            tail = (tail + [line])[-40:]
+            m = re.search(r"JobID ([0-9a-f]{32})", line)
+            if m and job_id is None:
+                job_id = m.group(1)
+                said: dict[str, Any] = {"job_id": job_id, "name": name}
+                if journal is not None:  # what `ratchet flink prune-journal` needs
+                    said["call_journal_namespace"] = config.journal_namespace
+                print(json.dumps(said), flush=True)
+                if journal is not None and not args.detach:
+                    pruner = _pruner(args, journal, f"http://{args.jobmanager}", job_id)
+        code = proc.wait()
+    finally:
+        if pruner is not None:
+            pruner.stop()
     if code != 0 or job_id is None:
         print("ratchet flink: submission failed:\n" + "".join(tail), file=sys.stderr)
         return code or 1

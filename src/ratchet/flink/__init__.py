@@ -5,22 +5,30 @@ state, checkpoints by Flink, outputs through the exactly-once file sink. See doc
 """
 
 from ratchet.flink._config import FlinkConfig
-from ratchet.flink._function import END_OF_INPUT, MEMORY_TAG, AgentFunction, ParseLines
+from ratchet.flink._function import (
+    END_OF_INPUT,
+    MEMORY_TAG,
+    PROGRESS_TAG,
+    AgentFunction,
+    ParseLines,
+)
 from ratchet.flink._job import (
     AgentsEnvironment,
     apply_agent,
     build_job,
-    decode_memory_line,
+    count_progress,
     environment,
     file_sink,
-    read_output_dir,
 )
 from ratchet.runtime._flink_core import CoreConfig
+from ratchet.runtime._flink_files import decode_memory_line, latest_memories, read_output_dir
 from ratchet.runtime._journal import decode_memory, encode_memory
 
 __all__ = [
     "END_OF_INPUT",
     "MEMORY_TAG",
+    "PROGRESS_TAG",
+    "count_progress",
     "AgentFunction",
     "AgentsEnvironment",
     "CoreConfig",
@@ -33,5 +41,6 @@ __all__ = [
     "encode_memory",
     "environment",
     "file_sink",
+    "latest_memories",
     "read_output_dir",
 ]

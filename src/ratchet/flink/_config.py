@@ -36,6 +36,12 @@ class FlinkConfig:
     tmp_dir: str | None = None
     core: CoreConfig = field(default_factory=CoreConfig)
     extra: dict[str, str] = field(default_factory=dict)
+    # The external durable-call journal (docs/flink.md): a PostgreSQL URI, and the namespace of
+    # this job's records (stable across its restores). The URI may hold a password: it is kept
+    # out of repr, and `ratchet flink run --jobmanager` hands it to the job script through the
+    # environment, not its command line.
+    call_journal: str | None = field(default=None, repr=False)
+    journal_namespace: str | None = None
 
     def validate(self) -> None:
         if self.state_backend not in _BACKENDS:
@@ -52,6 +58,8 @@ class FlinkConfig:
             raise ConfigError("parallelism must be at least 1")
         if self.bundle_size < 1 or self.bundle_time_ms < 1:
             raise ConfigError("bundle size and bundle time must be at least 1")
+        if self.call_journal and not self.journal_namespace:
+            raise ConfigError("a call journal needs a namespace (journal_namespace)")
 
     def to_flink(self) -> dict[str, str]:
         """The Flink configuration keys (Flink 2.x names) this config stands for."""

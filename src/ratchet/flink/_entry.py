@@ -7,11 +7,13 @@ job description as JSON (written by `ratchet.cli._flink`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from pyflink.common import Configuration
 from pyflink.datastream import StreamExecutionEnvironment
 
+from ratchet.connectors._pg_journal import DSN_ENV
 from ratchet.flink._config import FlinkConfig
 from ratchet.flink._job import build_job
 from ratchet.runtime._flink_core import CoreConfig
@@ -21,6 +23,8 @@ def main(argv: list[str]) -> None:
     spec = json.loads(argv[1])
     cfg = spec["config"]
     cfg["core"] = CoreConfig(**cfg["core"])
+    # The journal's URI comes through the environment (it may hold a password), not argv.
+    cfg["call_journal"] = os.environ.get(DSN_ENV) or None
     config = FlinkConfig(**cfg)
     conf = Configuration()
     for k, v in config.to_flink().items():
@@ -37,6 +41,7 @@ def main(argv: list[str]) -> None:
         config=config,
         follow_ms=spec["follow_ms"],
         memory_dir=spec["memory_dir"],
+        on_bad_input=spec.get("on_bad_input", "stop"),
     )
     env.execute(spec["name"])
 

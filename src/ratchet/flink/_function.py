@@ -6,12 +6,15 @@ import json
 import logging
 from typing import Any
 
-from pyflink.common import Types
-from pyflink.datastream import FlatMapFunction, KeyedProcessFunction, OutputTag, RuntimeContext
+from pyflink.common import Row, Types
+from pyflink.datastream import KeyedProcessFunction, OutputTag, ProcessFunction, RuntimeContext
 from pyflink.datastream.functions import TimeDomain
 from pyflink.datastream.state import MapStateDescriptor, ValueStateDescriptor
 
-from ratchet.runtime._flink_core import AgentCore, CoreConfig, Step
+from ratchet._errors import BadInputError, ConfigError
+from ratchet.flink._watchdog import start_parent_watchdog
+from ratchet.runtime._flink_core import AgentCore, CoreConfig, Step, flink_key, native_key
+from ratchet.runtime._io import _parse
 from ratchet.runtime._journal import encode_memory
 
 log = logging.getLogger("ratchet.flink")
@@ -31,36 +34,82 @@ BACKSTOP_MS = 3000
 
 MEMORY_TAG = OutputTag("ratchet-memory", Types.STRING())
 """Side output of `apply_agent(..., emit_memory=True)`: one JSON line per key at end of input,
-`{"key": ..., "memory": "<base64 of the codec-encoded memory>"}` (decode with
-`ratchet.flink.decode_memory_line`)."""
+`{"key": ..., "memory": "<base64 of the codec-encoded memory>", "inputs": N}` (N: how many
+inputs the key had admitted; decode with `ratchet.flink.decode_memory_line`, or read a whole
+folder with `ratchet.flink.latest_memories`)."""
+
+PROGRESS_TAG = OutputTag("ratchet-progress", Types.STRING())
+"""Side output of `apply_agent(..., emit_progress=True)`: one JSON line per finished run,
+`{"key": ..., "seq": ...}`. Written through an exactly-once sink, its committed lines say how
+many inputs are done for good: `ratchet flink run` stops a job whose every input is done."""
 
 _BYTES = Types.PRIMITIVE_ARRAY(Types.BYTE())
 
 
-class ParseLines(FlatMapFunction):
-    """JSON Lines to `(key, line)`; a line that is not an object with the key field is logged
-    and skipped (it cannot be admitted, and failing the job would fail it again on restart)."""
+BAD_INPUT_TAG = OutputTag("ratchet-bad-input", Types.STRING())
+"""Side output of `ParseLines` with `on_bad_input="dead-letter"`: one JSON line per bad input
+line, `{"error": ..., "line": <its text>}` (`ratchet flink run` writes it to OUTPUT/_bad-input)."""
 
-    def __init__(self, key_field: str) -> None:
+BAD_INPUT_MARK = "ratchet bad input:"
+
+
+class ParseLines(ProcessFunction):
+    """JSON Lines to `(flink key, line)` with the embedded engine's parser and messages.
+
+    A bad line (not JSON, not an object, no key field, a key that is neither a string nor an
+    integer) follows `on_bad_input` as on the embedded engine: "stop" fails the job with a
+    `BadInputError` (`ratchet flink run` refuses a bounded input with a bad line before it
+    submits anything, exit 3; this catches lines that arrive later), "skip" logs and drops it,
+    "dead-letter" keeps it in the `BAD_INPUT_TAG` side output."""
+
+    def __init__(self, key_field: str, on_bad_input: str = "stop") -> None:
+        if on_bad_input not in ("stop", "skip", "dead-letter"):
+            raise ConfigError(
+                f"on_bad_input must be 'stop', 'skip' or 'dead-letter', not {on_bad_input!r}"
+            )
         self.key_field = key_field
+        self.on_bad_input = on_bad_input
 
-    def flat_map(self, value: str) -> Any:
-        text = value.strip()
-        if not text:
+    def open(self, runtime_context: RuntimeContext) -> None:
+        start_parent_watchdog()
+
+    def process_element(self, value: str, ctx: ProcessFunction.Context) -> Any:
+        key, line, error = parse_line(value, "input line", self.key_field)
+        if error is None:
+            if line is not None:
+                yield key, line
             return
-        try:
-            obj = json.loads(text)
-        except ValueError as exc:
-            log.warning("skipping input line that is not JSON (%s): %.200s", exc, text)
-            return
-        if not isinstance(obj, dict) or self.key_field not in obj:
-            log.warning("skipping input line without key field %r: %.200s", self.key_field, text)
-            return
-        key = obj[self.key_field]
-        if isinstance(key, bool) or not isinstance(key, str | int):
-            log.warning("skipping input line whose key is %s: %.200s", type(key).__name__, text)
-            return
-        yield str(key), text
+        if self.on_bad_input == "dead-letter":
+            log.warning("bad input kept as a dead letter: %s", error)
+            yield BAD_INPUT_TAG, json.dumps({"error": error, "line": value[:65536]})
+        elif self.on_bad_input == "skip":
+            log.warning("skipping bad input: %s", error)
+        else:
+            raise BadInputError(
+                f"{BAD_INPUT_MARK} {error}; the job stops (--on-bad-input stop): fix the line "
+                f"and restore from the last checkpoint, or pass --on-bad-input skip or "
+                f"dead-letter"
+            )
+
+
+def parse_line(
+    text: str, where: str, key_field: str, line: int | None = None
+) -> tuple[str, str | None, str | None]:
+    """One input line as `(flink key, line, None)`, `("", None, None)` for a blank line, or
+    `("", None, error)`: the embedded engine's parse (`runtime/_io.py`) and messages. `where`
+    is the file and `line` its line number; a line read by the job has no number (None)."""
+    rec = _parse(text.encode(), 0 if line is None else line, where, key_field)
+    if rec is None:
+        return "", None, None
+    if rec.error is not None:
+        if line is None:  # `_parse` says "<where>:<line>: ..."; without a number, "<where>: ..."
+            return "", None, where + rec.error[len(where) + 2 :]
+        return "", None, rec.error
+    try:
+        return flink_key(rec.key), text.strip(), None
+    except ConfigError as exc:
+        at = where if line is None else f"{where}:{line}"
+        return "", None, f"{at}: {exc}"
 
 
 class _State:
@@ -127,59 +176,122 @@ class AgentFunction(KeyedProcessFunction):
         agent_config: dict[str, Any] | None = None,
         json_pairs: bool = False,
         emit_memory: bool = False,
+        emit_progress: bool = False,
+        journal: tuple[str, str] | None = None,
     ) -> None:
         self.agent = agent
+        self.journal = journal  # (PostgreSQL URI, namespace) of the external call journal
         self.core_config = core_config
         self.agent_config = agent_config
         self.json_pairs = json_pairs
         self.emit_memory = emit_memory
+        self.emit_progress = emit_progress
         self.core: AgentCore | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
         from ratchet.agents._context import AgentBinding
         from ratchet.agents._run import load_agent
 
+        start_parent_watchdog()
         agent = load_agent(self.agent) if isinstance(self.agent, str) else self.agent
-        self.core = AgentCore(AgentBinding(agent, self.agent_config), self.core_config)
+        journal = None
+        if self.journal is not None:
+            from ratchet.connectors._pg_journal import PostgresCallJournal
+
+            journal = PostgresCallJournal(*self.journal)
+        self.core = AgentCore(
+            AgentBinding(agent, self.agent_config), self.core_config, journal=journal
+        )
         self.core.open()
         self.state = _State(runtime_context)
+        # PyFlink's keyed state backend of this worker: a callback may apply another key's
+        # finished tasks by making that key current (its state and timers), then back.
+        self._backend = getattr(runtime_context, "_keyed_state_backend", None)
+        self._timers_due: dict[Any, int] = {}  # key -> its pending processing-time timer
+        self._metrics(runtime_context)
+
+    def _metrics(self, rc: RuntimeContext) -> None:
+        core = self.core
+        assert core is not None
+        group = rc.get_metrics_group().add_group("ratchet")
+        self._m_inputs = group.counter("inputs")
+        self._m_outputs = group.counter("outputs")
+        group.gauge("runs_in_flight", lambda: core.machine.active_runs)
+        group.gauge("queued_inputs", lambda: core.machine.buffered_inputs)
+        group.gauge("tasks_executed", lambda: core.tasks_executed)
+        group.gauge("tasks_replayed", lambda: core.machine.tasks_replayed)
 
     def close(self) -> None:
         if self.core is not None:
             self.core.close()
+            if self.core.journal is not None:
+                self.core.journal.close()
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Any:
         assert self.core is not None
-        key = ctx.get_current_key()
+        key = native_key(ctx.get_current_key())
         if self.json_pairs:
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
-        self._timers(ctx, step, register_end=self.emit_memory)
-        yield from step.outputs
+        self._m_inputs.inc()
+        self._timers(ctx, key, step, register_end=self.emit_memory)
+        yield from self._emit(key, step)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Any:
         assert self.core is not None
-        key = ctx.get_current_key()
+        key = native_key(ctx.get_current_key())
         end = ctx.time_domain() == TimeDomain.EVENT_TIME and timestamp >= END_OF_INPUT
-        step = self.core.timer(key, self.state, end=end)
+        if not end and self._timers_due.get(key) == timestamp:
+            del self._timers_due[key]
+        if end and self._backend is not None:
+            # End of a bounded input: every key of this worker drains at once (not one key
+            # per end timer), then this key's own state is current again.
+            step = self.core.timer(key, self.state)
+            yield from self._emit(key, step)
+            for other, st in self.core.drain(self._switch):
+                self._timers(ctx, other, st, register_end=False)
+                yield from self._emit(other, st)
+            self._switch(key)
+            step = self.core.timer(key, self.state, end=True)
+        else:
+            step = self.core.timer(key, self.state, end=end)
         if not end:
-            self._timers(ctx, step, register_end=False)
-        yield from step.outputs
+            self._timers(ctx, key, step, register_end=False)
+        yield from self._emit(key, step)
         if end and self.emit_memory:
             import base64
 
             memory = self.core.memory(key, self.state)
             if memory is not None:
-                line = json.dumps(
-                    {"key": key, "memory": base64.b64encode(encode_memory(memory)).decode()}
-                )
-                yield MEMORY_TAG, line
+                rec = {"key": key, "memory": base64.b64encode(encode_memory(memory)).decode()}
+                admitted = self.core.admitted(key)
+                if admitted is not None:  # which of a key's records is the latest
+                    rec["inputs"] = admitted
+                yield MEMORY_TAG, json.dumps(rec)
 
-    def _timers(self, ctx: Any, step: Step, register_end: bool) -> None:
+    def _emit(self, key: Any, step: Step) -> Any:
+        if step.outputs:
+            self._m_outputs.inc(len(step.outputs))
+            yield from step.outputs
+        if self.emit_progress:
+            for seq in step.completed:
+                yield PROGRESS_TAG, json.dumps({"key": key, "seq": seq})
+
+    def _switch(self, key: Any) -> _State:
+        assert self._backend is not None
+        self._backend.set_current_key(Row(flink_key(key)))
+        return self.state
+
+    def _timers(self, ctx: Any, key: Any, step: Step, register_end: bool) -> None:
         ts = ctx.timer_service()
         if step.poll_ms is not None:
             now = ts.current_processing_time()
-            ts.register_processing_time_timer(now + step.poll_ms)
+            due = self._timers_due.get(key)
+            if due is None or due < now:
+                # One pending timer per key: its callback registers the next one.
+                self._timers_due[key] = now + step.poll_ms
+                ts.register_processing_time_timer(now + step.poll_ms)
+            # The backstop (see BACKSTOP_MS): a checkpoint can lack the poll timer above.
             ts.register_processing_time_timer((now + BACKSTOP_MS) // 1000 * 1000 + 1000)
         if step.active or register_end:
             ts.register_event_time_timer(END_OF_INPUT)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -24,10 +22,18 @@ from pyflink.datastream.connectors.file_system import (
 
 from ratchet._errors import ConfigError
 from ratchet.flink._config import FlinkConfig
-from ratchet.flink._function import MEMORY_TAG, AgentFunction, ParseLines
-from ratchet.runtime._journal import decode_memory
+from ratchet.flink._function import (
+    BAD_INPUT_TAG,
+    MEMORY_TAG,
+    PROGRESS_TAG,
+    AgentFunction,
+    ParseLines,
+)
+from ratchet.runtime._flink_files import read_output_dir
 
 log = logging.getLogger("ratchet.flink")
+
+BAD_INPUT_DIR = "_bad-input"  # under the output folder: bad lines kept (--on-bad-input dead-letter)
 
 
 def environment(
@@ -64,6 +70,7 @@ def apply_agent(
     agent_config: dict[str, Any] | None = None,
     uid: str = "ratchet-agent",
     emit_memory: bool = False,
+    emit_progress: bool = False,
     _json_pairs: bool = False,
 ) -> DataStream:
     """Apply a ratchet `Agent` to a DataStream (or KeyedStream); returns the outputs stream.
@@ -73,7 +80,8 @@ def apply_agent(
     element is an input value (what `InputEvent.input` holds); it must be codec-admissible.
     The result is a DataStream of JSON lines, one per output, as the embedded engine's JSONL
     sink writes them. With `emit_memory`, `result.get_side_output(MEMORY_TAG)` carries every
-    key's final memory at the end of a bounded input.
+    key's final memory at the end of a bounded input; with `emit_progress`,
+    `result.get_side_output(PROGRESS_TAG)` one line per finished run.
     """
     config = config or FlinkConfig()
     if isinstance(stream, KeyedStream):
@@ -84,7 +92,17 @@ def apply_agent(
         if key_selector is None:
             raise ConfigError("apply_agent() needs a key_selector for an unkeyed DataStream")
         keyed = stream.key_by(key_selector, key_type=Types.STRING())
-    fn = AgentFunction(agent, config.core, agent_config, _json_pairs, emit_memory)
+    fn = AgentFunction(
+        agent,
+        config.core,
+        agent_config,
+        _json_pairs,
+        emit_memory,
+        emit_progress,
+        journal=(config.call_journal, config.journal_namespace or "")
+        if config.call_journal
+        else None,
+    )
     return keyed.process(fn, output_type=Types.STRING()).uid(uid).name(f"ratchet agent ({uid})")
 
 
@@ -138,23 +156,13 @@ def file_sink(directory: str | os.PathLike[str], prefix: str = "part") -> FileSi
     )
 
 
-def read_output_dir(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every committed output record in a file-sink directory (hidden in-progress files skipped)."""
-    out: list[dict[str, Any]] = []
-    root = Path(directory)
-    if not root.exists():
-        return out
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and not path.name.startswith("."):
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    out.append(json.loads(line))
-    return out
-
-
-def decode_memory_line(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A memory side-output record to (key, memory), every value with its exact type."""
-    return record["key"], decode_memory(base64.b64decode(record["memory"]))
+def count_progress(directory: str | os.PathLike[str]) -> int:
+    """How many distinct runs a progress folder (`build_job(progress_dir=...)`) says are done,
+    counting committed part files only."""
+    done: set[tuple[Any, int]] = set()
+    for rec in read_output_dir(directory):
+        done.add((rec["key"], rec["seq"]))
+    return len(done)
 
 
 def build_job(
@@ -168,8 +176,16 @@ def build_job(
     follow_ms: int | None = None,
     memory_dir: str | os.PathLike[str] | None = None,
     agent_config: dict[str, Any] | None = None,
+    on_bad_input: str = "stop",
+    progress_dir: str | os.PathLike[str] | None = None,
 ) -> None:
-    """Source (JSONL file or folder) -> parse -> agent -> exactly-once file sink, with uids."""
+    """Source (JSONL file or folder) -> parse -> agent -> exactly-once file sink, with uids.
+
+    With `progress_dir`, one line per finished run goes there through its own exactly-once
+    sink (`count_progress` reads it): how `ratchet flink run` knows a job's inputs are done.
+
+    With `on_bad_input="dead-letter"` bad lines go to `output_dir/_bad-input/` (part files
+    prefixed `bad-input`); `read_output_dir` does not read that folder as outputs."""
     config = config or FlinkConfig()
     src_path = Path(input_path).resolve()
     if not src_path.exists() and follow_ms is None:
@@ -180,12 +196,17 @@ def build_job(
     ds = env.from_source(builder.build(), WatermarkStrategy.no_watermarks(), "ratchet input")
     ds = ds.uid("ratchet-source")
     pairs = (
-        ds.flat_map(
-            ParseLines(key_field), output_type=Types.TUPLE([Types.STRING(), Types.STRING()])
+        ds.process(
+            ParseLines(key_field, on_bad_input),
+            output_type=Types.TUPLE([Types.STRING(), Types.STRING()]),
         )
         .uid("ratchet-parse")
         .name("parse JSONL")
     )
+    if on_bad_input == "dead-letter":
+        pairs.get_side_output(BAD_INPUT_TAG).sink_to(
+            file_sink(Path(output_dir) / BAD_INPUT_DIR, "bad-input")
+        ).uid("ratchet-bad-input-sink").name("bad input")
     outputs = apply_agent(
         pairs,
         agent,
@@ -193,9 +214,14 @@ def build_job(
         config=config,
         agent_config=agent_config,
         emit_memory=memory_dir is not None,
+        emit_progress=progress_dir is not None,
         _json_pairs=True,
     )
     outputs.sink_to(file_sink(output_dir)).uid("ratchet-sink").name("outputs")
+    if progress_dir is not None:
+        outputs.get_side_output(PROGRESS_TAG).sink_to(file_sink(progress_dir, "progress")).uid(
+            "ratchet-progress-sink"
+        ).name("progress")
     if memory_dir is not None:
         outputs.get_side_output(MEMORY_TAG).sink_to(file_sink(memory_dir, "memory")).uid(
             "ratchet-memory-sink"

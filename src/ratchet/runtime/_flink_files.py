@@ -1,0 +1,51 @@
+"""What a Flink job of ratchet leaves in its folders, read without PyFlink: the committed
+output records of a file sink, and the memory side output (`--memory-output`)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ratchet.runtime._journal import decode_memory
+
+
+def read_output_dir(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every committed output record in a file-sink directory (hidden in-progress files and
+    folders starting with `_` or `.`, such as `_bad-input`, skipped)."""
+    out: list[dict[str, Any]] = []
+    root = Path(directory)
+    if not root.exists():
+        return out
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).parts
+        if path.is_file() and not any(part[:1] in (".", "_") for part in rel):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    out.append(json.loads(line))
+    return out
+
+
+def decode_memory_line(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A memory side-output record to (key, memory), every value with its exact type."""
+    return record["key"], decode_memory(base64.b64decode(record["memory"]))
+
+
+def latest_memory_records(directory: str | os.PathLike[str]) -> dict[Any, bytes]:
+    """Each key's encoded memory (`encode_memory`) from a memory side-output folder. A folder
+    written by several runs of a job (a resume from a savepoint emits every key again) holds a
+    key more than once: the record that had admitted the most inputs (`inputs`) is the latest."""
+    best: dict[Any, tuple[int, str]] = {}
+    for rec in read_output_dir(directory):
+        key = rec["key"]
+        n = int(rec.get("inputs", -1))
+        if key not in best or n >= best[key][0]:
+            best[key] = (n, rec["memory"])
+    return {key: base64.b64decode(text) for key, (_n, text) in best.items()}
+
+
+def latest_memories(directory: str | os.PathLike[str]) -> dict[Any, dict[str, Any]]:
+    """Each key's memory from a memory side-output folder (see `latest_memory_records`)."""
+    return {key: decode_memory(raw) for key, raw in latest_memory_records(directory).items()}

@@ -638,6 +638,7 @@ class Engine:
         self.stats = CheckpointStats()
         self.result = EngineResult()
         self._next_seq = 0
+        self._lazy_keys = 0  # stored keys not read yet (restored lazily)
         self._writer = _Writer(store, clock, self.config.tolerable_checkpoint_failures)
         self._sink_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ratchet-sink"
@@ -679,7 +680,10 @@ class Engine:
         began = self.clock.monotonic()
         b = self.binding
         adopted = self.store.adopt(b.version, dry_run=True)
-        loaded = self.store.load()
+        # Only the keys with inputs (runs in flight, queued inputs) are read now; every other
+        # key is read when its first input arrives (`_stored_key`), so a restart costs what
+        # is in flight, not how many keys the state holds.
+        loaded = self.store.load(lazy_keys=True)
         memories = {}
         for k, nd, mem, version in loaded.keys:
             key = decoded("keys", k, codec.decode, k)
@@ -707,6 +711,9 @@ class Engine:
         for rec in loaded.calls:
             self._calls.add(rec)
         check_upgrade(b, runs, loaded.calls, adopted)
+        self._lazy_keys = loaded.stored_keys - len(memories)
+        if self._lazy_keys > 0:
+            self.machine.stored_key = self._stored_key
         try:
             self.machine.restore(memories, runs, queued)
         except NonDeterminismError as exc:
@@ -741,11 +748,27 @@ class Engine:
                 "restored checkpoint %s in %.3f s: %d key(s), %d run(s) in flight (%d on an "
                 "earlier agent version), %d queued input(s), %d unreleased output(s), source at "
                 "input %d",
-                restored["id"], self.result.restore_seconds, len(memories), len(runs),
+                restored["id"], self.result.restore_seconds, loaded.stored_keys, len(runs),
                 len(adopted.pinned), len(queued) - len(runs), len(loaded.outbox), self._next_seq,
             )  # fmt: skip
         else:
             log.info("started %s on a new state", b.name)
+
+    def _stored_key(self, key: Any) -> tuple[dict[str, Any], int, int] | None:
+        """The machine's `stored_key`: one idle key's committed memory, read on first use."""
+        try:
+            row = self.store.key_row(codec.encode(key))
+        except RatchetError:
+            raise
+        except Exception as exc:  # a store's own error type: say which key it was
+            raise StateError(f"the state's keys row for {key!r} could not be read ({exc})") from exc
+        if row is None:
+            return None
+        next_dispatch, memory, version = row
+        self._lazy_keys -= 1
+        if self._lazy_keys <= 0:  # every stored key is loaded: new keys need no lookup
+            self.machine.stored_key = None
+        return decoded("keys", key, decode_memory, memory), next_dispatch, version
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -877,6 +900,13 @@ class Engine:
                 self._bad_input(rec)
                 return
             seq = self._next_seq if rec.seq is None else rec.seq
+            if m.stored_key is not None and rec.key not in m.keys:
+                try:
+                    m.key_state(rec.key)  # read from the state at its first input since start
+                except RatchetError as exc:  # a damaged row: stop before taking the input
+                    self.source.unread()
+                    self._fail(exc)
+                    return
             self._next_seq = seq + 1
             try:
                 m.admit(rec.key, seq, self.binding.event_from_input(rec.value))

@@ -53,6 +53,7 @@ from ratchet.runtime._otel import RunExporter
 from ratchet.runtime._otel import wanted as otel_wanted
 from ratchet.store import codec
 from ratchet.store._base import Adopted, CallRecord, CheckpointRows, CheckpointStore
+from ratchet.store._traces import pack_trace
 
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
 
@@ -244,7 +245,7 @@ class _Writer(threading.Thread):
 
 def _pack_trace(started: float | None, tasks: list[dict[str, Any]]) -> bytes:
     """A completed run's trace as the `traces` table stores it."""
-    return codec.encode_built({"started": started, "tasks": tasks})
+    return pack_trace(started, tasks)
 
 
 def _resolve(

@@ -37,6 +37,7 @@ from ratchet.store._base import (
     version_id,
 )
 from ratchet.store._files import fsync_dir
+from ratchet.store._traces import unpack_trace
 
 DB_NAME = "ratchet.db"
 LOCK_NAME = "ratchet.lock"
@@ -937,15 +938,15 @@ class SqliteStore:
             params.append(seq)
         out = []
         for s, at, status, blob in self.conn.execute(sql + " ORDER BY seq DESC", params):
-            data = codec.decode(blob, unknown="generic")
+            started, tasks = unpack_trace(blob)
             out.append(
                 {
                     "key": key_text,
                     "seq": s,
                     "completed_at": at,
                     "status": status,
-                    "started_at": data.get("started"),
-                    "tasks": data.get("tasks", []),
+                    "started_at": started,
+                    "tasks": tasks,
                 }
             )
         return out

@@ -674,6 +674,8 @@ class Engine:
             sync_batch=self.config.sync_batch,
         )
         self._checkpoint_lock: asyncio.Lock | None = None
+        self._cp_idle = False  # the checkpoint loop waits for an output (see _checkpoint_loop)
+        self._outputs_waiting = False  # outputs emitted since the loop's last checkpoint
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -777,6 +779,7 @@ class Engine:
         """Run until the source is exhausted and idle (or forever with follow), or a stop."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._cp_due = asyncio.Event()
         self._checkpoint_lock = asyncio.Lock()
         self._writer.start()
         try:
@@ -802,6 +805,7 @@ class Engine:
             finally:
                 # Never cancel a checkpoint half-way: let the loop finish the one it is in.
                 self._cp_stop.set()
+                self._cp_due.set()
                 await checkpointer
             if self._fatal is not None:
                 raise self._fatal
@@ -939,7 +943,11 @@ class Engine:
             for run, event_id, due in m.take_timers():
                 self._spawn(self._waits.deliver_at(run, event_id, due))
         while True:
-            dispatched, _outputs, completed = m.take_effects()
+            dispatched, outputs, completed = m.take_effects()
+            if outputs:
+                self._outputs_waiting = True
+                if self._cp_idle:
+                    self._cp_due.set()  # an idle checkpoint loop takes their checkpoint now
             if completed:
                 if m.ltm_done:
                     # Visible to the next runs now, as a completed run's memory is; durable
@@ -1044,13 +1052,30 @@ class Engine:
     async def _checkpoint_loop(self) -> None:
         interval = self.config.checkpoint_interval
         stop = self._cp_stop
+        due = self._cp_due
+        # Idle: the last checkpoint written is at least an interval old (at the start, it is an
+        # earlier process's). Then the first output does not wait out another interval: it
+        # wakes the loop (`_pump` sets `due`), and its checkpoint is taken at once. Checkpoints
+        # are still at least an interval apart; a busy job's are exactly as before.
+        idle = interval > 0
         while not stop.is_set():
-            if await self._sleep_unless(stop, interval if interval > 0 else 0.0005):
+            if idle:
+                self._cp_idle = True
+                if not self._outputs_waiting:
+                    await self._sleep_unless(due, interval)
+                self._cp_idle = False
+                due.clear()
+            elif await self._sleep_unless(stop, interval if interval > 0 else 0.0005):
                 return
-            if self._fatal is not None:
+            if stop.is_set() or self._fatal is not None:
                 return
             try:
-                await self.checkpoint()
+                before = self.stats.completed
+                self._outputs_waiting = False
+                info = await self.checkpoint()
+                # Nothing written (an idle job): wait for the next output. A failed one waits
+                # out its interval like a written one, so a failing store is not hammered.
+                idle = interval > 0 and info is not None and self.stats.completed == before
                 await self._waits.poll_signals()
             except CheckpointError as exc:
                 self._fail(exc)

@@ -1,4 +1,4 @@
-"""Lazy restore of keys across SIGKILL, with real processes (docs/runtime.md, "Restart").
+"""Lazy restore of keys across SIGKILL, with real processes (docs/runtime.md, "Recovery").
 
 A restart reads only the keys that have inputs in flight or queued; every other key's memory
 is read when its first input arrives. The claims, each checked after a SIGKILL and a restart

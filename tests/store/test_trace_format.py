@@ -80,3 +80,14 @@ def test_it_is_smaller() -> None:
 def test_a_list_that_is_not_a_trace_is_corrupt_data() -> None:
     with pytest.raises(codec.CorruptDataError, match="not one"):
         unpack_trace(codec.encode([7, None]))
+
+
+def test_the_format_with_a_name_table_is_read() -> None:
+    # Written only by this branch's first commit of the compact form: read, never written.
+    names = ["r>one", "ratchet.InputEvent", "x", "peers.Mid"]
+    blob = codec.encode([2, None, 10.0, names, [[0, -1, 0, 1, False, [], [3], 5, 7],
+                                               [0, 2, 1, 3, True, [["s", "v", 1]], [], 9, 1]]])  # fmt: skip
+    _started, (first, second) = unpack_trace(blob)
+    assert first["action"] == "one" and first["on"] == "ratchet.InputEvent"
+    assert first["events"] == ["peers.Mid"] and first["started"] == 10.000005
+    assert second["action"] == "x" and second["memory"] == [["s", "v", 1]]

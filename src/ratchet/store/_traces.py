@@ -2,8 +2,8 @@
 most of a state's bytes (with the default retention, 20 runs per key).
 
 The first format (still read) packed `{"started": ..., "tasks": [step dict, ...]}`, every
-step repeating its nine field names and two 8-byte floats. The second packs
-`[2, started, base, steps]`: a step as a list in a fixed field order, its action left out
+step repeating its nine field names and two 8-byte floats. The current one packs
+`[3, started, base, steps]`: a step as a list in a fixed field order, its action left out
 (None) when it is the task id's last part (`r>one.0>two` is action `two`), its start as
 whole microseconds after `base` (the first step's start) and its duration in microseconds.
 Fields a step holds beyond the fixed ones (attempts, calls, notes, ...) are kept as they
@@ -20,7 +20,10 @@ from typing import Any
 
 from ratchet.store import codec
 
-_FORMAT = 2
+_FORMAT = 3
+# An earlier form with a table of names per trace (format 2, written by this branch's first
+# commit of the compact form only; it cost twice the CPU to pack): read, never written.
+_FORMAT_NAMED = 2
 _FIXED = ("task", "action", "index", "on", "replayed", "memory", "events", "started", "duration")
 _fixed = itemgetter(*_FIXED)
 _NFIXED = len(_FIXED)
@@ -57,11 +60,17 @@ def unpack_trace(blob: bytes) -> tuple[float | None, list[dict[str, Any]]]:
     if isinstance(data, dict):
         return data.get("started"), list(data.get("tasks", []))
     try:
-        fmt, started, base, steps = data
-        if fmt != _FORMAT:
-            raise ValueError(f"trace format {fmt!r}")
+        names: list[str] | None = None
+        if len(data) == 5 and data[0] == _FORMAT_NAMED:
+            _fmt, started, base, names, steps = data
+        else:
+            fmt, started, base, steps = data
+            if fmt != _FORMAT:
+                raise ValueError(f"trace format {fmt!r}")
         tasks = []
         for row in steps:
+            if names is not None:
+                row = _unname(row, names)
             task, action, index, on, replayed, memory, events, began, took, *extra = row
             step: dict[str, Any] = {
                 "task": task,
@@ -77,6 +86,15 @@ def unpack_trace(blob: bytes) -> tuple[float | None, list[dict[str, Any]]]:
             if extra:
                 step.update(extra[0])
             tasks.append(step)
-    except (ValueError, TypeError, AttributeError) as exc:
+    except (ValueError, TypeError, AttributeError, IndexError) as exc:
         raise codec.CorruptDataError(f"a stored trace that is not one ({exc})") from exc
     return started, tasks
+
+
+def _unname(row: list[Any], names: list[str]) -> list[Any]:
+    """A step of format 2 (its strings by position in `names`) as a step of format 3."""
+    own, act, index, on, replayed, memory, events, began, took, *extra = row
+    task = names[own]
+    action = None if act == -1 else names[act]
+    return [task, action, index, names[on], replayed, memory, [names[e] for e in events],
+            began, took, *extra]  # fmt: skip

@@ -54,7 +54,9 @@ def lines(draw: Any) -> bytes:
     return text.encode()
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     body=st.lists(lines(), max_size=12),
     cut=st.booleans(),

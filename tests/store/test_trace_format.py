@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ratchet.store import codec
@@ -40,6 +40,7 @@ def steps(draw: Any) -> dict[str, Any]:
     return step
 
 
+@settings(deadline=None)  # a loaded machine is slow, not wrong
 @given(started=st.one_of(st.none(), times), tasks=st.lists(steps(), max_size=6))
 def test_the_compact_format_gives_back_the_steps(
     started: float | None, tasks: list[dict[str, Any]]

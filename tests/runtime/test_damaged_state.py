@@ -34,8 +34,9 @@ class Count(Agent):
         ctx.send_event(OutputEvent(output=ctx.short_term_memory.get("n")))
 
 
-def restore(store: MemoryStore) -> None:
-    engine = Engine(AgentBinding(Count()), store, IterableSource([]), CallbackSink(print))
+def restore(store: MemoryStore, inputs: list[dict[str, Any]] | None = None) -> None:
+    source = IterableSource(inputs or [])
+    engine = Engine(AgentBinding(Count()), store, source, CallbackSink(print))
 
     async def main() -> None:
         install_task_factory(asyncio.get_running_loop())
@@ -48,8 +49,18 @@ def restore(store: MemoryStore) -> None:
 def test_damaged_memory_is_a_state_error_naming_the_key(blob: bytes) -> None:
     store = MemoryStore()
     store.write_checkpoint(CheckpointRows(keys=[(codec.encode("k"), "k", 1, blob, 1)]), 0.0)
+    # Keys are restored lazily: an idle key is read when its first input arrives.
     with pytest.raises(StateError, match=r"the state's keys row for 'k' cannot be read"):
-        restore(store)
+        restore(store, [{"key": "k"}])
+
+
+@pytest.mark.parametrize("blob", GARBAGE)
+def test_a_damaged_idle_key_does_not_stop_the_others(blob: bytes) -> None:
+    store = MemoryStore()
+    store.write_checkpoint(CheckpointRows(keys=[(codec.encode("k"), "k", 1, blob, 1)]), 0.0)
+    restore(store, [{"key": "other"}])
+    assert store.keys[codec.encode("other")][1] == 1  # its run completed: one task dispatched
+    assert store.keys[codec.encode("k")][2] == blob  # left as it was
 
 
 @pytest.mark.parametrize("blob", GARBAGE)
@@ -82,8 +93,18 @@ def test_ratchet_run_on_damaged_state_exits_2_with_one_line(tmp_path: Path) -> N
     cmd += ["--output", str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "s")]
     assert subprocess.run(cmd, capture_output=True).returncode == 0
     with sqlite3.connect(tmp_path / "s" / "ratchet.db") as db:
+        good = db.execute("SELECT memory FROM keys").fetchone()[0]
         db.execute("UPDATE keys SET memory = ?", (b"\xc7\xff\x7f" + b"\x00" * 3,))
+    with inputs.open("a") as fh:
+        fh.write('{"key": "k"}\n')  # the key is read from the state at its next input
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "ratchet: error: the state's keys row for 'k' cannot be read" in proc.stderr
+    # The input it stopped at was not taken: with the row repaired, the next run does it.
+    with sqlite3.connect(tmp_path / "s" / "ratchet.db") as db:
+        db.execute("UPDATE keys SET memory = ?", (good,))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with sqlite3.connect(tmp_path / "s" / "ratchet.db") as db:
+        assert db.execute("SELECT next_dispatch FROM keys").fetchone()[0] == 2

@@ -53,6 +53,7 @@ from ratchet.runtime._otel import RunExporter
 from ratchet.runtime._otel import wanted as otel_wanted
 from ratchet.store import codec
 from ratchet.store._base import Adopted, CallRecord, CheckpointRows, CheckpointStore
+from ratchet.store._traces import pack_trace
 
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
 
@@ -244,7 +245,7 @@ class _Writer(threading.Thread):
 
 def _pack_trace(started: float | None, tasks: list[dict[str, Any]]) -> bytes:
     """A completed run's trace as the `traces` table stores it."""
-    return codec.encode_built({"started": started, "tasks": tasks})
+    return pack_trace(started, tasks)
 
 
 def _resolve(
@@ -638,6 +639,7 @@ class Engine:
         self.stats = CheckpointStats()
         self.result = EngineResult()
         self._next_seq = 0
+        self._lazy_keys = 0  # stored keys not read yet (restored lazily)
         self._writer = _Writer(store, clock, self.config.tolerable_checkpoint_failures)
         self._sink_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ratchet-sink"
@@ -672,6 +674,8 @@ class Engine:
             sync_batch=self.config.sync_batch,
         )
         self._checkpoint_lock: asyncio.Lock | None = None
+        self._cp_idle = False  # the checkpoint loop waits for an output (see _checkpoint_loop)
+        self._outputs_waiting = False  # outputs emitted since the loop's last checkpoint
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -679,7 +683,10 @@ class Engine:
         began = self.clock.monotonic()
         b = self.binding
         adopted = self.store.adopt(b.version, dry_run=True)
-        loaded = self.store.load()
+        # Only the keys with inputs (runs in flight, queued inputs) are read now; every other
+        # key is read when its first input arrives (`_stored_key`), so a restart costs what
+        # is in flight, not how many keys the state holds.
+        loaded = self.store.load(lazy_keys=True)
         memories = {}
         for k, nd, mem, version in loaded.keys:
             key = decoded("keys", k, codec.decode, k)
@@ -707,6 +714,9 @@ class Engine:
         for rec in loaded.calls:
             self._calls.add(rec)
         check_upgrade(b, runs, loaded.calls, adopted)
+        self._lazy_keys = loaded.stored_keys - len(memories)
+        if self._lazy_keys > 0:
+            self.machine.stored_key = self._stored_key
         try:
             self.machine.restore(memories, runs, queued)
         except NonDeterminismError as exc:
@@ -741,11 +751,27 @@ class Engine:
                 "restored checkpoint %s in %.3f s: %d key(s), %d run(s) in flight (%d on an "
                 "earlier agent version), %d queued input(s), %d unreleased output(s), source at "
                 "input %d",
-                restored["id"], self.result.restore_seconds, len(memories), len(runs),
+                restored["id"], self.result.restore_seconds, loaded.stored_keys, len(runs),
                 len(adopted.pinned), len(queued) - len(runs), len(loaded.outbox), self._next_seq,
             )  # fmt: skip
         else:
             log.info("started %s on a new state", b.name)
+
+    def _stored_key(self, key: Any) -> tuple[dict[str, Any], int, int] | None:
+        """The machine's `stored_key`: one idle key's committed memory, read on first use."""
+        try:
+            row = self.store.key_row(codec.encode(key))
+        except RatchetError:
+            raise
+        except Exception as exc:  # a store's own error type: say which key it was
+            raise StateError(f"the state's keys row for {key!r} could not be read ({exc})") from exc
+        if row is None:
+            return None
+        next_dispatch, memory, version = row
+        self._lazy_keys -= 1
+        if self._lazy_keys <= 0:  # every stored key is loaded: new keys need no lookup
+            self.machine.stored_key = None
+        return decoded("keys", key, decode_memory, memory), next_dispatch, version
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -753,6 +779,7 @@ class Engine:
         """Run until the source is exhausted and idle (or forever with follow), or a stop."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._cp_due = asyncio.Event()
         self._checkpoint_lock = asyncio.Lock()
         self._writer.start()
         try:
@@ -778,6 +805,7 @@ class Engine:
             finally:
                 # Never cancel a checkpoint half-way: let the loop finish the one it is in.
                 self._cp_stop.set()
+                self._cp_due.set()
                 await checkpointer
             if self._fatal is not None:
                 raise self._fatal
@@ -877,6 +905,13 @@ class Engine:
                 self._bad_input(rec)
                 return
             seq = self._next_seq if rec.seq is None else rec.seq
+            if m.stored_key is not None and rec.key not in m.keys:
+                try:
+                    m.key_state(rec.key)  # read from the state at its first input since start
+                except RatchetError as exc:  # a damaged row: stop before taking the input
+                    self.source.unread()
+                    self._fail(exc)
+                    return
             self._next_seq = seq + 1
             try:
                 m.admit(rec.key, seq, self.binding.event_from_input(rec.value))
@@ -908,7 +943,11 @@ class Engine:
             for run, event_id, due in m.take_timers():
                 self._spawn(self._waits.deliver_at(run, event_id, due))
         while True:
-            dispatched, _outputs, completed = m.take_effects()
+            dispatched, outputs, completed = m.take_effects()
+            if outputs:
+                self._outputs_waiting = True
+                if self._cp_idle:
+                    self._cp_due.set()  # an idle checkpoint loop takes their checkpoint now
             if completed:
                 if m.ltm_done:
                     # Visible to the next runs now, as a completed run's memory is; durable
@@ -1013,13 +1052,30 @@ class Engine:
     async def _checkpoint_loop(self) -> None:
         interval = self.config.checkpoint_interval
         stop = self._cp_stop
+        due = self._cp_due
+        # Idle: the last checkpoint written is at least an interval old (at the start, it is an
+        # earlier process's). Then the first output does not wait out another interval: it
+        # wakes the loop (`_pump` sets `due`), and its checkpoint is taken at once. Checkpoints
+        # are still at least an interval apart; a busy job's are exactly as before.
+        idle = interval > 0
         while not stop.is_set():
-            if await self._sleep_unless(stop, interval if interval > 0 else 0.0005):
+            if idle:
+                self._cp_idle = True
+                if not self._outputs_waiting:
+                    await self._sleep_unless(due, interval)
+                self._cp_idle = False
+                due.clear()
+            elif await self._sleep_unless(stop, interval if interval > 0 else 0.0005):
                 return
-            if self._fatal is not None:
+            if stop.is_set() or self._fatal is not None:
                 return
             try:
-                await self.checkpoint()
+                before = self.stats.completed
+                self._outputs_waiting = False
+                info = await self.checkpoint()
+                # Nothing written (an idle job): wait for the next output. A failed one waits
+                # out its interval like a written one, so a failing store is not hammered.
+                idle = interval > 0 and info is not None and self.stats.completed == before
                 await self._waits.poll_signals()
             except CheckpointError as exc:
                 self._fail(exc)

@@ -268,6 +268,10 @@ class Machine:
         self._is_output = is_output
         self.max_concurrent_runs = max_concurrent_runs
         self.keys: dict[Any, KeyState] = {}
+        # `stored_key(key)`: a key's committed (memory, next dispatch, memory version) that
+        # `restore` was not given (the engine restores idle keys lazily), or None for a new
+        # key; asked once, when the key is first needed. None: every stored key was given.
+        self.stored_key: Callable[[Any], tuple[dict[str, Any], int, int] | None] | None = None
         self._ready: deque[Any] = deque()
         self.active_runs = 0
         self.buffered_inputs = 0
@@ -287,7 +291,7 @@ class Machine:
         """Take one input. Its run starts now if the key is idle and a run slot is free."""
         ks = self.keys.get(key)
         if ks is None:
-            ks = self.keys[key] = KeyState(memory={}, version=self.memory_version)
+            ks = self.key_state(key)
         self.buffered_inputs += 1
         self._delta.new_inputs[seq] = (key, input_event)
         was_empty = not ks.queue
@@ -295,6 +299,22 @@ class Machine:
         if ks.run is None and was_empty:
             self._ready.append(key)
         self._fill_slots()
+
+    def key_state(self, key: Any, version: int | None = None) -> KeyState:
+        """A key's state, read from the store (`stored_key`) on first use; a key the store
+        does not hold starts empty at `version` (default: the current memory version).
+        Raises what `stored_key` raises, with nothing changed."""
+        ks = self.keys.get(key)
+        if ks is None:
+            stored = self.stored_key(key) if self.stored_key is not None else None
+            if stored is None:
+                v = self.memory_version if version is None else version
+                ks = KeyState(memory={}, version=v)
+            else:
+                memory, next_dispatch, v = stored
+                ks = KeyState(memory=memory, next_dispatch=next_dispatch, version=v)
+            self.keys[key] = ks
+        return ks
 
     def restore(
         self,
@@ -315,8 +335,7 @@ class Machine:
         restored = sorted(runs, key=lambda r: (r.base_dispatch, r.seq))
         in_flight = {r.seq for r in restored}
         for r in restored:
-            v = r.memory_version if r.memory_version is not None else self.memory_version
-            ks = self.keys.setdefault(r.key, KeyState(memory={}, version=v))
+            ks = self.key_state(r.key, r.memory_version)
             if ks.run is not None or ks.queue:
                 raise InternalError(f"two in-flight runs for key {r.key!r} in one checkpoint")
             ks.queue.append((r.seq, r.input_event))
@@ -324,7 +343,7 @@ class Machine:
         for seq, key, event in sorted(queued, key=lambda q: q[0]):
             if seq in in_flight:
                 continue
-            ks = self.keys.setdefault(key, KeyState(memory={}, version=self.memory_version))
+            ks = self.key_state(key)
             ks.queue.append((seq, event))
             self.buffered_inputs += 1
         # Start restored runs ahead of everything else, even past the concurrency cap:

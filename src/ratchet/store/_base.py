@@ -83,7 +83,8 @@ class CallRecord:
 class Loaded:
     """Everything a restore needs, still encoded, in the order the engine restores it."""
 
-    # (key, next dispatch, memory, memory version), by key bytes
+    # (key, next dispatch, memory, memory version), by key bytes: every key, or with
+    # `load(lazy_keys=True)` only the keys with an input row (a run in flight or queued)
     keys: list[tuple[bytes, int, bytes, int]]
     inputs: list[tuple[int, bytes, bytes]]  # (seq, key, event), by seq
     runs: list[tuple[int, bytes, int, bytes]]  # (seq, key, base dispatch, journal), by seq
@@ -92,6 +93,7 @@ class Loaded:
     calls: list[CallRecord]  # by seq, task id, idx
     source: dict[str, Any]
     stats: dict[str, Any]
+    stored_keys: int = 0  # how many keys the state holds (with lazy_keys, more than `keys`)
 
 
 # (action name, sorted names of the events it hears), in dispatch order
@@ -197,8 +199,18 @@ class CheckpointStore(Protocol):
         only once the runs in flight restored under the new agent."""
         ...
 
-    def load(self) -> Loaded:
-        """The state of the latest completed checkpoint plus every call record written since."""
+    def load(self, lazy_keys: bool = False) -> Loaded:
+        """The state of the latest completed checkpoint plus every call record written since.
+
+        `lazy_keys`: only the keys with an input row come in `keys` (a restart with many idle
+        keys reads none of them); `key_row` reads any other when it is first needed."""
+        ...
+
+    def key_row(self, key: bytes) -> tuple[int, bytes, int] | None:
+        """One key's committed (next dispatch, memory, memory version), or None for a key the
+        state does not hold: an indexed read of the latest completed checkpoint. Unlike the
+        other methods it may be called from a thread other than the one writing (the engine's
+        loop reads a key when its first input after a restart arrives)."""
         ...
 
     def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:

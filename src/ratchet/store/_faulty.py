@@ -48,6 +48,7 @@ T = TypeVar("T")
 METHODS = (
     "adopt",
     "load",
+    "key_row",
     "write_checkpoint",
     "put_calls",
     "forget_outputs",
@@ -208,8 +209,11 @@ class FaultyStore:
     def adopt(self, agent: AgentVersion, dry_run: bool = False) -> Adopted:
         return self._call("adopt", lambda: self.inner.adopt(agent, dry_run))
 
-    def load(self) -> Loaded:
-        return self._call("load", self.inner.load)
+    def load(self, lazy_keys: bool = False) -> Loaded:
+        return self._call("load", lambda: self.inner.load(lazy_keys))
+
+    def key_row(self, key: bytes) -> tuple[int, bytes, int] | None:
+        return self._call("key_row", lambda: self.inner.key_row(key))
 
     def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
         return self._call(

@@ -80,16 +80,26 @@ class MemoryStore:
         self.table, self.memory_version = copy.deepcopy(agent.table), agent.memory_version
         return copy.deepcopy(adopted)
 
-    def load(self) -> Loaded:
+    def load(self, lazy_keys: bool = False) -> Loaded:
+        busy = {k for k, _ev in self.inputs.values()} if lazy_keys else None
         return Loaded(
-            keys=[(k, nd, mem, v) for k, (_t, nd, mem, v) in sorted(self.keys.items())],
+            keys=[
+                (k, nd, mem, v)
+                for k, (_t, nd, mem, v) in sorted(self.keys.items())
+                if busy is None or k in busy
+            ],
             inputs=[(seq, k, ev) for seq, (k, ev) in sorted(self.inputs.items())],
             runs=[(seq, k, base, j) for seq, (k, base, j) in sorted(self.runs.items())],
             outbox=[(i, seq, rec) for i, (seq, rec) in self.outbox.items()],
             calls=[copy.copy(self.calls[k]) for k in sorted(self.calls)],
             source=copy.deepcopy(self.source),
             stats=self.stats(),
+            stored_keys=len(self.keys),
         )
+
+    def key_row(self, key: bytes) -> tuple[int, bytes, int] | None:
+        row = self.keys.get(key)  # one dict read: the checkpoint swaps in a new dict whole
+        return None if row is None else (row[1], row[2], row[3])
 
     def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
         started = self.clock.monotonic()

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import sqlite3
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from ratchet.store._base import (
     version_id,
 )
 from ratchet.store._files import fsync_dir
+from ratchet.store._traces import unpack_trace
 
 DB_NAME = "ratchet.db"
 LOCK_NAME = "ratchet.lock"
@@ -143,6 +145,9 @@ class SqliteStore:
         self.conn = conn
         self.path = path
         self.clock = clock
+        self._reader: sqlite3.Connection | None = None  # key_row's, opened on first use
+        self._writable = False  # opened by open(): close() may vacuum
+        self._reader_lock = threading.Lock()
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -180,6 +185,7 @@ class SqliteStore:
             cls._build(path, meta)
             conn = cls._connect_checked(path)
         store = cls(conn, path, clock)
+        store._writable = True
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
         try:
             # Refuse a newer ratchet's state before changing anything.
@@ -470,12 +476,16 @@ class SqliteStore:
                 f"untouched; restore the state from a backup or point --state at a new directory"
             ) from exc
 
-    def load(self) -> Loaded:
+    def load(self, lazy_keys: bool = False) -> Loaded:
         c = self.conn
+        # With lazy_keys, the keys of input rows only (queued inputs and runs in flight, whose
+        # rows have inputs too): an indexed lookup per input, not a read of every key.
+        which = " WHERE key IN (SELECT key FROM inputs)" if lazy_keys else ""
         try:
             return Loaded(
                 keys=c.execute(
-                    "SELECT key, next_dispatch, memory, memory_version FROM keys ORDER BY key"
+                    "SELECT key, next_dispatch, memory, memory_version FROM keys"
+                    f"{which} ORDER BY key"
                 ).fetchall(),
                 inputs=c.execute("SELECT seq, key, event FROM inputs ORDER BY seq").fetchall(),
                 runs=c.execute(
@@ -491,11 +501,33 @@ class SqliteStore:
                 ],
                 source=self.meta("source"),
                 stats=self.stats(),
+                stored_keys=c.execute("SELECT COUNT(*) FROM keys").fetchone()[0],
             )
         except sqlite3.DatabaseError as exc:
             raise StateError(
                 f"{self.path} could not be read ({exc}); it was left untouched"
             ) from exc
+
+    def key_row(self, key: bytes) -> tuple[int, bytes, int] | None:
+        # Its own read-only connection: the writer thread owns `conn` (a read there could see
+        # a checkpoint half-written). A key's row changes only by a checkpoint that holds the
+        # key, and the engine reads a key before it takes part in any, so the last committed
+        # state is the one it restored.
+        try:
+            with self._reader_lock:
+                if self._reader is None:
+                    self._reader = sqlite3.connect(
+                        f"{self.path.resolve().as_uri()}?mode=ro",
+                        uri=True, isolation_level=None, check_same_thread=False,
+                    )  # fmt: skip
+                rows = self._reader.execute(
+                    "SELECT next_dispatch, memory, memory_version FROM keys WHERE key = ?", (key,)
+                ).fetchall()  # fetchall: no statement (and no read snapshot) is left open
+        except sqlite3.DatabaseError as exc:
+            raise StateError(
+                f"{self.path} could not be read ({exc}); it was left untouched"
+            ) from exc
+        return rows[0] if rows else None
 
     def stats(self) -> dict[str, Any]:
         counts = self.meta("counts")
@@ -908,15 +940,15 @@ class SqliteStore:
             params.append(seq)
         out = []
         for s, at, status, blob in self.conn.execute(sql + " ORDER BY seq DESC", params):
-            data = codec.decode(blob, unknown="generic")
+            started, tasks = unpack_trace(blob)
             out.append(
                 {
                     "key": key_text,
                     "seq": s,
                     "completed_at": at,
                     "status": status,
-                    "started_at": data.get("started"),
-                    "tasks": data.get("tasks", []),
+                    "started_at": started,
+                    "tasks": tasks,
                 }
             )
         return out
@@ -944,6 +976,17 @@ class SqliteStore:
             )
 
     def close(self) -> None:
+        if self._writable:
+            # Give every free page back (the writer does it only past _VACUUM_FREE_PAGES): up
+            # to 1 MB of a stopped job's file was pages the outbox and inputs had left free.
+            # Best effort, like _maybe_vacuum: the state is complete without it.
+            with contextlib.suppress(sqlite3.Error):
+                if self.conn.execute("PRAGMA freelist_count").fetchone()[0]:
+                    self.conn.executescript("PRAGMA incremental_vacuum;")
+        with self._reader_lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
         self.conn.close()
 
 

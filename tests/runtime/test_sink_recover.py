@@ -1,0 +1,94 @@
+"""`JsonlSink` reads the output file at start to learn which ids it holds: lines laid out as
+ratchet writes them are read a block at a time by one regular expression. Whatever the
+file holds, that must decide exactly what reading it a line at a time decides (the ids,
+another job's lines, the refusal, a cut last line dropped, a bad line refused)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ratchet import ConfigError
+from ratchet.runtime import _io
+from ratchet.runtime._io import JobIdentity, JsonlSink, _line_id
+
+JOB, OTHER = "ab12", "cd34"
+ids = st.text(min_size=0, max_size=6)
+
+
+def line_at_a_time(path: Path, job: JobIdentity | None) -> tuple[set[str], dict[Any, int], int]:
+    """The reading before blocks: (ids of this job, other jobs' line counts, bytes kept)."""
+    keep = 0
+    mine: set[str] = set()
+    others: dict[Any, int] = {}
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break
+            keep += len(raw)
+            out_id, line_job = _line_id(raw)
+            if job is None or line_job == job.id or (line_job is None and job.legacy_outputs):
+                mine.add(out_id)
+            else:
+                others[line_job] = others.get(line_job, 0) + 1
+    return mine, others, keep
+
+
+@st.composite
+def lines(draw: Any) -> bytes:
+    out_id = draw(ids)
+    kind = draw(st.sampled_from(["mine", "other", "legacy", "escaped", "bare", "garbage"]))
+    if kind == "garbage":
+        return draw(st.sampled_from([b"not json", b'{"x": 1}', b'{"id":"\xff","job":"ab12",1}']))
+    rec: dict[str, Any] = {"id": out_id}
+    if kind in ("mine", "other", "escaped"):
+        rec["job"] = OTHER if kind == "other" else JOB
+    if kind != "bare":
+        rec["key"] = draw(st.integers(0, 3))
+    text = json.dumps(rec, separators=(",", ":"), ensure_ascii=kind == "escaped")
+    return text.encode()
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    body=st.lists(lines(), max_size=12),
+    cut=st.booleans(),
+    legacy=st.booleans(),
+    block=st.sampled_from([7, 64, 1 << 22]),
+)
+def test_blocks_decide_what_lines_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: list[bytes], cut: bool, legacy: bool,
+    block: int,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(_io, "_RECOVER_BLOCK", block)
+    path = tmp_path / "o.jsonl"
+    path.write_bytes(b"".join(x + b"\n" for x in body) + (b'{"id":"cut' if cut else b""))
+    job = JobIdentity(JOB, tmp_path, legacy_outputs=legacy)
+    try:
+        want: Any = line_at_a_time(path, job)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        want = ConfigError
+    sink = JsonlSink(path, append=True)
+    others: dict[Any, int] = {}
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+        end = data.rfind(b"\n") + 1
+        sink._read_lines(data[:end], job, others)
+        got: Any = (sink._ids, others, end)
+    except ConfigError:
+        got = ConfigError
+    assert got == want
+    # and through open(): the same ids, the cut line gone
+    if want is not ConfigError:
+        sink = JsonlSink(path, append=True)
+        sink.open(job)
+        sink.close()
+        assert sink._ids == want[0] and path.stat().st_size == want[2]

@@ -29,15 +29,17 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ratchet import _errors
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import BadInputError, RatchetError, StateError
 from ratchet.runtime._engine import EngineConfig, EngineResult
 from ratchet.runtime._io import Record, Sink, Source, writable
-from ratchet.runtime._shards import Layout, shard_of
+from ratchet.runtime._shards import Layout, shard_of, write_in_force
 from ratchet.store import codec
 
 log = logging.getLogger("ratchet.shards")
@@ -235,6 +237,86 @@ def wait_for_lock(sdir: Path) -> None:
         os.close(fd)
 
 
+# -- the whole job's status, from its workers' reports ---------------------------------------------
+
+_COUNTED = ("inputs", "runs_completed", "outputs", "runs_failed", "dead_letters")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def counts_of(report: dict[str, Any] | None) -> dict[str, float]:
+    """A worker's own counts in its report (they start at 0 in every worker process)."""
+    status = (report or {}).get("status") or {}
+    out = {n: float(status[n]) for n in _COUNTED if _number(status.get(n))}
+    for name, value in (status.get("metrics") or {}).items():
+        if _number(value):
+            out[f"metrics:{name}"] = float(value)
+    return out
+
+
+def _newest(items: list[Any], when: str) -> Any:
+    found = [i for i in items if isinstance(i, dict)]
+    return max(found, key=lambda i: i.get(when) or 0.0) if found else None
+
+
+def merge_reports(
+    reports: list[dict[str, Any] | None],
+    carried: list[dict[str, float]],
+    *,
+    pids: list[int | None],
+    restarts: list[int],
+) -> dict[str, Any]:
+    """One status report for the whole job, shaped as one engine's (what the supervisor, the
+    REST API and the dashboard read): counts summed over the shards (with those of a shard's
+    killed workers, `carried`), lists joined, checkpoint counts summed and each `latest` the
+    newest of any shard (its id is that shard's own). Each shard's own figures under
+    "shards"."""
+    totals: dict[str, float] = {}
+    for report, before in zip(reports, carried, strict=True):
+        for counts in (counts_of(report), before):
+            for name, value in counts.items():
+                totals[name] = totals.get(name, 0.0) + value
+    statuses = [(r or {}).get("status") or {} for r in reports]
+    status: dict[str, Any] = {n: int(totals.get(n, 0.0)) for n in _COUNTED}
+    status["metrics"] = {
+        k.removeprefix("metrics:"): v for k, v in totals.items() if k.startswith("metrics:")
+    }
+    for name in ("in_flight_runs", "buffered_inputs"):
+        status[name] = sum(int(s.get(name) or 0) for s in statuses)
+    status["waiting"] = [w for s in statuses for w in s.get("waiting") or []]
+    status["paused"] = [p for s in statuses for p in s.get("paused") or []]
+    restore = [s["restore_seconds"] for s in statuses if _number(s.get("restore_seconds"))]
+    status["restore_seconds"] = max(restore) if restore else None
+    cps = [(r or {}).get("checkpoints") or {} for r in reports if r is not None]
+    counts = {
+        c: sum(int((cp.get("counts") or {}).get(c) or 0) for cp in cps)
+        for c in ("completed", "failed", "in_progress", "restored", "total")
+    }
+    latest = {
+        which: _newest([(cp.get("latest") or {}).get(which) for cp in cps], when)
+        for which, when in (
+            ("completed", "trigger_timestamp"),
+            ("failed", "failure_timestamp"),
+            ("restored", "restored_at"),
+        )
+    }
+    shards = [
+        {
+            "shard": i,
+            "pid": pids[i],
+            "restarts": restarts[i],
+            "reported": r is not None,
+            "in_flight_runs": statuses[i].get("in_flight_runs"),
+            "queued_inputs": statuses[i].get("buffered_inputs"),
+            "checkpoints": (r or {}).get("checkpoints"),
+        }
+        for i, r in enumerate(reports)
+    ]
+    return {"checkpoints": {"counts": counts, "latest": latest}, "status": status, "shards": shards}
+
+
 # -- the coordinator -------------------------------------------------------------------------------
 
 
@@ -255,6 +337,8 @@ class _Shard:
     error: tuple[str, str] | None = None
     restarts: int = 0
     gone: bool = False  # ended and not to be restarted
+    report: dict[str, Any] | None = None  # the worker's latest status report (supervised jobs)
+    carried: dict[str, float] = field(default_factory=dict)  # counts of its killed workers
 
 
 class Coordinator:
@@ -270,8 +354,12 @@ class Coordinator:
         config: EngineConfig,
         *,
         stop_at: int | None = None,
+        on_report: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """`on_report`: called with the whole job's status (`merge_reports`) each time a
+        worker reports (after its restore and every checkpoint); workers report only then."""
         self.agent_spec = agent_spec
+        self.on_report = on_report
         self.layout = layout
         self.state_dir = state_dir
         self.source = source
@@ -306,6 +394,8 @@ class Coordinator:
             sys.executable, "-m", "ratchet.agents._sharded", "--fd", str(theirs.fileno()),
             "--dir", str(shard.dir), "--agent", self.agent_spec, "--config", self._worker_config(),
         ]  # fmt: skip
+        if self.on_report is not None:
+            argv.append("--report")
         # Started from the loop's thread, which lives as long as the job: a worker's
         # parent-death signal fires when the thread that started it ends.
         # The worker imports the agent as this process did: with this process's sys.path.
@@ -375,6 +465,9 @@ class Coordinator:
                         self.request_stop(f"shard {shard.index}: {why}")
                 elif kind == "error":
                     shard.error = (msg[1], msg[2])
+                elif kind == "report":
+                    shard.report = json.loads(msg[1])
+                    self._report()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         rc = await loop.run_in_executor(None, proc.wait)
@@ -388,6 +481,9 @@ class Coordinator:
             shard.gone = True  # killed while the job stops for another reason: not restarted
         elif rc < 0 and not self._fatal and shard.restarts < RESTARTS:
             shard.restarts += 1
+            for name, value in counts_of(shard.report).items():  # the next worker counts from 0
+                shard.carried[name] = shard.carried.get(name, 0.0) + value
+            shard.report = None
             log.warning(
                 "worker of shard %d (pid %d) was killed by signal %d; restarting it from its "
                 "last checkpoint (restart %d)", shard.index, proc.pid, -rc, shard.restarts,
@@ -422,6 +518,21 @@ class Coordinator:
             log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def _report(self) -> None:
+        if self.on_report is None:
+            return
+        merged = merge_reports(
+            [s.report for s in self.shards],
+            [s.carried for s in self.shards],
+            pids=[s.proc.pid if s.proc is not None else None for s in self.shards],
+            restarts=[s.restarts for s in self.shards],
+        )
+        merged["status"]["dead_letters"] += self.result.dead_letters  # bad lines it kept
+        try:
+            self.on_report(merged)
+        except Exception:  # noqa: BLE001 - a report is informational; the job goes on
+            log.exception("could not pass the job's status on")
 
     def _hello(self, shard: _Shard, nxt: int, frm: int, at: dict[str, Any]) -> None:
         shard.next = nxt
@@ -499,6 +610,9 @@ class Coordinator:
                     exhausted = not src.follow
                     break
                 if rec.error is not None:
+                    if self.config.on_bad_input == "dead-letter":
+                        self._keep_bad_line(rec)
+                        continue
                     if self.config.on_bad_input == "skip":
                         log.warning("skipping bad input: %s", rec.error)
                         self.result.bad_inputs.append(rec.error)
@@ -547,6 +661,40 @@ class Coordinator:
                 except TimeoutError:
                     pass
                 self._wake.clear()
+
+    def _keep_bad_line(self, rec: Record) -> None:
+        """`--on-bad-input dead-letter`: keep the bad line as a dead letter, durably, before any
+        input after it is sent to a shard (so no shard can checkpoint past it first).
+
+        Kept in the shard a row naming no key belongs to (where re-sharding puts it too), and
+        at most once: after a restart the line is read again from the same source position,
+        which is its natural key (an existing dead letter at that position means done)."""
+        n = len(self.shards)
+        target = self.layout.dirs[shard_of("", n)]
+        pos = self.source.position()
+        where = json.dumps(pos, sort_keys=True, default=str)
+        detail = codec.encode({"position": pos, "line": rec.line})
+
+        def put(conn: Any) -> bool:
+            for (blob,) in conn.execute("SELECT detail FROM dead_letters WHERE kind = 'bad-input'"):
+                try:
+                    had = codec.decode(blob, unknown="generic").get("position")
+                except Exception:  # noqa: BLE001 - a damaged row is not this line
+                    continue
+                if json.dumps(had, sort_keys=True, default=str) == where:
+                    return False
+            conn.execute(
+                "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (codec.encode(None), "", -1, codec.encode(rec.raw or ""), rec.error,
+                 SYSTEM_CLOCK.now(), "bad-input", detail),
+            )  # fmt: skip
+            return True
+
+        log.warning("bad input kept as a dead letter (%s): %s", target.name, rec.error)
+        self.result.bad_inputs.append(str(rec.error))
+        if write_in_force(self.state_dir, target, put):
+            self.result.dead_letters += 1
 
     async def _drain(self) -> None:
         for s in self.shards:

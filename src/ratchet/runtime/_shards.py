@@ -17,7 +17,8 @@ import json
 import os
 import shutil
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,17 +91,59 @@ def is_sharded(state_dir: str | os.PathLike[str]) -> bool:
     return (Path(state_dir) / SHARDS_DIR / LAYOUT_FILE).exists()
 
 
+# Commands that act on one whole database and why they stay single-database (docs/operations.md).
+_SINGLE_DATABASE = {
+    "savepoint": "a savepoint is one SQLite file holding one consistent checkpoint; the shards "
+    "checkpoint independently, so no single moment holds all of them",
+    "fork": "a fork is made from one consistent copy of the state (a savepoint)",
+    "checkpoints": "checkpoint ids and history are per database; `ratchet status` shows each "
+    "shard's latest checkpoint",
+}
+
+
 def refuse_sharded(state_dir: str | os.PathLike[str], command: str) -> None:
-    """Commands that read or write one state database cannot yet act on a sharded job: say so
-    (exit 2) rather than act on one shard silently."""
-    if is_sharded(state_dir):
+    """Commands inherently about one database refuse a sharded job (exit 2), saying why and how
+    to get a single database back, rather than act on one shard silently."""
+    if command in _SINGLE_DATABASE and is_sharded(state_dir):
         n = read_layout(state_dir).workers
         raise ConfigError(
             f"{state_dir} is a job sharded over {n} workers (shards/layout.json); `ratchet "
-            f"{command}` does not act on sharded state yet. Run the job with --workers 1 once "
-            f"(it moves every key back into {state_dir}/ratchet.db) to use it, or look at one "
-            f"shard directly with --state {state_dir}/shards/<i>-of-{n}"
+            f"{command}` works on one database: {_SINGLE_DATABASE[command]}. Run the job once "
+            f"with --workers 1 (it moves every key back into {state_dir}/ratchet.db at one "
+            f"input position), use `ratchet {command}` there, then run on with --workers {n}"
         )
+
+
+def in_force(state_dir: Path, target: Path) -> bool:
+    """Whether the database directory `target` is part of the layout in force now: a writer
+    from another process checks it inside its write transaction (see `frozen`)."""
+    try:
+        return target in read_layout(state_dir).dirs
+    except StateError:
+        return False
+
+
+@contextmanager
+def frozen(dirs: tuple[Path, ...]) -> Iterator[None]:
+    """Hold the write lock of every database in `dirs` while the layout changes: a signal or a
+    redrive request another process writes meanwhile waits, then finds (with `in_force`, in its
+    own write transaction) that its shard is out of force and goes to the new one. Without this
+    a row written after the quiet check and before the switch would be left in an old shard."""
+    conns: list[sqlite3.Connection] = []
+    try:
+        for d in dirs:
+            if (d / DB_NAME).exists():
+                conn = sqlite3.connect(d / DB_NAME, timeout=60, isolation_level=None)
+                conn.execute("BEGIN IMMEDIATE")
+                conns.append(conn)
+        yield
+    finally:
+        for conn in conns:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            conn.close()
 
 
 # -- shard positions ---------------------------------------------------------------------------
@@ -337,3 +380,109 @@ def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
     total["workers"] = layout.workers
     total["shards"] = per
     return total
+
+
+# -- acting on one key of a sharded state from another process -----------------------------------
+
+KEY_TYPES = ("auto", "str", "int")
+
+
+def _int_text(text: str) -> bool:
+    return text.lstrip("-").isdigit() and str(int(text)) == text
+
+
+def _holds(sdir: Path, keys: list[Any]) -> bool:
+    """Whether the shard at `sdir` holds any of `keys` (memory, a run, or a queued input)."""
+    if not (sdir / DB_NAME).exists():
+        return False
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        for key in keys:
+            blob = codec.encode(key)
+            for table in ("keys", "runs", "inputs"):
+                if store.conn.execute(
+                    f"SELECT 1 FROM {table} WHERE key = ? LIMIT 1", (blob,)
+                ).fetchone():
+                    return True
+    finally:
+        store.close()
+    return False
+
+
+def shard_for_text(state_dir: Path, layout: Layout, text: str, key_type: str = "auto") -> int:
+    """The shard of the key whose text is `text` (as `ratchet inspect` shows keys).
+
+    A text like "42" could be the string or the integer key of an input; `key_type` says which
+    ("auto": whichever the shards hold; if the two forms hash to different shards, neither is
+    held yet and nothing says which, it is refused rather than guessed)."""
+    if key_type not in KEY_TYPES:
+        raise ConfigError(f"key type must be one of {', '.join(KEY_TYPES)}, not {key_type!r}")
+    forms: list[Any] = []
+    if key_type in ("auto", "str"):
+        forms.append(text)
+    if key_type in ("auto", "int"):
+        if _int_text(text):
+            forms.append(int(text))
+        elif key_type == "int":
+            raise ConfigError(f"key {text!r} is not an integer (--key-type int)")
+    n = layout.workers
+    places = {shard_of(f, n) for f in forms}
+    if len(places) == 1:
+        return places.pop()
+    held = sorted({shard_of(f, n) for f in forms if _holds(layout.dirs[shard_of(f, n)], [f])})
+    if len(held) == 1:
+        return held[0]
+    raise ConfigError(
+        f"key {text!r} of the job sharded over {n} workers in {state_dir} could be the text "
+        f"{text!r} (shard {shard_of(text, n)}) or the integer {text} (shard "
+        f"{shard_of(int(text), n)}), and {'both are' if held else 'neither is'} held by its "
+        f"shard; say which with `ratchet signal --key-type str` or `--key-type int` (or from Python: ratchet.send_signal with a str or an int key)"
+    )
+
+
+class Moved(Exception):
+    """The database written to left the layout in force (the number of workers changed)."""
+
+
+def write_in_force(state_dir: Path, target: Path, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    """Run `fn` in one write transaction on `target`'s database, only if `target` is still part
+    of the layout in force once the write lock is held (`frozen` holds it during a change of
+    the number of workers); raises `Moved` otherwise, having written nothing."""
+    path = target / DB_NAME
+    uri = path.resolve().as_uri() + "?mode=rw"  # never creates a database that was removed
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None)
+    except sqlite3.Error as exc:
+        if not in_force(state_dir, target):
+            raise Moved from None
+        raise StateError(f"could not open {path}: {exc}") from exc
+    try:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:
+            if not in_force(state_dir, target):
+                raise Moved from None
+            raise
+        if not in_force(state_dir, target):
+            conn.execute("ROLLBACK")
+            raise Moved
+        out = fn(conn)
+        conn.execute("COMMIT")
+        return out
+    except sqlite3.Error as exc:
+        raise StateError(f"could not write to {path}: {exc}") from exc
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        conn.close()
+
+
+def global_id(local: int, shard: int, shards: int) -> int:
+    """One id for a row of shard `shard` (dead letters): unique over the job, and the shard
+    and local id come back from it (`local_id`)."""
+    return local * shards + shard
+
+
+def local_id(gid: int, shards: int) -> tuple[int, int]:
+    """(shard, local id) of a `global_id`."""
+    return gid % shards, gid // shards

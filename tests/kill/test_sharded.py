@@ -282,9 +282,8 @@ def test_a_worker_that_fails_stops_the_job_naming_its_shard(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--supervise"], "--supervise and --rest-port do not work with a sharded job"),
-        (["--on-bad-input", "dead-letter"], "dead-letter is not supported with --workers > 1"),
         (["--workers", "0"], "--workers must be >= 1, not 0"),
+        (["--rest-port", "1"], "--rest-port serves a supervised job's REST API; add --supervise"),
     ],
 )
 def test_what_a_sharded_run_cannot_do_is_refused(
@@ -300,3 +299,26 @@ def test_what_a_sharded_run_cannot_do_is_refused(
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert not (tmp_path / "state" / "shards").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "why"),
+    [
+        (["savepoint", "SP"], "a savepoint is one SQLite file"),
+        (["checkpoints"], "checkpoint ids and history are per database"),
+        (["fork", "--to", "NEW"], "a fork is made from one consistent copy"),
+    ],
+)
+def test_single_database_commands_refuse_a_sharded_job_naming_the_fix(
+    tmp_path: Path, command: list[str], why: str
+) -> None:
+    write_inputs(tmp_path / "in.jsonl", 0, 20)
+    state = tmp_path / "state"
+    run_to_end(tmp_path, tmp_path / "in.jsonl", state, tmp_path / "out.jsonl", 2)
+    args = [str(tmp_path / a) if a in ("SP", "NEW") else a for a in command]
+    done = subprocess.run(
+        [*RATCHET, *args, "--state", str(state)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert why in done.stderr and "Run the job once with --workers 1" in done.stderr
+    assert "Traceback" not in done.stderr

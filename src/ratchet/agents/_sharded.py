@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ from ratchet.runtime._multiproc import (
 from ratchet.runtime._shards import (
     Layout,
     check_quiet,
+    first_redrive_seq,
     frozen,
     read_layout,
     read_position,
@@ -263,6 +265,7 @@ def worker_main(argv: list[str] | None = None) -> int:
             on_progress=report if args.report else None,
         )  # fmt: skip
         engine = job.engine
+        engine.redrive_seqs = itertools.count(first_redrive_seq(Path(args.dir)))
 
         def wake() -> None:
             loop = engine._loop

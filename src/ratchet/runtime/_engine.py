@@ -661,6 +661,9 @@ class Engine:
         self._waits = _EngineWaits(self)
         self._dead_lines: list[tuple[bytes, str, int, bytes, str, float, str, bytes]] = []
         self._redriving: set[int] = set()
+        # Numbers for redriven inputs; None: the source's own numbering (one process). A shard
+        # worker's inputs are numbered by its coordinator, so its redrives take another range.
+        self.redrive_seqs: Iterator[int] | None = None
         self._written_report: dict[str, Any] = {"paused": []}
         self._traces_since_prune: dict[str, int] = {}
         self._dispatcher = Dispatcher(
@@ -718,7 +721,7 @@ class Engine:
         self._waits.add_signals(self.store.signals_after(0))
         redrives = self.store.redrives()
         if redrives:
-            self._redrive(redrives)
+            self._redrive(redrives, pump=False)  # on the writer thread: run() pumps next
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
@@ -936,7 +939,7 @@ class Engine:
                     raise outcome
                 m.finish(task, outcome)
 
-    def _redrive(self, rows: list[tuple[int, bytes, bytes]]) -> None:
+    def _redrive(self, rows: list[tuple[int, bytes, bytes]], pump: bool = True) -> None:
         """Admit dead letters asked to be redriven, each once: the checkpoint that holds the
         new input also marks its dead letter redriven."""
         b = self.binding
@@ -946,12 +949,15 @@ class Engine:
             self._redriving.add(dead_id)
             key = decoded("dead_letters", dead_id, codec.decode, k)
             event = decoded("dead_letters", dead_id, decode_event, b, ev)
-            seq = self._next_seq
-            self._next_seq += 1
+            if self.redrive_seqs is not None:
+                seq = next(self.redrive_seqs)
+            else:
+                seq = self._next_seq
+                self._next_seq += 1
             self.machine.redrive(dead_id, key, seq, event)
             self.result.inputs += 1
             self.result.redriven += 1
-        if self._loop is not None:
+        if pump and self._loop is not None:
             self._pump_and_poke()
 
     def _pump_and_poke(self) -> None:

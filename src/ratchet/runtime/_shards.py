@@ -486,3 +486,30 @@ def global_id(local: int, shard: int, shards: int) -> int:
 def local_id(gid: int, shards: int) -> tuple[int, int]:
     """(shard, local id) of a `global_id`."""
     return gid % shards, gid // shards
+
+
+REDRIVE_SEQ_BASE = 10**15  # far above any input number a coordinator gives, below 2**53 (JSON)
+
+
+def first_redrive_seq(sdir: Path) -> int:
+    """The number a shard gives the next input it redrives: above every input number its
+    coordinator gives (those are the source's places), and above every redrive the shard (or,
+    before a re-sharding, its keys' old shard: dead letters move with their key) committed, so
+    a key's outputs never reuse an id."""
+    if not (sdir / DB_NAME).exists():
+        return REDRIVE_SEQ_BASE
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        highest = [
+            store.conn.execute(sql).fetchone()[0]
+            for sql in (
+                "SELECT MAX(redriven_as) FROM dead_letters",
+                "SELECT MAX(seq) FROM inputs",
+                "SELECT MAX(seq) FROM runs",
+            )
+        ]
+    except sqlite3.Error:
+        highest = []  # an old schema without redrives: nothing redriven yet
+    finally:
+        store.close()
+    return max([REDRIVE_SEQ_BASE - 1, *(int(h) for h in highest if h is not None)]) + 1

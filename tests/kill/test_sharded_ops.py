@@ -322,3 +322,29 @@ def test_bad_lines_are_dead_letters_exactly_once_across_coordinator_sigkills(
         f"seed {seed}: bad lines kept {kept}, in the input {sorted(bad_lines)}"
     )
     assert len({d["id"] for d in letters}) == len(letters)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_redrive_asked_while_the_job_is_stopped_is_admitted_once(
+    tmp_path: Path, workers: int
+) -> None:
+    """Found here: a redrive found at restore dispatched an async action from the writer
+    thread (no event loop there) and the job died; with workers it must not reuse a number."""
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "state"
+    inp.write_text(json.dumps({"key": "bad", "fail": True}) + "\n")
+    argv = [
+        "run", SIGNALS_AGENT, "--input", str(inp), "--output", str(out), "--state", str(state),
+        "--workers", str(workers), "--allow-errors",
+    ]  # fmt: skip
+    first = cli(*argv)
+    assert first.returncode == 0, first.stderr
+    letters = json.loads(cli("dead-letters", "--state", str(state), "--json").stdout)
+    asked = cli("redrive", "--state", str(state), "--id", str(letters[0]["id"]), "--json")
+    assert asked.returncode == 0 and json.loads(asked.stdout)["marked"] == 1, asked.stderr
+    again = cli(*argv)
+    assert again.returncode == 0, again.stderr
+    assert "Traceback" not in again.stderr
+    seqs = [o["seq"] for o in lines(out)]
+    assert len(seqs) == 2 and len(set(seqs)) == 2, seqs
+    letters = json.loads(cli("dead-letters", "--state", str(state), "--json").stdout)
+    assert [d["redriven_as"] is not None for d in letters] == [True, False]

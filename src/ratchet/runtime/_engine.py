@@ -719,14 +719,14 @@ class Engine:
         # The runs in flight replay under this agent (and keys starting now migrated): adopt.
         self.store.adopt(b.version)
         self._waits.add_signals(self.store.signals_after(0))
-        redrives = self.store.redrives()
-        if redrives:
-            self._redrive(redrives, pump=False)  # on the writer thread: run() pumps next
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
         src = loaded.source
         self._next_seq = int(src.get("next_seq", 0))
+        redrives = self.store.redrives()  # numbered after the restored inputs, not from 0
+        if redrives:
+            self._redrive(redrives, pump=False)  # on the writer thread: run() pumps next
         self.source.restore(src.get("position", {}))
         restored = self.store.record_restore()
         persisted = self.store.stats()

@@ -348,3 +348,24 @@ def test_a_redrive_asked_while_the_job_is_stopped_is_admitted_once(
     assert len(seqs) == 2 and len(set(seqs)) == 2, seqs
     letters = json.loads(cli("dead-letters", "--state", str(state), "--json").stdout)
     assert [d["redriven_as"] is not None for d in letters] == [True, False]
+
+
+def test_a_text_key_that_could_be_either_is_refused_until_its_type_is_said(tmp_path: Path) -> None:
+    from ratchet.runtime._shards import shard_of
+
+    text = next(str(i) for i in range(1000) if shard_of(str(i), 2) != shard_of(i, 2))
+    inp, state = tmp_path / "in.jsonl", tmp_path / "state"
+    inp.write_text(json.dumps({"key": "a", "fail": True}) + "\n")
+    done = cli("run", SIGNALS_AGENT, "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+               "--state", str(state), "--workers", "2", "--allow-errors")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    refused = cli("signal", "--state", str(state), "--key", text, "go")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"could be the text '{text}'" in refused.stderr and "--key-type" in refused.stderr
+    for key_type, form in (("int", int(text)), ("str", text)):
+        sent = cli("signal", "--state", str(state), "--key", text, "go", "--key-type", key_type,
+                   "--json")  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        assert json.loads(sent.stdout)["shard"] == f"{shard_of(form, 2)}-of-2"
+    pending = json.loads(cli("status", "--state", str(state), "--json").stdout)["pending_signals"]
+    assert len(pending) == 2

@@ -307,7 +307,9 @@ def _copy_per_key_text(
             continue
         conn.execute("ATTACH DATABASE ? AS old", (str(db),))
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            # Deferred: it writes only main; IMMEDIATE would also ask for the write lock of the
+            # attached old shard, which `frozen` holds for the whole change.
+            conn.execute("BEGIN")
             for table in ("traces", "dead_letters"):
                 cols = [r[1] for r in conn.execute(f"PRAGMA old.table_info({table})")]
                 ours = {r[1] for r in conn.execute(f"PRAGMA main.table_info({table})")}

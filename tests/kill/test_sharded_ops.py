@@ -369,3 +369,37 @@ def test_a_text_key_that_could_be_either_is_refused_until_its_type_is_said(tmp_p
         assert json.loads(sent.stdout)["shard"] == f"{shard_of(form, 2)}-of-2"
     pending = json.loads(cli("status", "--state", str(state), "--json").stdout)["pending_signals"]
     assert len(pending) == 2
+
+
+def test_a_signal_sent_while_the_layout_changes_goes_to_the_new_shard(tmp_path: Path) -> None:
+    """`frozen` (held by a change of the number of workers) makes a sender wait; once the new
+    layout is in force the sender finds its old shard out of force and routes again."""
+    import shutil
+    import threading
+
+    from ratchet.runtime._shards import frozen, read_layout, shard_dir, shard_of
+    from ratchet.runtime._signals import send_signal
+    from ratchet.store._files import atomic_json
+
+    inp, state = tmp_path / "in.jsonl", tmp_path / "state"
+    inp.write_text(json.dumps({"key": "a", "fail": True}) + "\n")
+    done = cli("run", SIGNALS_AGENT, "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+               "--state", str(state), "--workers", "2", "--allow-errors")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    old = read_layout(state)
+    sent: list[dict[str, Any]] = []
+    with frozen(old.dirs):
+        sender = threading.Thread(target=lambda: sent.append(send_signal(state, "a", "go")))
+        sender.start()
+        sender.join(0.5)
+        assert sender.is_alive()  # waiting for the old shard's write lock
+        for i in range(3):  # a stand-in for the re-sharding: three new shards, then the switch
+            shutil.copytree(old.dirs[0], shard_dir(state, i, 3))
+        atomic_json(
+            state / "shards" / "layout.json", {"format": 1, "hash": "blake2b-64", "workers": 3}
+        )
+    sender.join(30)
+    assert sent and sent[0]["shard"] == f"{shard_of('a', 3)}-of-3", sent
+    for d in old.dirs:  # nothing was left behind in the old layout
+        pending = json.loads(cli("status", "--state", str(d), "--json").stdout)["pending_signals"]
+        assert pending == []

@@ -49,6 +49,7 @@ BATCH = 256  # inputs read from the source per round of frames
 WINDOW = 32  # frames a worker may hold unread before the coordinator waits for it
 RESTARTS = 20  # times one worker may be restarted (killed by a signal) in one run
 PIDS_FILE = "workers.json"  # in shards/: the pids of the coordinator and its workers
+_PLACES = 1 << 18  # keys whose shard the coordinator remembers
 
 
 def _frame(msg: Any) -> bytes:
@@ -379,6 +380,7 @@ class Coordinator:
         self._wake: asyncio.Event | None = None
         self._all_done: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._places: dict[Any, int] = {}
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -628,7 +630,7 @@ class Coordinator:
                     break
                 seq = self.seq
                 self.seq += 1
-                shard = self.shards[shard_of(rec.key, n)]
+                shard = self.shards[self._shard_of(rec.key, n)]
                 if seq >= shard.next:  # below it the shard has it already
                     batches[shard.index].append([seq, rec.key, rec.value])
                 count += 1
@@ -661,6 +663,20 @@ class Coordinator:
                 except TimeoutError:
                     pass
                 self._wake.clear()
+
+    def _shard_of(self, key: Any, n: int) -> int:
+        """`shard_of`, remembered per str or int key: the hash costs about as much as parsing
+        the input line, and keys repeat (the memo is dropped when it grows past `_PLACES`)."""
+        if type(key) is not str and type(key) is not int:
+            return shard_of(key, n)  # True == 1 and 1.0 == 1 as dict keys, not as shards
+        places = self._places
+        place = places.get(key)
+        if place is not None:
+            return place
+        if len(places) >= _PLACES:
+            places.clear()
+        place = places[key] = shard_of(key, n)
+        return place
 
     def _keep_bad_line(self, rec: Record) -> None:
         """`--on-bad-input dead-letter`: keep the bad line as a dead letter, durably, before any

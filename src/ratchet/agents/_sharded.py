@@ -246,6 +246,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent", required=True)
     p.add_argument("--config", required=True)
     p.add_argument("--report", action="store_true", help="report status after each checkpoint")
+    p.add_argument("--lines-for", default=None, help="render JSONL output lines for this job id")
     args = p.parse_args(argv)
     die_with_parent()
     conn = WorkerConn(socket.socket(fileno=args.fd))
@@ -253,7 +254,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         agent = load_agent(args.agent)
         config = EngineConfig(**json.loads(args.config))
         source = PipeSource(conn)
-        sink = PipeSink(conn)
+        sink = PipeSink(conn, lines_for=args.lines_for)
         wait_for_lock(Path(args.dir))
 
         def report(engine: Any) -> None:

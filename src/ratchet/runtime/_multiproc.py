@@ -11,8 +11,9 @@ Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over 
 coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's
 position `at` after input `end - 1`), ["eof"], ["stop"], ["ack", n], ["nack", n, why].
 worker -> coordinator: ["hello", next, from, at] (restored), ["took", frames],
-["committed", next, from, at] (after each checkpoint), ["out", n, records], ["done", result],
-["error", type, message].
+["committed", next, from, at] (after each checkpoint), ["out", n, records] (or, for a JSONL
+sink, ["lines", n, [[id, line], ...]] rendered by the worker), ["report", json] (supervised),
+["done", result], ["error", type, message].
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ from ratchet import _errors
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import BadInputError, RatchetError, StateError
 from ratchet.runtime._engine import EngineConfig, EngineResult
-from ratchet.runtime._io import Record, Sink, Source, writable
+from ratchet.runtime._io import (
+    JsonlSink,
+    Record,
+    Sink,
+    Source,
+    line_problem,
+    output_line,
+    writable,
+)
 from ratchet.runtime._shards import Layout, shard_of, write_in_force
 from ratchet.store import codec
 
@@ -180,11 +189,27 @@ class PipeSink(Sink):
     they stay in this shard's outbox, and are sent again after a restart (the sink drops an id
     it already holds)."""
 
-    def __init__(self, conn: WorkerConn) -> None:
+    def __init__(self, conn: WorkerConn, lines_for: str | None = None) -> None:
+        """`lines_for`: the job's sink is its JSONL file, whose lines carry this job id
+        ("" for none): outputs are checked and rendered here (`output_line`), in parallel
+        over the workers, and the coordinator only appends them."""
         self.conn = conn
+        self._lines = lines_for is not None
+        self._job = lines_for or None
+        self._checked: dict[str, tuple[dict[str, Any], str]] = {}
         self._n = 0
         self._waits: dict[int, tuple[threading.Event, list[str | None]]] = {}
         self._lock = threading.Lock()
+
+    def validate(self, record: dict[str, Any]) -> str | None:
+        if not self._lines:
+            return None  # the coordinator's sink checks them
+        try:
+            line = output_line(record, self._job)
+        except Exception as exc:  # noqa: BLE001 - whatever fails is the reason, as in JsonlSink
+            return line_problem(record, exc)
+        self._checked[record["id"]] = (record, line)
+        return None
 
     def write(self, records: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -193,7 +218,16 @@ class PipeSink(Sink):
             done = threading.Event()
             why: list[str | None] = [None]
             self._waits[n] = (done, why)
-        self.conn.send(["out", n, records])
+        if self._lines:
+            checked, self._checked = self._checked, {}
+            pairs = []
+            for rec in records:
+                hit = checked.get(rec["id"])
+                line = hit[1] if hit is not None and hit[0] is rec else output_line(rec, self._job)
+                pairs.append([rec["id"], line])
+            self.conn.send(["lines", n, pairs])
+        else:
+            self.conn.send(["out", n, records])
         done.wait()
         if why[0] is not None:
             raise OSError(f"the coordinator could not write the outputs: {why[0]}")
@@ -398,6 +432,8 @@ class Coordinator:
         ]  # fmt: skip
         if self.on_report is not None:
             argv.append("--report")
+        if type(self.sink) is JsonlSink:  # the workers render its lines
+            argv += ["--lines-for", self.sink.job_id or ""]
         # Started from the loop's thread, which lives as long as the job: a worker's
         # parent-death signal fires when the thread that started it ends.
         # The worker imports the agent as this process did: with this process's sys.path.
@@ -453,6 +489,9 @@ class Coordinator:
                     shard.inflight -= msg[1]
                     if shard.inflight < WINDOW:
                         shard.room.set()
+                elif kind == "lines":
+                    why = await loop.run_in_executor(self._sink_thread, self._append, msg[2])
+                    self._send(shard, ["ack", msg[1]] if why is None else ["nack", msg[1], why])
                 elif kind == "out":
                     why = await loop.run_in_executor(self._sink_thread, self._deliver, msg[2])
                     self._send(shard, ["ack", msg[1]] if why is None else ["nack", msg[1], why])
@@ -516,6 +555,16 @@ class Coordinator:
         try:
             checked, _refused = writable(self.sink, records)
             self.sink.write(checked)
+        except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
+            log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _append(self, pairs: list[list[str]]) -> str | None:
+        """In the sink thread: append the JSONL lines a worker rendered; None once written."""
+        assert isinstance(self.sink, JsonlSink)
+        try:
+            self.sink.write_lines([(i, line) for i, line in pairs])
         except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
             log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
             return f"{type(exc).__name__}: {exc}"

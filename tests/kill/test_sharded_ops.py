@@ -198,11 +198,15 @@ def test_a_supervised_sharded_job_is_one_job_to_rest_across_sigkills(tmp_path: P
         stdout=subprocess.DEVNULL, stderr=err,
     )  # fmt: skip
 
+    seen: list[Any] = [None]  # the latest answer, for the message of a timeout
+
     def job() -> dict[str, Any]:
         try:
             code, info = http_json("GET", port, "/v1/job")
-        except OSError:
+        except OSError as exc:
+            seen[0] = exc
             return {}
+        seen[0] = info
         return info if code == 200 else {}
 
     def whole(info: dict[str, Any]) -> bool:
@@ -213,7 +217,12 @@ def test_a_supervised_sharded_job_is_one_job_to_rest_across_sigkills(tmp_path: P
         )
 
     try:
-        info = until("the whole job reported", lambda: (i := job()) and whole(i) and i, sup)
+        try:
+            info = until(
+                "the whole job reported", lambda: (i := job()) and whole(i) and i, sup, 150
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; GET /v1/job last answered {seen[0]}") from None
         coordinator = info["worker_pid"]
         shard_pids = [s["pid"] for s in info["shards"]]
         assert coordinator not in shard_pids and len(set(shard_pids)) == 2

@@ -412,3 +412,46 @@ def test_a_signal_sent_while_the_layout_changes_goes_to_the_new_shard(tmp_path: 
     for d in old.dirs:  # nothing was left behind in the old layout
         pending = json.loads(cli("status", "--state", str(d), "--json").stdout)["pending_signals"]
         assert pending == []
+
+
+def test_signals_not_taken_yet_move_with_their_key_when_the_workers_change(
+    tmp_path: Path,
+) -> None:
+    from ratchet.runtime._shards import shard_of
+
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "state"
+    inp.write_text(json.dumps({"key": "a", "fail": True}) + "\n")
+
+    def run(workers: int) -> subprocess.CompletedProcess[str]:
+        return cli("run", SIGNALS_AGENT, "--input", str(inp), "--output", str(out), "--state",
+                   str(state), "--workers", str(workers), "--allow-errors")  # fmt: skip
+
+    assert run(2).returncode == 0
+    for value in (1, 2):  # for a key that has no run yet: kept until one waits
+        sent = cli("signal", "--state", str(state), "--key", "z", "go", "--value", str(value))
+        assert sent.returncode == 0, sent.stderr
+    # An integer-looking key no shard holds, whose two forms part in 3 shards: refused.
+    text = next(str(i) for i in range(1000) if shard_of(str(i), 3) != shard_of(i, 3))
+    for value in (1, 2):
+        held = cli("signal", "--state", str(state), "--key", text, "go", "--key-type", "int",
+                   "--value", str(value))  # fmt: skip
+        assert held.returncode == 0, held.stderr
+    refused = run(3)
+    assert refused.returncode == 2 and f"a signal for key '{text}'" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    with inp.open("a") as fh:  # the integer key's run takes both of its signals
+        fh.write(json.dumps({"key": int(text)}) + "\n")
+    assert run(2).returncode == 0
+    pending = status(state)["pending_signals"]
+    assert [(p["key"], p["shard"]) for p in pending] == [("z", f"{shard_of('z', 2)}-of-2")] * 2
+    moved = run(3)  # "z"'s two signals move to its shard among 3, in the order sent
+    assert moved.returncode == 0, moved.stderr
+    pending = status(state)["pending_signals"]
+    assert [(p["key"], p["shard"]) for p in pending] == [("z", f"{shard_of('z', 3)}-of-3")] * 2
+    with inp.open("a") as fh:
+        fh.write(json.dumps({"key": "z"}) + "\n")
+    assert run(3).returncode == 0
+    got = {o["output"]["key"]: o["output"]["got"] for o in lines(out) if o.get("output")}
+    assert got == {"z": [1, 2], text: [1, 2]}, got
+    s = status(state)
+    assert s["pending_signals"] == [] and s["waiting"] == [], s

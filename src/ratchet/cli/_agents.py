@@ -492,7 +492,9 @@ def _run_sharded(args: argparse.Namespace) -> int:
             config=_config(args),
             append_output=args.append_output,
             handle_signals=True,
-            on_progress=_status_reporter(args),
+            # One of the two reports to a supervisor (they share its pipe): the engine's with
+            # one worker, the whole job's from the coordinator with more.
+            on_progress=_status_reporter(args) if args.workers == 1 else None,
             on_report=_job_reporter(args),
         )
     except BadInputError as exc:

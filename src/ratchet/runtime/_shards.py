@@ -191,8 +191,6 @@ def _quiet(sdir: Path) -> str | None:
         )
     if s["unreleased_outputs"]:
         return f"{s['unreleased_outputs']} output(s) not yet released to the sink"
-    if s["pending_signals"]:
-        return f"{len(s['pending_signals'])} signal(s) not taken yet"
     if ltm:
         return "long-term memory (re-sharding does not move it yet)"
     return None
@@ -205,6 +203,36 @@ def check_quiet(dirs: tuple[Path, ...], workers: int) -> None:
             raise ConfigError(
                 f"cannot change the number of workers to {workers}: {d} holds {why}. Run the "
                 f"job with its current number of workers until these are done, then change it"
+            )
+    _check_signals_placeable(dirs, workers)
+
+
+def _check_signals_placeable(dirs: tuple[Path, ...], workers: int) -> None:
+    """Signals not taken yet move with their key's text. A text like "42" whose key no shard
+    holds could be the string or the integer key, which may land in different new shards:
+    refused rather than guessed (the signal would wait in a shard its key never reaches)."""
+    held: set[str] = set()
+    pending: dict[str, Path] = {}
+    for d in dirs:
+        if not (d / DB_NAME).exists():
+            continue
+        store = SqliteStore.open_readonly(d)
+        try:
+            held.update(str(t) for (t,) in store.conn.execute("SELECT key_text FROM keys"))
+            for p in store.pending_signals():
+                pending.setdefault(str(p["key"]), d)
+        finally:
+            store.close()
+    for text, d in pending.items():
+        if text in held or not _int_text(text):
+            continue
+        if shard_of(text, workers) != shard_of(int(text), workers):
+            raise ConfigError(
+                f"cannot change the number of workers to {workers}: {d} holds a signal for key "
+                f"{text!r}, which no shard holds yet, and the text {text!r} and the integer "
+                f"{text} belong to different shards among {workers}. Run the job with its "
+                f"current number of workers until a run of that key has taken the signal, then "
+                f"change it"
             )
 
 
@@ -299,7 +327,8 @@ def _placer(texts: dict[str, Any], index: int, workers: int) -> Callable[[str], 
 def _copy_per_key_text(
     conn: sqlite3.Connection, dirs: tuple[Path, ...], mine: Callable[[str], bool]
 ) -> None:
-    """Traces and dead letters of this shard's keys, from every old shard."""
+    """Traces, dead letters and signals not taken yet of this shard's keys, from every old
+    shard (in their order there: a key's signals keep the order they were sent in)."""
     conn.create_function("ratchet_mine", 1, lambda t: 1 if mine(str(t)) else 0)
     for d in dirs:
         db = d / DB_NAME
@@ -310,7 +339,7 @@ def _copy_per_key_text(
             # Deferred: it writes only main; IMMEDIATE would also ask for the write lock of the
             # attached old shard, which `frozen` holds for the whole change.
             conn.execute("BEGIN")
-            for table in ("traces", "dead_letters"):
+            for table in ("traces", "dead_letters", "signals"):
                 cols = [r[1] for r in conn.execute(f"PRAGMA old.table_info({table})")]
                 ours = {r[1] for r in conn.execute(f"PRAGMA main.table_info({table})")}
                 cols = [c for c in cols if c in ours and c != "id"]
@@ -319,7 +348,7 @@ def _copy_per_key_text(
                 names = ", ".join(cols)
                 conn.execute(
                     f"INSERT OR IGNORE INTO main.{table}({names}) SELECT {names} FROM "
-                    f"old.{table} WHERE ratchet_mine(key_text)"
+                    f"old.{table} WHERE ratchet_mine(key_text) ORDER BY rowid"
                 )
             conn.execute("COMMIT")
         finally:
@@ -364,8 +393,8 @@ def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
     total["state_db"] = [p["state_db"] for p in per]
     for name in _SUMMED:
         total[name] = sum(int(p[name]) for p in per)
-    for name in _LISTED:
-        total[name] = [item for p in per for item in p[name]]
+    for name in _LISTED:  # each item says its shard
+        total[name] = [dict(item, shard=p["shard"]) for p in per for item in p[name]]
     counts = {
         c: sum(int(p["checkpoints"]["counts"][c]) for p in per)
         for c in first["checkpoints"]["counts"]

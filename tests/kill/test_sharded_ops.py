@@ -455,3 +455,56 @@ def test_signals_not_taken_yet_move_with_their_key_when_the_workers_change(
     assert got == {"z": [1, 2], text: [1, 2]}, got
     s = status(state)
     assert s["pending_signals"] == [] and s["waiting"] == [], s
+
+
+def test_migrate_killed_and_runs_commands_act_on_every_shard(tmp_path: Path) -> None:
+    seed = _seed(random.randrange(1 << 30))
+    rng = random.Random(seed)
+    upgrade = f"{HERE / 'upgrade_agents.py'}"
+    env = dict(
+        os.environ,
+        UPGRADE_MIGRATIONS=str(tmp_path / "migrations.jsonl"),
+        UPGRADE_LOG=str(tmp_path / "log.jsonl"),
+        UPGRADE_STUCK=str(tmp_path / "stuck.txt"),
+        UPGRADE_PHASE="v1",
+    )
+    inp, state = tmp_path / "in.jsonl", tmp_path / "state"
+    inp.write_text("".join(json.dumps({"key": f"k{i}"}) + "\n" for i in range(300)))
+    done = cli("run", f"{upgrade}:Counter", "--input", str(inp), "--output",
+               str(tmp_path / "out.jsonl"), "--state", str(state), "--workers", "2", env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    migrate = [*RATCHET, "migrate", "--state", str(state), "--agent", f"{upgrade}:CounterV2"]
+    mig = subprocess.Popen(migrate, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(rng.uniform(0.3, 1.0))
+    mig.send_signal(signal.SIGKILL)
+    mig.wait(timeout=30)
+    done = subprocess.run(
+        [*migrate, "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"seed {seed}: {done.stderr}"
+    memory = json.loads(cli("inspect", "--state", str(state), "--json").stdout)
+    assert len(memory) == 300
+    wrong = {k: v for k, v in memory.items() if v != {"total": 1, "migrations": 1}}
+    assert not wrong, f"seed {seed}: {list(wrong.items())[:5]}"
+    again = subprocess.run([*migrate, "--json"], env=env, capture_output=True, text=True)
+    assert json.loads(again.stdout)["migrated"] == 0
+
+    # runs list / restart / abandon on parked runs of a stopped sharded job
+    inp2, state2 = tmp_path / "in2.jsonl", tmp_path / "state2"
+    inp2.write_text("".join(json.dumps({"key": k}) + "\n" for k in ("a", "b", "c")))
+    done = cli("run", SIGNALS_AGENT, "--input", str(inp2), "--output", str(tmp_path / "o2.jsonl"),
+               "--state", str(state2), "--workers", "2")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(cli("runs", "list", "--state", str(state2), "--json").stdout)
+    assert [r["key"] for r in listed["in_flight"]] == ["a", "b", "c"]
+    assert all(r["shard"].endswith("-of-2") for r in listed["in_flight"])
+    abandoned = cli("runs", "abandon", "--state", str(state2), "--key", "b", "--json")
+    assert abandoned.returncode == 0, abandoned.stderr
+    restarted = cli("runs", "restart", "--state", str(state2), "--key", "c", "--json")
+    assert restarted.returncode == 0, restarted.stderr
+    missing = cli("runs", "restart", "--state", str(state2), "--key", "nope")
+    assert missing.returncode != 0 and "no shard of" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    listed = json.loads(cli("runs", "list", "--state", str(state2), "--json").stdout)
+    assert [r["key"] for r in listed["in_flight"]] == ["a"]
+    assert [(d["key"], d["kind"]) for d in listed["dead_letters"]] == [("b", "abandoned")]

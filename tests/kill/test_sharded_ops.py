@@ -33,6 +33,12 @@ from support.shard_state import workers_gone
 
 pytestmark = pytest.mark.kill
 
+# The longer variants (`make test-sharded`, RATCHET_SHARDED_ALL=1).
+SHARDED_ALL = pytest.mark.skipif(
+    not os.environ.get("RATCHET_SHARDED_ALL"),
+    reason="set RATCHET_SHARDED_ALL=1 to run the longer sharded variants",
+)
+
 HERE = Path(__file__).parent
 SIGNALS_AGENT = f"{HERE / 'waits_agent.py'}:TwoSignals"
 KILL_AGENT = f"{HERE / 'kill_agent.py'}:KillAgent"
@@ -457,6 +463,7 @@ def test_signals_not_taken_yet_move_with_their_key_when_the_workers_change(
     assert s["pending_signals"] == [] and s["waiting"] == [], s
 
 
+@SHARDED_ALL
 def test_migrate_killed_and_runs_commands_act_on_every_shard(tmp_path: Path) -> None:
     seed = _seed(random.randrange(1 << 30))
     rng = random.Random(seed)

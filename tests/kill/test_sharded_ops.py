@@ -279,6 +279,11 @@ def test_a_supervised_sharded_job_is_one_job_to_rest_across_sigkills(tmp_path: P
             sup,
         )
         assert letters[0]["redriven_as"] is not None and letters[1]["redriven_as"] is None
+        code, stats = http_json("GET", port, "/v1/job/checkpoints")
+        shard_counts = [s["checkpoints"]["counts"]["completed"] for s in job()["shards"]]
+        assert code == 200 and stats["counts"]["completed"] >= max(shard_counts) > 0, stats
+        code, history = http_json("GET", port, "/v1/job/history")
+        assert code == 200 and history["samples"][-1]["runs_completed"] >= len(KEYS)
         code, metrics = http_json("GET", port, "/metrics")
         assert code == 200 and "ratchet_checkpoints_completed_total" in metrics
         code, page = http_json("GET", port, "/")

@@ -148,8 +148,13 @@ def test_coordinator_sigkilled_at_random_moments(tmp_path: Path, reference: dict
         before = len(log_lines(tmp_path))
         proc = start(tmp_path, tmp_path / "in.jsonl", state, out, 2)
         target = before + rng.randint(5, 400)
+        # Or a moment from the start, whichever comes first: a fast run (a quiet machine, a
+        # cheaper coordinator) must not finish before the kills land.
+        kill_by = time.monotonic() + rng.uniform(0.3, 1.5)
         deadline = time.monotonic() + 60
-        while proc.poll() is None and len(log_lines(tmp_path)) < target:
+        while (
+            proc.poll() is None and len(log_lines(tmp_path)) < target and time.monotonic() < kill_by
+        ):
             assert time.monotonic() < deadline, f"seed {seed}: no progress"
             time.sleep(0.005)
         if proc.poll() is None:

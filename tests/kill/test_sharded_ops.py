@@ -323,12 +323,23 @@ def test_bad_lines_are_dead_letters_exactly_once_across_coordinator_sigkills(
         str(state), "--checkpoint-interval", "20", "--workers", "2", "--on-bad-input", "dead-letter",
     ]  # fmt: skip
     env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp_path / "exec.log"))
+    landed = 0
     for _ in range(3):
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.8, 2.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        workers_gone(state)
+        size = out.stat().st_size if out.exists() else 0
+
+        def wrote(p: subprocess.Popen[bytes] = proc, size: int = size) -> bool:
+            return p.poll() is not None or (out.exists() and out.stat().st_size > size)
+
+        try:  # mid-run: once this start wrote outputs, at a seeded moment after
+            until("outputs", wrote, limit=60)
+            time.sleep(rng.uniform(0, 0.3))
+            landed += proc.poll() is None
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            workers_gone(state)
+    assert landed, f"seed {seed}: the job ended before every kill"
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"seed {seed}: {done.stderr}"
     outputs = [o["seq"] for o in lines(out)]

@@ -42,12 +42,25 @@ def open_state(state_dir: str | os.PathLike[str]) -> State:
             print(state.summary()["keys"], state.keys())
 
     Raises `ratchet.StateError` (naming the path) if there is no ratchet state there, or the
-    database is not one (or was written by a newer ratchet)."""
+    database is not one (or was written by a newer ratchet).
+
+    A job sharded over N workers (`--workers N`) is read as one: the same methods, answering
+    over every shard (each shard read in its own transaction, one after the other)."""
     sdir = Path(state_dir)
     if not sdir.exists():
         raise StateError(f"no ratchet state in {sdir} (the directory does not exist)")
     if not sdir.is_dir():
         raise StateError(f"no ratchet state in {sdir} (it is not a directory)")
+    from ratchet.runtime._shards import is_sharded, read_layout
+
+    if is_sharded(sdir):
+        layout = read_layout(sdir)
+        shards = [
+            State(d, _open_readonly(d / DB_NAME)) for d in layout.dirs if (d / DB_NAME).is_file()
+        ]
+        if not shards:
+            raise StateError(f"no ratchet state in {sdir}: none of its shards has a database")
+        return ShardedState(sdir, shards, layout.workers)
     if not (sdir / DB_NAME).is_file():
         raise StateError(
             f"no ratchet state in {sdir} ({sdir / DB_NAME} does not exist); pass the --state "
@@ -325,6 +338,96 @@ class State:
         store = self._open()
         with _snapshot(store):
             return fn(store)
+
+
+class ShardedState(State):
+    """A read-only view of a job sharded over N workers: every method answers for the whole
+    job, as `State`'s does for one database. Each shard is read in its own read transaction:
+    within a shard one consistent moment, across shards one after the other (a key lives in
+    one shard, so what one key shows is always consistent)."""
+
+    def __init__(self, state_dir: Path, shards: list[State], workers: int) -> None:
+        super().__init__(state_dir, shards[0]._open())
+        self._shards = shards
+        self._workers = workers
+
+    def close(self) -> None:
+        for s in self._shards:
+            s.close()
+        self._store = None
+
+    def _each(self) -> list[State]:
+        self._open()
+        return self._shards
+
+    def summary(self) -> dict[str, Any]:
+        from ratchet.runtime._shards import sharded_summary
+
+        self._open()
+        try:
+            return dict(_shown(sharded_summary(self._dir), False))
+        except sqlite3.Error as exc:
+            raise StateError(f"{self._dir} could not be read ({exc})") from exc
+
+    def keys(self, contains: str | None = None, limit: int | None = None) -> list[str]:
+        found = sorted(k for s in self._each() for k in s.keys(contains, limit))
+        return found if limit is None else found[: max(0, int(limit))]
+
+    def count_keys(self, contains: str | None = None) -> int:
+        return sum(s.count_keys(contains) for s in self._each())
+
+    def memory(self, key: str | int, *, as_json: bool = False) -> dict[str, Any] | None:
+        for s in self._each():
+            found = s.memory(key, as_json=as_json)
+            if found is not None:
+                return found
+        return None
+
+    def recent_runs(self, limit: int = 50) -> list[dict[str, Any]]:
+        runs = [r for s in self._each() for r in s.recent_runs(limit)]
+        runs.sort(key=lambda r: (r["completed_at"], r["seq"]), reverse=True)
+        return runs[: max(0, int(limit))]
+
+    def approvals(self) -> list[dict[str, Any]]:
+        return sorted((a for s in self._each() for a in s.approvals()), key=lambda a: a["seq"])
+
+    def runs_in_flight(self) -> list[dict[str, Any]]:
+        return sorted((r for s in self._each() for r in s.runs_in_flight()), key=lambda r: r["seq"])
+
+    def waiting(self) -> list[dict[str, Any]]:
+        return sorted((w for s in self._each() for w in s.waiting()), key=lambda w: w["seq"])
+
+    def pending_signals(self) -> list[dict[str, Any]]:
+        out = []
+        for s in self._each():
+            for p in s.pending_signals():
+                p["shard"] = s.path.name
+                out.append(p)
+        return sorted(out, key=lambda p: (p["sent_at"], p["id"]))
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        from ratchet.runtime._shards import global_id
+
+        out = []
+        for s in self._each():
+            index = int(s.path.name.split("-of-")[0])
+            for d in s.dead_letters():
+                d["id"] = global_id(int(d["id"]), index, self._workers)
+                d["shard"] = s.path.name
+                out.append(d)
+        return sorted(out, key=lambda d: (d["at"], d["id"]))
+
+    def traces(self, key: str | int, seq: int | None = None) -> list[dict[str, Any]]:
+        found = [t for s in self._each() for t in s.traces(key, seq)]
+        return sorted(found, key=lambda t: t["seq"], reverse=True)
+
+    def checkpoints(self) -> dict[str, Any]:
+        """Per shard (checkpoint ids and history are each shard's own): {"workers": N,
+        "shards": {name: what `State.checkpoints` gives for that shard}}."""
+        return {
+            "workers": self._workers,
+            "shards": {s.path.name: s.checkpoints() for s in self._each()},
+        }
 
 
 @contextmanager

@@ -68,3 +68,17 @@ class Remember(Agent):
             ctx.send_event(
                 OutputEvent(output={"n": event.input["n"], "v": ctx.short_term_memory.get("v")})
             )
+
+
+class TwoSignals(Agent):
+    """Waits for the signal `go` twice, then outputs both values in the order it got them (a
+    signal delivered twice, lost, or out of order shows in the output). An input with
+    "fail" ends its run in an error (a dead letter)."""
+
+    @action(InputEvent)
+    async def wait_twice(self, event: InputEvent, ctx: Any) -> None:
+        if event.input.get("fail"):
+            raise ValueError(f"input of {ctx.key} asked to fail")
+        first = await ctx.wait_for_signal("go")
+        second = await ctx.wait_for_signal("go")
+        ctx.send_event(OutputEvent(output={"key": str(ctx.key), "got": [first, second]}))

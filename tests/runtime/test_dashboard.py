@@ -50,7 +50,7 @@ class Job:
         return len(runs["recent"]) == 4 and len(self.get("/v1/approvals")) == 1
 
 
-def start_job(tmp: Path, token: str | None = None) -> Job:
+def start_job(tmp: Path, token: str | None = None, workers: int = 1) -> Job:
     (tmp / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in INPUTS))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RATCHET_REST_TOKEN"}
@@ -60,7 +60,7 @@ def start_job(tmp: Path, token: str | None = None) -> Job:
         sys.executable, "-m", "ratchet.cli", "run", f"{AGENT}:Desk",
         "--input", str(tmp / "in.jsonl"), "--output", str(tmp / "out.jsonl"),
         "--state", str(tmp / "state"), "--supervise", "--follow", "--rest-port", str(port),
-        "--checkpoint-interval", "0.1",
+        "--checkpoint-interval", "0.1", "--workers", str(workers),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     job = Job(tmp, port, proc, token)
@@ -195,6 +195,21 @@ def open_page(browser: Any, url: str) -> tuple[Any, list[str]]:
 
 
 def test_dashboard_in_chromium(job: Job, browser: Any, tmp_path: Path) -> None:
+    walk_the_dashboard(job, browser, tmp_path)
+
+
+def test_dashboard_in_chromium_over_a_sharded_job(browser: Any, tmp_path: Path) -> None:
+    """The same walk over `--workers 2`: every view answers for the whole job (keys, runs,
+    traces, dead letters with job-wide ids, approvals routed to the key's shard)."""
+    job = start_job(tmp_path, workers=2)
+    try:
+        assert len(job.get("/v1/job")["shards"]) == 2
+        walk_the_dashboard(job, browser, tmp_path)
+    finally:
+        stop(job.proc)
+
+
+def walk_the_dashboard(job: Job, browser: Any, tmp_path: Path) -> None:
     base = f"http://127.0.0.1:{job.port}"
     page, errors = open_page(browser, base + "/")
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from ratchet.runtime._multiproc import (
 from ratchet.runtime._shards import (
     Layout,
     check_quiet,
+    first_redrive_seq,
+    frozen,
     read_layout,
     read_position,
     reshard,
@@ -103,18 +107,19 @@ def run_sharded(
     config: EngineConfig | None = None,
     append_output: bool = False,
     handle_signals: bool = False,
+    on_report: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: Callable[[Any], None] | None = None,
 ) -> EngineResult:
     """Run the job with `workers` shard processes (1: the single-process engine), moving keys
-    between shards first when the state was written with another number of workers."""
+    between shards first when the state was written with another number of workers.
+
+    `on_report` (workers > 1): the whole job's status after every shard checkpoint
+    (`merge_reports`): how a supervised sharded job reports to its supervisor; `on_progress`
+    is the engine's hook when the job runs in one process (workers == 1)."""
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}")
     config = config or EngineConfig()
     config.validate()
-    if workers > 1 and config.on_bad_input == "dead-letter":
-        raise ConfigError(
-            "--on-bad-input dead-letter is not supported with --workers > 1 yet (a bad line "
-            "has no shard to keep it); use stop or skip, or --workers 1"
-        )
     spec = agent_spec(agent)
     instance = load_agent(spec) if isinstance(agent, str) else agent
     binding = AgentBinding(instance)
@@ -133,12 +138,13 @@ def run_sharded(
             lock.release()
             job = Job(
                 instance, inputs=inputs, output=output, state_dir=sdir, key=key, follow=follow,
-                config=config, append_output=append_output,
+                config=config, append_output=append_output, on_progress=on_progress,
             )  # fmt: skip
             return run_owned(job, handle_signals=handle_signals)
         return _coordinate(
             spec, layout, sdir, inputs=inputs, output=output, key=key, follow=follow,
             config=config, append=append_output, handle_signals=handle_signals,
+            on_report=on_report,
         )  # fmt: skip
     finally:
         lock.release()
@@ -157,6 +163,7 @@ def _coordinate(
     append: bool,
     handle_signals: bool,
     stop_at: int | None = None,
+    on_report: Callable[[dict[str, Any]], None] | None = None,
 ) -> EngineResult:
     source = _source(inputs, key, follow and stop_at is None)
     sink = _sink(output, append)
@@ -164,7 +171,9 @@ def _coordinate(
         job = job_identity(sdir, has_history=False)
         sink.open(job)
         source.open(job, checkpoint_interval=config.checkpoint_interval)
-        coordinator = Coordinator(spec, layout, sdir, source, sink, config, stop_at=stop_at)
+        coordinator = Coordinator(
+            spec, layout, sdir, source, sink, config, stop_at=stop_at, on_report=on_report
+        )
         return asyncio.run(coordinator.run(handle_signals=handle_signals))
     finally:
         source.close()
@@ -223,9 +232,10 @@ def _change_workers(
                 f"of its input first"
             )
         position = (furthest, spots[0][2])
-    check_quiet(layout.dirs, workers)
-    return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
-                   binding.action_names, position=position)  # fmt: skip
+    with frozen(layout.dirs):  # a signal sent now waits, then goes to the new layout
+        check_quiet(layout.dirs, workers)
+        return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
+                       binding.action_names, position=position)  # fmt: skip
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -235,6 +245,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", required=True)
     p.add_argument("--agent", required=True)
     p.add_argument("--config", required=True)
+    p.add_argument("--report", action="store_true", help="report status after each checkpoint")
+    p.add_argument("--lines-for", default=None, help="render JSONL output lines for this job id")
     args = p.parse_args(argv)
     die_with_parent()
     conn = WorkerConn(socket.socket(fileno=args.fd))
@@ -242,10 +254,19 @@ def worker_main(argv: list[str] | None = None) -> int:
         agent = load_agent(args.agent)
         config = EngineConfig(**json.loads(args.config))
         source = PipeSource(conn)
-        sink = PipeSink(conn)
+        sink = PipeSink(conn, lines_for=args.lines_for)
         wait_for_lock(Path(args.dir))
-        job = Job(agent, inputs=source, output=sink, state_dir=args.dir, config=config)
+
+        def report(engine: Any) -> None:
+            line = {"checkpoints": engine.stats.as_dict(), "status": engine.status()}
+            conn.send(["report", json.dumps(line, default=str)])
+
+        job = Job(
+            agent, inputs=source, output=sink, state_dir=args.dir, config=config,
+            on_progress=report if args.report else None,
+        )  # fmt: skip
         engine = job.engine
+        engine.redrive_seqs = itertools.count(first_redrive_seq(Path(args.dir)))
 
         def wake() -> None:
             loop = engine._loop

@@ -342,6 +342,33 @@ def _status_reporter(args: argparse.Namespace) -> Any:
     return report
 
 
+def _job_reporter(args: argparse.Namespace) -> Any:
+    """In a supervised sharded job's coordinator: the whole job's status (its workers' reports
+    merged) as one JSON line to the supervisor's pipe, shaped as one engine's report."""
+    import os
+
+    from ratchet.runtime._supervisor import RESOURCE_ID_ENV, STATUS_FD_ENV
+
+    fd = os.environ.get(STATUS_FD_ENV)
+    if not fd or args.workers == 1:
+        return None
+    _die_with_supervisor()
+    pipe = os.fdopen(int(fd), "w", encoding="utf-8", buffering=1)
+    head = {
+        "pid": os.getpid(),
+        "resource_id": os.environ.get(RESOURCE_ID_ENV),
+        "config": _config(args).as_dict(),
+    }
+
+    def report(merged: dict[str, Any]) -> None:
+        try:
+            pipe.write(json.dumps(dict(merged, **head), default=str) + "\n")
+        except BrokenPipeError:
+            pass  # the supervisor is gone; its death signal stops this job cleanly
+
+    return report
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import Job, load_agent, run_owned
     from ratchet.connectors import is_uri
@@ -360,20 +387,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"ratchet: restored savepoint {args.from_savepoint} into {args.state}",
             file=sys.stderr,
         )
-    from ratchet.runtime._shards import is_sharded
-
-    if args.workers != 1 or is_sharded(args.state):
-        return _run_sharded(args)
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, not {args.workers}")
     if args.supervise:
         if args.rest_port is not None:
             from ratchet.runtime._supervisor import require_rest_server
 
             require_rest_server()
-        return _supervise(args)
+        return _supervise(args)  # its worker is this `ratchet run`, with --workers N if given
     if args.rest_port is not None:  # a worker's command line never carries it
         raise ConfigError(
             "--rest-port serves a supervised job's REST API; add --supervise (or drop --rest-port)"
         )
+    from ratchet.runtime._shards import is_sharded
+
+    if args.workers != 1 or is_sharded(args.state):
+        return _run_sharded(args)
     agent = load_agent(args.agent)
     config = _config(args)
     tty = sys.stderr.isatty()
@@ -464,13 +493,6 @@ def _run_sharded(args: argparse.Namespace) -> int:
     """`run --workers N` (or any N on a state sharded before): a coordinator and N workers."""
     from ratchet.agents._sharded import run_sharded
 
-    if args.supervise or args.rest_port is not None:
-        raise ConfigError(
-            "--supervise and --rest-port do not work with a sharded job yet (--workers > 1, or "
-            "a state sharded by an earlier run); the coordinator restarts killed workers "
-            "itself. Drop them; to supervise this state, first run it once with --workers 1 "
-            "and without --supervise (that moves every key back into one database)"
-        )
     try:
         result = run_sharded(
             args.agent,
@@ -483,6 +505,10 @@ def _run_sharded(args: argparse.Namespace) -> int:
             config=_config(args),
             append_output=args.append_output,
             handle_signals=True,
+            # One of the two reports to a supervisor (they share its pipe): the engine's with
+            # one worker, the whole job's from the coordinator with more.
+            on_progress=_status_reporter(args) if args.workers == 1 else None,
+            on_report=_job_reporter(args),
         )
     except BadInputError as exc:
         print(f"ratchet: bad input: {exc}", file=sys.stderr)

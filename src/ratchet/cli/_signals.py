@@ -24,6 +24,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--value", default="null", metavar="JSON", help="the value, as JSON (default: null)"
     )
+    p.add_argument(
+        "--key-type",
+        choices=["auto", "str", "int"],
+        default="auto",
+        help="a sharded job only: whether a KEY like 42 is the text or the integer key, when "
+        "its shard cannot tell (default auto)",
+    )
     p.add_argument("--json", action="store_true", help="print what was stored as JSON")
     p.set_defaults(func=cmd_signal)
 
@@ -38,12 +45,13 @@ def cmd_signal(args: argparse.Namespace) -> int:
             f"--value {args.value!r} is not JSON ({exc}); quote it for the shell, e.g. "
             f"--value '{{\"approved\": true}}' or --value '\"text\"'"
         ) from None
-    sent = send_signal(args.state, args.key, args.name, value)
+    sent = send_signal(args.state, args.key, args.name, value, key_type=args.key_type)
     if args.json:
         print(json.dumps(sent))
     else:
+        where = f"{sent['state']} (shard {sent['shard']})" if "shard" in sent else sent["state"]
         print(
-            f"signal {sent['name']!r} for key {sent['key']} stored in {sent['state']} (id "
+            f"signal {sent['name']!r} for key {sent['key']} stored in {where} (id "
             f"{sent['id']}); a run of the key waiting for it gets it at the job's next "
             f"checkpoint tick, or when the job next starts"
         )

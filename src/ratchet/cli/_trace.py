@@ -29,13 +29,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_trace(args: argparse.Namespace) -> int:
     import sys
 
+    from ratchet.runtime._shards import state_dirs
     from ratchet.store._sqlite import SqliteStore
 
-    store = SqliteStore.open_readonly(args.state)
-    try:
-        found = store.traces(args.key, args.seq)
-    finally:
-        store.close()
+    found: list[dict[str, Any]] = []
+    for sdir in state_dirs(args.state):  # a sharded job: the key's runs are in its shard
+        store = SqliteStore.open_readonly(sdir)
+        try:
+            found += store.traces(args.key, args.seq)
+        finally:
+            store.close()
+    found.sort(key=lambda t: t["seq"], reverse=True)  # newest first, as one database gives
     if not found:
         which = f"input {args.seq} of key {args.key!r}" if args.seq is not None else args.key
         print(

@@ -4,17 +4,20 @@ that ended in an error, runs abandoned by `ratchet runs abandon` — and their r
 Redriving is asked for by marking rows (`ratchet redrive`, REST, `request_redrive`), from any
 process, whether the job runs or not; the engine admits each marked dead letter as a new input
 in the same checkpoint that records it as redriven, so a kill neither loses nor doubles one.
+A sharded job keeps each dead letter in its key's shard; listings merge them with job-wide ids.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError, StateError
+from ratchet.runtime._shards import Moved, global_id, local_id, read_layout, write_in_force
 from ratchet.runtime._signals import ensure_schema
 from ratchet.store._sqlite import DB_NAME, SqliteStore
 
@@ -22,11 +25,29 @@ DEAD_LETTERS_SCHEMA = 5
 
 
 def list_dead_letters(state_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    store = SqliteStore.open_readonly(state_dir)
-    try:
-        return store.dead_letters()
-    finally:
-        store.close()
+    """Every dead letter, oldest first. Of a sharded job: every shard's, by time, each with
+    its `shard` and an `id` unique over the job (what `redrive --id` takes)."""
+    layout = read_layout(state_dir)
+    if layout.workers == 1:
+        store = SqliteStore.open_readonly(state_dir)
+        try:
+            return store.dead_letters()
+        finally:
+            store.close()
+    letters: list[dict[str, Any]] = []
+    for i, d in enumerate(layout.dirs):
+        if not (d / DB_NAME).exists():
+            continue
+        store = SqliteStore.open_readonly(d)
+        try:
+            for letter in store.dead_letters():
+                letter["id"] = global_id(int(letter["id"]), i, layout.workers)
+                letter["shard"] = d.name
+                letters.append(letter)
+        finally:
+            store.close()
+    letters.sort(key=lambda d: (d["at"], d["id"]))
+    return letters
 
 
 def request_redrive(
@@ -37,13 +58,45 @@ def request_redrive(
     dead_id: int | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> dict[str, Any]:
-    """Mark dead letters to be admitted again (all, a key's, or one); what was marked."""
+    """Mark dead letters to be admitted again (all, a key's, or one); what was marked.
+
+    Of a sharded job: in the shard that holds each (its worker admits it); `dead_id` is the
+    job-wide id `list_dead_letters` shows."""
     if sum((all_letters, key is not None, dead_id is not None)) != 1:
         raise ConfigError("redrive takes exactly one of --all, --key KEY or --id ID")
     sdir = Path(state_dir)
-    if not (sdir / DB_NAME).exists():
+    layout = read_layout(sdir)
+    targets: list[tuple[Path, int | None]] = [(d, dead_id) for d in layout.dirs]
+    if layout.workers > 1 and dead_id is not None:
+        shard, local_in_shard = local_id(dead_id, layout.workers)
+        targets = [(layout.dirs[shard], local_in_shard)]
+    if layout.workers == 1 and not (sdir / DB_NAME).exists():
         raise StateError(f"no ratchet state in {sdir} ({sdir / DB_NAME} does not exist)")
-    ensure_schema(sdir, DEAD_LETTERS_SCHEMA, "dead letters")
+    marked = bad = 0
+    for target, local in targets:
+        if not (target / DB_NAME).exists():
+            continue
+        ensure_schema(target, DEAD_LETTERS_SCHEMA, "dead letters")
+        try:
+            m, b = write_in_force(sdir, target, _marker(key, local, clock.now()))
+        except Moved:
+            raise StateError(
+                f"the number of workers of {sdir} changed while dead letters were marked "
+                f"({marked} marked so far); run the redrive again (marking twice is harmless)"
+            ) from None
+        marked += m
+        bad += b
+    if dead_id is not None and marked == 0 and bad == 0:
+        raise ConfigError(
+            f"--id {dead_id}: no dead letter with that id waits for a redrive in {sdir} "
+            f"(`ratchet dead-letters --state {sdir}` lists them)"
+        )
+    return {"marked": marked, "bad_lines_skipped": bad, "state": str(sdir)}
+
+
+def _marker(
+    key: str | None, dead_id: int | None, now: float
+) -> Callable[[sqlite3.Connection], tuple[int, int]]:
     where = "redriven_as IS NULL AND redrive_requested IS NULL"
     params: list[Any] = []
     if key is not None:
@@ -52,24 +105,15 @@ def request_redrive(
     if dead_id is not None:
         where += " AND id = ?"
         params.append(dead_id)
-    conn = sqlite3.connect(sdir / DB_NAME, timeout=30, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
+
+    def mark(conn: sqlite3.Connection) -> tuple[int, int]:
         bad = conn.execute(
             f"SELECT COUNT(*) FROM dead_letters WHERE {where} AND kind = 'bad-input'", params
         ).fetchone()[0]
         marked = conn.execute(
             f"UPDATE dead_letters SET redrive_requested = ? WHERE {where} AND kind != 'bad-input'",
-            [clock.now(), *params],
+            [now, *params],
         ).rowcount
-        conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        raise StateError(f"could not mark dead letters in {sdir}: {exc}") from exc
-    finally:
-        conn.close()
-    if dead_id is not None and marked == 0 and bad == 0:
-        raise ConfigError(
-            f"--id {dead_id}: no dead letter with that id waits for a redrive in {sdir} "
-            f"(`ratchet dead-letters --state {sdir}` lists them)"
-        )
-    return {"marked": marked, "bad_lines_skipped": bad, "state": str(sdir)}
+        return int(marked), int(bad)
+
+    return mark

@@ -663,6 +663,9 @@ class Engine:
         self._waits = _EngineWaits(self)
         self._dead_lines: list[tuple[bytes, str, int, bytes, str, float, str, bytes]] = []
         self._redriving: set[int] = set()
+        # Numbers for redriven inputs; None: the source's own numbering (one process). A shard
+        # worker's inputs are numbered by its coordinator, so its redrives take another range.
+        self.redrive_seqs: Iterator[int] | None = None
         self._written_report: dict[str, Any] = {"paused": []}
         self._traces_since_prune: dict[str, int] = {}
         self._dispatcher = Dispatcher(
@@ -726,14 +729,14 @@ class Engine:
         # The runs in flight replay under this agent (and keys starting now migrated): adopt.
         self.store.adopt(b.version)
         self._waits.add_signals(self.store.signals_after(0))
-        redrives = self.store.redrives()
-        if redrives:
-            self._redrive(redrives)
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
         src = loaded.source
         self._next_seq = int(src.get("next_seq", 0))
+        redrives = self.store.redrives()  # numbered after the restored inputs, not from 0
+        if redrives:
+            self._redrive(redrives, pump=False)  # on the writer thread: run() pumps next
         self.source.restore(src.get("position", {}))
         restored = self.store.record_restore()
         persisted = self.store.stats()
@@ -975,7 +978,7 @@ class Engine:
                     raise outcome
                 m.finish(task, outcome)
 
-    def _redrive(self, rows: list[tuple[int, bytes, bytes]]) -> None:
+    def _redrive(self, rows: list[tuple[int, bytes, bytes]], pump: bool = True) -> None:
         """Admit dead letters asked to be redriven, each once: the checkpoint that holds the
         new input also marks its dead letter redriven."""
         b = self.binding
@@ -985,12 +988,15 @@ class Engine:
             self._redriving.add(dead_id)
             key = decoded("dead_letters", dead_id, codec.decode, k)
             event = decoded("dead_letters", dead_id, decode_event, b, ev)
-            seq = self._next_seq
-            self._next_seq += 1
+            if self.redrive_seqs is not None:
+                seq = next(self.redrive_seqs)
+            else:
+                seq = self._next_seq
+                self._next_seq += 1
             self.machine.redrive(dead_id, key, seq, event)
             self.result.inputs += 1
             self.result.redriven += 1
-        if self._loop is not None:
+        if pump and self._loop is not None:
             self._pump_and_poke()
 
     def _pump_and_poke(self) -> None:

@@ -932,6 +932,18 @@ class Sink:
         pass
 
 
+def output_line(record: dict[str, Any], job: str | None) -> str:
+    """One output as the JSONL sink writes it: "id", then "job" (when bound to one) first."""
+    if job is not None:
+        record = {"id": record["id"], "job": job, **record}
+    return to_json_line(record) + "\n"
+
+
+def line_problem(record: dict[str, Any], exc: Exception) -> str:
+    """Why `output_line` failed for `record`, as the JSONL sink's `validate` says it."""
+    return _json_problem(record, exc)
+
+
 class JsonlSink(Sink):
     """Appends one line per output and never writes an id twice, even after a crash.
 
@@ -1043,10 +1055,28 @@ class JsonlSink(Sink):
             f'line\'s "job" tells them apart), or pass {resume}'
         )
 
+    @property
+    def job_id(self) -> str | None:
+        """The job id its lines carry (known once opened)."""
+        return self._job
+
     def _line(self, record: dict[str, Any]) -> str:
-        if self._job is not None:
-            record = {"id": record["id"], "job": self._job, **record}
-        return to_json_line(record) + "\n"
+        return output_line(record, self._job)
+
+    def write_lines(self, lines: list[tuple[str, str]]) -> None:
+        """(id, line) pairs rendered elsewhere by `output_line` for this job (by the shard
+        workers of a job run with --workers N, so the coordinator does not decode and encode
+        every output): written as `write` writes records, each id once."""
+        if self._fh is None:
+            self.open(None)
+        assert self._fh is not None
+        new = [(i, line) for i, line in lines if i not in self._ids]
+        if not new:
+            return
+        self._fh.write("".join(line for _i, line in new).encode("utf-8"))
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._ids.update(i for i, _line in new)
 
     def validate(self, record: dict[str, Any]) -> str | None:
         try:

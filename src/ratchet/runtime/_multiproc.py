@@ -11,8 +11,9 @@ Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over 
 coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's
 position `at` after input `end - 1`), ["eof"], ["stop"], ["ack", n], ["nack", n, why].
 worker -> coordinator: ["hello", next, from, at] (restored), ["took", frames],
-["committed", next, from, at] (after each checkpoint), ["out", n, records], ["done", result],
-["error", type, message].
+["committed", next, from, at] (after each checkpoint), ["out", n, records] (or, for a JSONL
+sink, ["lines", n, [[id, line], ...]] rendered by the worker), ["report", json] (supervised),
+["done", result], ["error", type, message].
 """
 
 from __future__ import annotations
@@ -29,15 +30,25 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ratchet import _errors
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import BadInputError, RatchetError, StateError
 from ratchet.runtime._engine import EngineConfig, EngineResult
-from ratchet.runtime._io import Record, Sink, Source, writable
-from ratchet.runtime._shards import Layout, shard_of
+from ratchet.runtime._io import (
+    JsonlSink,
+    Record,
+    Sink,
+    Source,
+    line_problem,
+    output_line,
+    writable,
+)
+from ratchet.runtime._shards import Layout, shard_of, write_in_force
 from ratchet.store import codec
 
 log = logging.getLogger("ratchet.shards")
@@ -47,6 +58,7 @@ BATCH = 256  # inputs read from the source per round of frames
 WINDOW = 32  # frames a worker may hold unread before the coordinator waits for it
 RESTARTS = 20  # times one worker may be restarted (killed by a signal) in one run
 PIDS_FILE = "workers.json"  # in shards/: the pids of the coordinator and its workers
+_PLACES = 1 << 18  # keys whose shard the coordinator remembers
 
 
 def _frame(msg: Any) -> bytes:
@@ -177,11 +189,27 @@ class PipeSink(Sink):
     they stay in this shard's outbox, and are sent again after a restart (the sink drops an id
     it already holds)."""
 
-    def __init__(self, conn: WorkerConn) -> None:
+    def __init__(self, conn: WorkerConn, lines_for: str | None = None) -> None:
+        """`lines_for`: the job's sink is its JSONL file, whose lines carry this job id
+        ("" for none): outputs are checked and rendered here (`output_line`), in parallel
+        over the workers, and the coordinator only appends them."""
         self.conn = conn
+        self._lines = lines_for is not None
+        self._job = lines_for or None
+        self._checked: dict[str, tuple[dict[str, Any], str]] = {}
         self._n = 0
         self._waits: dict[int, tuple[threading.Event, list[str | None]]] = {}
         self._lock = threading.Lock()
+
+    def validate(self, record: dict[str, Any]) -> str | None:
+        if not self._lines:
+            return None  # the coordinator's sink checks them
+        try:
+            line = output_line(record, self._job)
+        except Exception as exc:  # noqa: BLE001 - whatever fails is the reason, as in JsonlSink
+            return line_problem(record, exc)
+        self._checked[record["id"]] = (record, line)
+        return None
 
     def write(self, records: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -190,7 +218,16 @@ class PipeSink(Sink):
             done = threading.Event()
             why: list[str | None] = [None]
             self._waits[n] = (done, why)
-        self.conn.send(["out", n, records])
+        if self._lines:
+            checked, self._checked = self._checked, {}
+            pairs = []
+            for rec in records:
+                hit = checked.get(rec["id"])
+                line = hit[1] if hit is not None and hit[0] is rec else output_line(rec, self._job)
+                pairs.append([rec["id"], line])
+            self.conn.send(["lines", n, pairs])
+        else:
+            self.conn.send(["out", n, records])
         done.wait()
         if why[0] is not None:
             raise OSError(f"the coordinator could not write the outputs: {why[0]}")
@@ -235,6 +272,86 @@ def wait_for_lock(sdir: Path) -> None:
         os.close(fd)
 
 
+# -- the whole job's status, from its workers' reports ---------------------------------------------
+
+_COUNTED = ("inputs", "runs_completed", "outputs", "runs_failed", "dead_letters")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def counts_of(report: dict[str, Any] | None) -> dict[str, float]:
+    """A worker's own counts in its report (they start at 0 in every worker process)."""
+    status = (report or {}).get("status") or {}
+    out = {n: float(status[n]) for n in _COUNTED if _number(status.get(n))}
+    for name, value in (status.get("metrics") or {}).items():
+        if _number(value):
+            out[f"metrics:{name}"] = float(value)
+    return out
+
+
+def _newest(items: list[Any], when: str) -> Any:
+    found = [i for i in items if isinstance(i, dict)]
+    return max(found, key=lambda i: i.get(when) or 0.0) if found else None
+
+
+def merge_reports(
+    reports: list[dict[str, Any] | None],
+    carried: list[dict[str, float]],
+    *,
+    pids: list[int | None],
+    restarts: list[int],
+) -> dict[str, Any]:
+    """One status report for the whole job, shaped as one engine's (what the supervisor, the
+    REST API and the dashboard read): counts summed over the shards (with those of a shard's
+    killed workers, `carried`), lists joined, checkpoint counts summed and each `latest` the
+    newest of any shard (its id is that shard's own). Each shard's own figures under
+    "shards"."""
+    totals: dict[str, float] = {}
+    for report, before in zip(reports, carried, strict=True):
+        for counts in (counts_of(report), before):
+            for name, value in counts.items():
+                totals[name] = totals.get(name, 0.0) + value
+    statuses = [(r or {}).get("status") or {} for r in reports]
+    status: dict[str, Any] = {n: int(totals.get(n, 0.0)) for n in _COUNTED}
+    status["metrics"] = {
+        k.removeprefix("metrics:"): v for k, v in totals.items() if k.startswith("metrics:")
+    }
+    for name in ("in_flight_runs", "buffered_inputs"):
+        status[name] = sum(int(s.get(name) or 0) for s in statuses)
+    status["waiting"] = [w for s in statuses for w in s.get("waiting") or []]
+    status["paused"] = [p for s in statuses for p in s.get("paused") or []]
+    restore = [s["restore_seconds"] for s in statuses if _number(s.get("restore_seconds"))]
+    status["restore_seconds"] = max(restore) if restore else None
+    cps = [(r or {}).get("checkpoints") or {} for r in reports if r is not None]
+    counts = {
+        c: sum(int((cp.get("counts") or {}).get(c) or 0) for cp in cps)
+        for c in ("completed", "failed", "in_progress", "restored", "total")
+    }
+    latest = {
+        which: _newest([(cp.get("latest") or {}).get(which) for cp in cps], when)
+        for which, when in (
+            ("completed", "trigger_timestamp"),
+            ("failed", "failure_timestamp"),
+            ("restored", "restored_at"),
+        )
+    }
+    shards = [
+        {
+            "shard": i,
+            "pid": pids[i],
+            "restarts": restarts[i],
+            "reported": r is not None,
+            "in_flight_runs": statuses[i].get("in_flight_runs"),
+            "queued_inputs": statuses[i].get("buffered_inputs"),
+            "checkpoints": (r or {}).get("checkpoints"),
+        }
+        for i, r in enumerate(reports)
+    ]
+    return {"checkpoints": {"counts": counts, "latest": latest}, "status": status, "shards": shards}
+
+
 # -- the coordinator -------------------------------------------------------------------------------
 
 
@@ -255,6 +372,8 @@ class _Shard:
     error: tuple[str, str] | None = None
     restarts: int = 0
     gone: bool = False  # ended and not to be restarted
+    report: dict[str, Any] | None = None  # the worker's latest status report (supervised jobs)
+    carried: dict[str, float] = field(default_factory=dict)  # counts of its killed workers
 
 
 class Coordinator:
@@ -270,8 +389,12 @@ class Coordinator:
         config: EngineConfig,
         *,
         stop_at: int | None = None,
+        on_report: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """`on_report`: called with the whole job's status (`merge_reports`) each time a
+        worker reports (after its restore and every checkpoint); workers report only then."""
         self.agent_spec = agent_spec
+        self.on_report = on_report
         self.layout = layout
         self.state_dir = state_dir
         self.source = source
@@ -291,6 +414,7 @@ class Coordinator:
         self._wake: asyncio.Event | None = None
         self._all_done: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._places: dict[Any, int] = {}
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -306,6 +430,10 @@ class Coordinator:
             sys.executable, "-m", "ratchet.agents._sharded", "--fd", str(theirs.fileno()),
             "--dir", str(shard.dir), "--agent", self.agent_spec, "--config", self._worker_config(),
         ]  # fmt: skip
+        if self.on_report is not None:
+            argv.append("--report")
+        if type(self.sink) is JsonlSink:  # the workers render its lines
+            argv += ["--lines-for", self.sink.job_id or ""]
         # Started from the loop's thread, which lives as long as the job: a worker's
         # parent-death signal fires when the thread that started it ends.
         # The worker imports the agent as this process did: with this process's sys.path.
@@ -361,6 +489,9 @@ class Coordinator:
                     shard.inflight -= msg[1]
                     if shard.inflight < WINDOW:
                         shard.room.set()
+                elif kind == "lines":
+                    why = await loop.run_in_executor(self._sink_thread, self._append, msg[2])
+                    self._send(shard, ["ack", msg[1]] if why is None else ["nack", msg[1], why])
                 elif kind == "out":
                     why = await loop.run_in_executor(self._sink_thread, self._deliver, msg[2])
                     self._send(shard, ["ack", msg[1]] if why is None else ["nack", msg[1], why])
@@ -375,6 +506,9 @@ class Coordinator:
                         self.request_stop(f"shard {shard.index}: {why}")
                 elif kind == "error":
                     shard.error = (msg[1], msg[2])
+                elif kind == "report":
+                    shard.report = json.loads(msg[1])
+                    self._report()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         rc = await loop.run_in_executor(None, proc.wait)
@@ -388,6 +522,9 @@ class Coordinator:
             shard.gone = True  # killed while the job stops for another reason: not restarted
         elif rc < 0 and not self._fatal and shard.restarts < RESTARTS:
             shard.restarts += 1
+            for name, value in counts_of(shard.report).items():  # the next worker counts from 0
+                shard.carried[name] = shard.carried.get(name, 0.0) + value
+            shard.report = None
             log.warning(
                 "worker of shard %d (pid %d) was killed by signal %d; restarting it from its "
                 "last checkpoint (restart %d)", shard.index, proc.pid, -rc, shard.restarts,
@@ -422,6 +559,31 @@ class Coordinator:
             log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def _append(self, pairs: list[list[str]]) -> str | None:
+        """In the sink thread: append the JSONL lines a worker rendered; None once written."""
+        assert isinstance(self.sink, JsonlSink)
+        try:
+            self.sink.write_lines([(i, line) for i, line in pairs])
+        except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
+            log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _report(self) -> None:
+        if self.on_report is None:
+            return
+        merged = merge_reports(
+            [s.report for s in self.shards],
+            [s.carried for s in self.shards],
+            pids=[s.proc.pid if s.proc is not None else None for s in self.shards],
+            restarts=[s.restarts for s in self.shards],
+        )
+        merged["status"]["dead_letters"] += self.result.dead_letters  # bad lines it kept
+        try:
+            self.on_report(merged)
+        except Exception:  # noqa: BLE001 - a report is informational; the job goes on
+            log.exception("could not pass the job's status on")
 
     def _hello(self, shard: _Shard, nxt: int, frm: int, at: dict[str, Any]) -> None:
         shard.next = nxt
@@ -499,6 +661,9 @@ class Coordinator:
                     exhausted = not src.follow
                     break
                 if rec.error is not None:
+                    if self.config.on_bad_input == "dead-letter":
+                        self._keep_bad_line(rec)
+                        continue
                     if self.config.on_bad_input == "skip":
                         log.warning("skipping bad input: %s", rec.error)
                         self.result.bad_inputs.append(rec.error)
@@ -514,7 +679,7 @@ class Coordinator:
                     break
                 seq = self.seq
                 self.seq += 1
-                shard = self.shards[shard_of(rec.key, n)]
+                shard = self.shards[self._shard_of(rec.key, n)]
                 if seq >= shard.next:  # below it the shard has it already
                     batches[shard.index].append([seq, rec.key, rec.value])
                 count += 1
@@ -547,6 +712,54 @@ class Coordinator:
                 except TimeoutError:
                     pass
                 self._wake.clear()
+
+    def _shard_of(self, key: Any, n: int) -> int:
+        """`shard_of`, remembered per str or int key: the hash costs about as much as parsing
+        the input line, and keys repeat (the memo is dropped when it grows past `_PLACES`)."""
+        if type(key) is not str and type(key) is not int:
+            return shard_of(key, n)  # True == 1 and 1.0 == 1 as dict keys, not as shards
+        places = self._places
+        place = places.get(key)
+        if place is not None:
+            return place
+        if len(places) >= _PLACES:
+            places.clear()
+        place = places[key] = shard_of(key, n)
+        return place
+
+    def _keep_bad_line(self, rec: Record) -> None:
+        """`--on-bad-input dead-letter`: keep the bad line as a dead letter, durably, before any
+        input after it is sent to a shard (so no shard can checkpoint past it first).
+
+        Kept in the shard a row naming no key belongs to (where re-sharding puts it too), and
+        at most once: after a restart the line is read again from the same source position,
+        which is its natural key (an existing dead letter at that position means done)."""
+        n = len(self.shards)
+        target = self.layout.dirs[shard_of("", n)]
+        pos = self.source.position()
+        where = json.dumps(pos, sort_keys=True, default=str)
+        detail = codec.encode({"position": pos, "line": rec.line})
+
+        def put(conn: Any) -> bool:
+            for (blob,) in conn.execute("SELECT detail FROM dead_letters WHERE kind = 'bad-input'"):
+                try:
+                    had = codec.decode(blob, unknown="generic").get("position")
+                except Exception:  # noqa: BLE001 - a damaged row is not this line
+                    continue
+                if json.dumps(had, sort_keys=True, default=str) == where:
+                    return False
+            conn.execute(
+                "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (codec.encode(None), "", -1, codec.encode(rec.raw or ""), rec.error,
+                 SYSTEM_CLOCK.now(), "bad-input", detail),
+            )  # fmt: skip
+            return True
+
+        log.warning("bad input kept as a dead letter (%s): %s", target.name, rec.error)
+        self.result.bad_inputs.append(str(rec.error))
+        if write_in_force(self.state_dir, target, put):
+            self.result.dead_letters += 1
 
     async def _drain(self) -> None:
         for s in self.shards:

@@ -34,6 +34,18 @@ class Paused(BaseModel):
     error: str
 
 
+class ShardInfo(BaseModel):
+    shard: int = Field(description="its index: the shard of STATE/shards/<shard>-of-<N>")
+    pid: int | None = Field(description="pid of its current worker process")
+    restarts: int = Field(description="times the coordinator restarted its worker")
+    reported: bool = Field(description="whether its current worker has reported yet")
+    in_flight_runs: int | None = None
+    queued_inputs: int | None = None
+    checkpoints: CheckpointStatistics | None = Field(
+        None, description="its own checkpoint statistics (ids are the shard's own)"
+    )
+
+
 class JobInfo(BaseModel):
     state: Literal["starting", "running", "restarting", "finished", "failed"]
     worker_pid: int | None = Field(description="pid of the current worker process")
@@ -51,6 +63,11 @@ class JobInfo(BaseModel):
     )
     paused: list[Paused] | None = Field(
         None, description="resources unavailable: no new input is admitted until they are back"
+    )
+    shards: list[ShardInfo] | None = Field(
+        None,
+        description="a job run with --workers N: each shard's worker (worker_pid is then the "
+        "coordinator's; the counts above are summed over the shards)",
     )
 
 
@@ -244,7 +261,7 @@ def create_app(
     checkpoints: Callable[[], CheckpointStatistics | None],
     config: Callable[[], JobConfig | None],
     metrics: Callable[[], JobMetrics | None] | None = None,
-    signal: Callable[[str, str, Any], dict[str, Any]] | None = None,
+    signal: Callable[..., dict[str, Any]] | None = None,
     redrive: Callable[[bool, str | None, int | None], dict[str, Any]] | None = None,
     prometheus: Callable[[], tuple[bytes, str]] | None = None,
     token: str | None = None,

@@ -17,7 +17,8 @@ import json
 import os
 import shutil
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,17 +91,59 @@ def is_sharded(state_dir: str | os.PathLike[str]) -> bool:
     return (Path(state_dir) / SHARDS_DIR / LAYOUT_FILE).exists()
 
 
+# Commands that act on one whole database and why they stay single-database (docs/operations.md).
+_SINGLE_DATABASE = {
+    "savepoint": "a savepoint is one SQLite file holding one consistent checkpoint; the shards "
+    "checkpoint independently, so no single moment holds all of them",
+    "fork": "a fork is made from one consistent copy of the state (a savepoint)",
+    "checkpoints": "checkpoint ids and history are per database; `ratchet status` shows each "
+    "shard's latest checkpoint",
+}
+
+
 def refuse_sharded(state_dir: str | os.PathLike[str], command: str) -> None:
-    """Commands that read or write one state database cannot yet act on a sharded job: say so
-    (exit 2) rather than act on one shard silently."""
-    if is_sharded(state_dir):
+    """Commands inherently about one database refuse a sharded job (exit 2), saying why and how
+    to get a single database back, rather than act on one shard silently."""
+    if command in _SINGLE_DATABASE and is_sharded(state_dir):
         n = read_layout(state_dir).workers
         raise ConfigError(
             f"{state_dir} is a job sharded over {n} workers (shards/layout.json); `ratchet "
-            f"{command}` does not act on sharded state yet. Run the job with --workers 1 once "
-            f"(it moves every key back into {state_dir}/ratchet.db) to use it, or look at one "
-            f"shard directly with --state {state_dir}/shards/<i>-of-{n}"
+            f"{command}` works on one database: {_SINGLE_DATABASE[command]}. Run the job once "
+            f"with --workers 1 (it moves every key back into {state_dir}/ratchet.db at one "
+            f"input position), use `ratchet {command}` there, then run on with --workers {n}"
         )
+
+
+def in_force(state_dir: Path, target: Path) -> bool:
+    """Whether the database directory `target` is part of the layout in force now: a writer
+    from another process checks it inside its write transaction (see `frozen`)."""
+    try:
+        return target in read_layout(state_dir).dirs
+    except StateError:
+        return False
+
+
+@contextmanager
+def frozen(dirs: tuple[Path, ...]) -> Iterator[None]:
+    """Hold the write lock of every database in `dirs` while the layout changes: a signal or a
+    redrive request another process writes meanwhile waits, then finds (with `in_force`, in its
+    own write transaction) that its shard is out of force and goes to the new one. Without this
+    a row written after the quiet check and before the switch would be left in an old shard."""
+    conns: list[sqlite3.Connection] = []
+    try:
+        for d in dirs:
+            if (d / DB_NAME).exists():
+                conn = sqlite3.connect(d / DB_NAME, timeout=60, isolation_level=None)
+                conn.execute("BEGIN IMMEDIATE")
+                conns.append(conn)
+        yield
+    finally:
+        for conn in conns:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            conn.close()
 
 
 # -- shard positions ---------------------------------------------------------------------------
@@ -148,8 +191,6 @@ def _quiet(sdir: Path) -> str | None:
         )
     if s["unreleased_outputs"]:
         return f"{s['unreleased_outputs']} output(s) not yet released to the sink"
-    if s["pending_signals"]:
-        return f"{len(s['pending_signals'])} signal(s) not taken yet"
     if ltm:
         return "long-term memory (re-sharding does not move it yet)"
     return None
@@ -162,6 +203,36 @@ def check_quiet(dirs: tuple[Path, ...], workers: int) -> None:
             raise ConfigError(
                 f"cannot change the number of workers to {workers}: {d} holds {why}. Run the "
                 f"job with its current number of workers until these are done, then change it"
+            )
+    _check_signals_placeable(dirs, workers)
+
+
+def _check_signals_placeable(dirs: tuple[Path, ...], workers: int) -> None:
+    """Signals not taken yet move with their key's text. A text like "42" whose key no shard
+    holds could be the string or the integer key, which may land in different new shards:
+    refused rather than guessed (the signal would wait in a shard its key never reaches)."""
+    held: set[str] = set()
+    pending: dict[str, Path] = {}
+    for d in dirs:
+        if not (d / DB_NAME).exists():
+            continue
+        store = SqliteStore.open_readonly(d)
+        try:
+            held.update(str(t) for (t,) in store.conn.execute("SELECT key_text FROM keys"))
+            for p in store.pending_signals():
+                pending.setdefault(str(p["key"]), d)
+        finally:
+            store.close()
+    for text, d in pending.items():
+        if text in held or not _int_text(text):
+            continue
+        if shard_of(text, workers) != shard_of(int(text), workers):
+            raise ConfigError(
+                f"cannot change the number of workers to {workers}: {d} holds a signal for key "
+                f"{text!r}, which no shard holds yet, and the text {text!r} and the integer "
+                f"{text} belong to different shards among {workers}. Run the job with its "
+                f"current number of workers until a run of that key has taken the signal, then "
+                f"change it"
             )
 
 
@@ -256,7 +327,8 @@ def _placer(texts: dict[str, Any], index: int, workers: int) -> Callable[[str], 
 def _copy_per_key_text(
     conn: sqlite3.Connection, dirs: tuple[Path, ...], mine: Callable[[str], bool]
 ) -> None:
-    """Traces and dead letters of this shard's keys, from every old shard."""
+    """Traces, dead letters and signals not taken yet of this shard's keys, from every old
+    shard (in their order there: a key's signals keep the order they were sent in)."""
     conn.create_function("ratchet_mine", 1, lambda t: 1 if mine(str(t)) else 0)
     for d in dirs:
         db = d / DB_NAME
@@ -264,8 +336,10 @@ def _copy_per_key_text(
             continue
         conn.execute("ATTACH DATABASE ? AS old", (str(db),))
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for table in ("traces", "dead_letters"):
+            # Deferred: it writes only main; IMMEDIATE would also ask for the write lock of the
+            # attached old shard, which `frozen` holds for the whole change.
+            conn.execute("BEGIN")
+            for table in ("traces", "dead_letters", "signals"):
                 cols = [r[1] for r in conn.execute(f"PRAGMA old.table_info({table})")]
                 ours = {r[1] for r in conn.execute(f"PRAGMA main.table_info({table})")}
                 cols = [c for c in cols if c in ours and c != "id"]
@@ -274,7 +348,7 @@ def _copy_per_key_text(
                 names = ", ".join(cols)
                 conn.execute(
                     f"INSERT OR IGNORE INTO main.{table}({names}) SELECT {names} FROM "
-                    f"old.{table} WHERE ratchet_mine(key_text)"
+                    f"old.{table} WHERE ratchet_mine(key_text) ORDER BY rowid"
                 )
             conn.execute("COMMIT")
         finally:
@@ -319,8 +393,8 @@ def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
     total["state_db"] = [p["state_db"] for p in per]
     for name in _SUMMED:
         total[name] = sum(int(p[name]) for p in per)
-    for name in _LISTED:
-        total[name] = [item for p in per for item in p[name]]
+    for name in _LISTED:  # each item says its shard
+        total[name] = [dict(item, shard=p["shard"]) for p in per for item in p[name]]
     counts = {
         c: sum(int(p["checkpoints"]["counts"][c]) for p in per)
         for c in first["checkpoints"]["counts"]
@@ -337,3 +411,136 @@ def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
     total["workers"] = layout.workers
     total["shards"] = per
     return total
+
+
+# -- acting on one key of a sharded state from another process -----------------------------------
+
+KEY_TYPES = ("auto", "str", "int")
+
+
+def _int_text(text: str) -> bool:
+    return text.lstrip("-").isdigit() and str(int(text)) == text
+
+
+def _holds(sdir: Path, keys: list[Any]) -> bool:
+    """Whether the shard at `sdir` holds any of `keys` (memory, a run, or a queued input)."""
+    if not (sdir / DB_NAME).exists():
+        return False
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        for key in keys:
+            blob = codec.encode(key)
+            for table in ("keys", "runs", "inputs"):
+                if store.conn.execute(
+                    f"SELECT 1 FROM {table} WHERE key = ? LIMIT 1", (blob,)
+                ).fetchone():
+                    return True
+    finally:
+        store.close()
+    return False
+
+
+def shard_for_text(state_dir: Path, layout: Layout, text: str, key_type: str = "auto") -> int:
+    """The shard of the key whose text is `text` (as `ratchet inspect` shows keys).
+
+    A text like "42" could be the string or the integer key of an input; `key_type` says which
+    ("auto": whichever the shards hold; if the two forms hash to different shards, neither is
+    held yet and nothing says which, it is refused rather than guessed)."""
+    if key_type not in KEY_TYPES:
+        raise ConfigError(f"key type must be one of {', '.join(KEY_TYPES)}, not {key_type!r}")
+    forms: list[Any] = []
+    if key_type in ("auto", "str"):
+        forms.append(text)
+    if key_type in ("auto", "int"):
+        if _int_text(text):
+            forms.append(int(text))
+        elif key_type == "int":
+            raise ConfigError(f"key {text!r} is not an integer (--key-type int)")
+    n = layout.workers
+    places = {shard_of(f, n) for f in forms}
+    if len(places) == 1:
+        return places.pop()
+    held = sorted({shard_of(f, n) for f in forms if _holds(layout.dirs[shard_of(f, n)], [f])})
+    if len(held) == 1:
+        return held[0]
+    raise ConfigError(
+        f"key {text!r} of the job sharded over {n} workers in {state_dir} could be the text "
+        f"{text!r} (shard {shard_of(text, n)}) or the integer {text} (shard "
+        f"{shard_of(int(text), n)}), and {'both are' if held else 'neither is'} held by its "
+        f"shard; say which with `ratchet signal --key-type str` or `--key-type int` (or from Python: ratchet.send_signal with a str or an int key)"
+    )
+
+
+class Moved(Exception):
+    """The database written to left the layout in force (the number of workers changed)."""
+
+
+def write_in_force(state_dir: Path, target: Path, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    """Run `fn` in one write transaction on `target`'s database, only if `target` is still part
+    of the layout in force once the write lock is held (`frozen` holds it during a change of
+    the number of workers); raises `Moved` otherwise, having written nothing."""
+    path = target / DB_NAME
+    uri = path.resolve().as_uri() + "?mode=rw"  # never creates a database that was removed
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None)
+    except sqlite3.Error as exc:
+        if not in_force(state_dir, target):
+            raise Moved from None
+        raise StateError(f"could not open {path}: {exc}") from exc
+    try:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:
+            if not in_force(state_dir, target):
+                raise Moved from None
+            raise
+        if not in_force(state_dir, target):
+            conn.execute("ROLLBACK")
+            raise Moved
+        out = fn(conn)
+        conn.execute("COMMIT")
+        return out
+    except sqlite3.Error as exc:
+        raise StateError(f"could not write to {path}: {exc}") from exc
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        conn.close()
+
+
+def global_id(local: int, shard: int, shards: int) -> int:
+    """One id for a row of shard `shard` (dead letters): unique over the job, and the shard
+    and local id come back from it (`local_id`)."""
+    return local * shards + shard
+
+
+def local_id(gid: int, shards: int) -> tuple[int, int]:
+    """(shard, local id) of a `global_id`."""
+    return gid % shards, gid // shards
+
+
+REDRIVE_SEQ_BASE = 10**15  # far above any input number a coordinator gives, below 2**53 (JSON)
+
+
+def first_redrive_seq(sdir: Path) -> int:
+    """The number a shard gives the next input it redrives: above every input number its
+    coordinator gives (those are the source's places), and above every redrive the shard (or,
+    before a re-sharding, its keys' old shard: dead letters move with their key) committed, so
+    a key's outputs never reuse an id."""
+    if not (sdir / DB_NAME).exists():
+        return REDRIVE_SEQ_BASE
+    store = SqliteStore.open_readonly(sdir)
+    try:
+        highest = [
+            store.conn.execute(sql).fetchone()[0]
+            for sql in (
+                "SELECT MAX(redriven_as) FROM dead_letters",
+                "SELECT MAX(seq) FROM inputs",
+                "SELECT MAX(seq) FROM runs",
+            )
+        ]
+    except sqlite3.Error:
+        highest = []  # an old schema without redrives: nothing redriven yet
+    finally:
+        store.close()
+    return max([REDRIVE_SEQ_BASE - 1, *(int(h) for h in highest if h is not None)]) + 1

@@ -4,7 +4,8 @@ A signal is one row in the state's `signals` table, committed by the sender in i
 transaction (SQLite serialises it with the engine's writer), so it is durable when this
 returns, whether the job is running or stopped. A running engine reads new rows at every
 checkpoint tick; a stopped one at its next start. A waiting task consumes a signal in the
-same transaction that records its value as the task's call record: exactly once.
+same transaction that records its value as the task's call record: exactly once. A sharded job
+keeps a key's signals in the key's shard (the same hash that routes its inputs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import InvalidArgumentError, InvalidTypeError, StateError
+from ratchet.runtime._shards import Moved, read_layout, shard_for_text, write_in_force
 from ratchet.store import codec
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
 
@@ -39,12 +41,17 @@ def send_signal(
     value: Any = None,
     *,
     clock: Clock = SYSTEM_CLOCK,
+    key_type: str | None = None,
 ) -> dict[str, Any]:
     """Store a signal for `key` durably; a run of the key waiting for `name` gets `value`.
 
     Works whether the job is running or stopped. Signals of one key and name are delivered in
     the order they were stored, each exactly once; one that nobody waits for yet is kept until
     a run of that key waits for it (`ratchet status` lists them). Returns what was stored.
+
+    A sharded job (`--workers N`) keeps it in the key's shard, whose worker delivers it.
+    `key_type` routes a key given as text (the CLI, REST): "str", "int", or "auto" (whichever
+    form the shards hold); None (the default) takes the type of `key` itself.
     """
     key_text = signal_key(key)
     if not isinstance(name, str) or not name:
@@ -56,28 +63,41 @@ def send_signal(
             f"signal {name!r}: its value cannot be stored ({exc}); send plain data (JSON values)"
         ) from None
     sdir = Path(state_dir)
-    path = sdir / DB_NAME
-    if not path.exists():
-        raise StateError(
-            f"no ratchet state in {sdir} ({path} does not exist); a signal goes to the --state "
-            f"directory of the job whose run waits for it"
-        )
-    ensure_schema(sdir, SIGNALS_SCHEMA, "signals")
     sent_at = clock.now()
-    conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
+    if key_type is None:  # from Python the key's own type says it
+        key_type = "int" if isinstance(key, int) else "str"
+
+    def insert(conn: sqlite3.Connection) -> int | None:
         cur = conn.execute(
             "INSERT INTO signals(key_text, name, value, sent_at) VALUES (?, ?, ?, ?)",
             (key_text, name, blob, sent_at),
         )
-        conn.execute("COMMIT")
-        sid = cur.lastrowid
-    except sqlite3.Error as exc:
-        raise StateError(f"could not store the signal in {path}: {exc}") from exc
-    finally:
-        conn.close()
-    return {"id": sid, "key": key_text, "name": name, "sent_at": sent_at, "state": str(sdir)}
+        return cur.lastrowid
+
+    for _attempt in range(5):
+        layout = read_layout(sdir)
+        target = sdir
+        if layout.workers > 1:  # the key's shard: its worker's engine takes the signal
+            target = layout.dirs[shard_for_text(sdir, layout, key_text, key_type)]
+        path = target / DB_NAME
+        if not path.exists():
+            raise StateError(
+                f"no ratchet state in {target} ({path} does not exist); a signal goes to the "
+                f"--state directory of the job whose run waits for it"
+            )
+        ensure_schema(target, SIGNALS_SCHEMA, "signals")
+        try:
+            sid = write_in_force(sdir, target, insert)
+        except Moved:
+            continue  # the number of workers changed meanwhile: route again
+        sent = {"id": sid, "key": key_text, "name": name, "sent_at": sent_at, "state": str(sdir)}
+        if layout.workers > 1:
+            sent["shard"] = target.name
+        return sent
+    raise StateError(
+        f"the number of workers of {sdir} kept changing while the signal was sent; nothing "
+        f"was stored: send it again"
+    )
 
 
 def ensure_schema(sdir: Path, needed: int, what: str) -> None:

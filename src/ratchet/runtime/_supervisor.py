@@ -78,7 +78,8 @@ class SupervisorState:
     # completed checkpoint id seen (each newer one is observed once in the duration histogram).
     ended_counts: dict[str, float] = field(default_factory=dict)
     worker_counts: dict[str, float] = field(default_factory=dict)
-    last_completed_id: int | None = None
+    # per shard of a sharded job ("": a one-process job): checkpoint ids are each shard's own
+    last_completed_ids: dict[str, int] = field(default_factory=dict)
     last_report_at: float | None = None
     # For the dashboard's charts: one sample per worker report (after a restore and after
     # every checkpoint), the newest HISTORY_SAMPLES of them.
@@ -192,13 +193,17 @@ class Supervisor:
                 queued_inputs=status.get("buffered_inputs"),
                 waiting=status.get("waiting"),
                 paused=status.get("paused"),
+                shards=(self.s.report or {}).get("shards"),
             )
 
-    def send_signal(self, key: str, name: str, value: Any) -> dict[str, Any]:
-        """REST: store a signal in the job's state (picked up by the worker, or the next)."""
+    def send_signal(
+        self, key: str, name: str, value: Any, key_type: str = "auto"
+    ) -> dict[str, Any]:
+        """REST: store a signal in the job's state (picked up by the worker, or the next; of a
+        sharded job, in the key's shard)."""
         from ratchet.runtime._signals import send_signal
 
-        sent = send_signal(self.state_dir, key, name, value, clock=self.clock)
+        sent = send_signal(self.state_dir, key, name, value, clock=self.clock, key_type=key_type)
         return {k: sent[k] for k in ("id", "key", "name", "sent_at")}
 
     def redrive(self, all_letters: bool, key: str | None, dead_id: int | None) -> dict[str, Any]:
@@ -271,15 +276,25 @@ class Supervisor:
         return generate_latest(self._registry), CONTENT_TYPE_LATEST
 
     def _observe(self, report: dict[str, Any]) -> None:
-        """Under the lock: feed a newly completed checkpoint to the duration histogram."""
-        latest_all = (report.get("checkpoints") or {}).get("latest") or {}
+        """Under the lock: feed newly completed checkpoints to the duration histogram (a
+        sharded job's report has each shard's own under "shards")."""
+        shards = report.get("shards")
+        if isinstance(shards, list):
+            for shard in shards:
+                if isinstance(shard, dict):
+                    self._observe_one(str(shard.get("shard")), shard.get("checkpoints") or {})
+        else:
+            self._observe_one("", report.get("checkpoints") or {})
+
+    def _observe_one(self, which: str, checkpoints: dict[str, Any]) -> None:
+        latest_all = checkpoints.get("latest") or {}
         latest = latest_all.get("completed")
         if not isinstance(latest, dict) or not isinstance(latest.get("id"), int):
             return
-        last = self.s.last_completed_id
+        last = self.s.last_completed_ids.get(which)
         if last is not None and latest["id"] <= last:
             return  # seen already (a restarted worker reports the restored one again)
-        self.s.last_completed_id = latest["id"]
+        self.s.last_completed_ids[which] = latest["id"]
         restored = latest_all.get("restored")
         if isinstance(restored, dict) and restored.get("id") == latest["id"]:
             return  # the checkpoint a worker restored, made before this supervisor saw it

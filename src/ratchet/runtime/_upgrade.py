@@ -17,6 +17,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import StateError
 from ratchet.runtime._dispatch import Binding
 from ratchet.runtime._journal import decode_memory, decoded, encode_memory
+from ratchet.runtime._shards import read_layout
 from ratchet.store import codec
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
 
@@ -58,6 +59,41 @@ def migrate_state(
     on_progress: Callable[[int, int], None] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     batch: int = MIGRATE_BATCH,
+) -> MigrateResult:
+    """`_migrate_one` on the state, or on every shard of a sharded job in turn (each key lives
+    in one shard, and each shard keeps the same whole-or-absent batches)."""
+    layout = read_layout(state_dir)
+    if layout.workers == 1:
+        return _migrate_one(state_dir, binding, on_progress, clock, batch)
+    total = MigrateResult(to_version=binding.memory_version)
+    with _job_stopped(Path(state_dir)):
+        for d in layout.dirs:
+            if not (d / DB_NAME).exists():
+                continue
+            one = _migrate_one(d, binding, on_progress, clock, batch)
+            total.migrated += one.migrated
+            total.waiting += one.waiting
+            total.upgraded_from = total.upgraded_from or one.upgraded_from
+    return total
+
+
+@contextlib.contextmanager
+def _job_stopped(sdir: Path) -> Iterator[None]:
+    """The state lock of a sharded job's directory (its coordinator holds it while it runs)."""
+    lock = StateLock(sdir)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _migrate_one(
+    state_dir: str | os.PathLike[str],
+    binding: Binding,
+    on_progress: Callable[[int, int], None] | None,
+    clock: Clock,
+    batch: int,
 ) -> MigrateResult:
     """Bring every key's memory to the agent's `memory_version` now, instead of lazily.
 
@@ -123,17 +159,50 @@ def discard_run(
     dead_letter_reason: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> dict[str, Any]:
-    """`runs restart` (no reason) or `runs abandon` (a reason): what was discarded."""
-    with stopped_state(state_dir, clock) as store:
-        run = find_run(store, key, seq)
-        counts = store.discard_run(run["seq"], dead_letter_reason)
-    return {"key": str(run["key"]), "seq": run["seq"], **counts}
+    """`runs restart` (no reason) or `runs abandon` (a reason): what was discarded. Of a
+    sharded job: in the shard whose runs hold it."""
+    layout = read_layout(state_dir)
+    if layout.workers == 1:
+        with stopped_state(state_dir, clock) as store:
+            run = find_run(store, key, seq)
+            counts = store.discard_run(run["seq"], dead_letter_reason)
+        return {"key": str(run["key"]), "seq": run["seq"], **counts}
+    with _job_stopped(Path(state_dir)):
+        for d in layout.dirs:
+            if not (d / DB_NAME).exists():
+                continue
+            with stopped_state(d, clock) as store:
+                try:
+                    run = find_run(store, key, seq)
+                except StateError:
+                    continue
+                counts = store.discard_run(run["seq"], dead_letter_reason)
+            return {"key": str(run["key"]), "seq": run["seq"], "shard": d.name, **counts}
+    what = f"key {key!r}" + (f" input {seq}" if seq is not None else "")
+    raise StateError(
+        f"no shard of {state_dir} has a run in flight for {what} (`ratchet runs list --state "
+        f"{state_dir}` lists them all)"
+    )
 
 
 def list_runs(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Runs in flight and dead letters; read-only, so it works while the job runs."""
-    store = SqliteStore.open_readonly(state_dir)
-    try:
-        return {"in_flight": store.runs_in_flight(), "dead_letters": store.dead_letters()}
-    finally:
-        store.close()
+    """Runs in flight and dead letters; read-only, so it works while the job runs. Of a
+    sharded job: every shard's (each run with its `shard`), in input order."""
+    from ratchet.runtime._deadletters import list_dead_letters
+
+    runs: list[dict[str, Any]] = []
+    layout = read_layout(state_dir)
+    for d in layout.dirs:
+        if layout.workers > 1 and not (d / DB_NAME).exists():
+            continue
+        store = SqliteStore.open_readonly(d)
+        try:
+            found = store.runs_in_flight()
+        finally:
+            store.close()
+        if layout.workers > 1:
+            for r in found:
+                r["shard"] = d.name
+        runs += found
+    runs.sort(key=lambda r: r["seq"])
+    return {"in_flight": runs, "dead_letters": list_dead_letters(state_dir)}

@@ -1,7 +1,8 @@
-"""A job's keyed state is laid out for its execution mode (process: byte arrays; thread: STRING,
-since PyFlink's thread mode cannot read byte arrays back). Restored in the other mode, the job
-fails on the first key it loads with a message that names the mode to use, rather than starting
-that key afresh."""
+"""A job's keyed state is laid out for its execution mode (process: byte arrays; thread: STRING
+state under other names, since PyFlink's thread mode cannot read byte arrays back). A savepoint
+restored in the other mode is refused by Flink: the two modes' job graphs differ in an operator
+without a uid, whose state Flink cannot map (with `--allow-non-restored-state` the agent's state
+did not come back: docs/flink.md says never to restore across modes)."""
 
 from __future__ import annotations
 
@@ -39,5 +40,4 @@ def test_a_savepoint_restored_in_the_other_mode_is_refused(
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=flink_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0, proc.stdout
-    assert f"key 'a' has keyed state written in {first} mode" in proc.stderr, proc.stderr[-3000:]
-    assert f"restore the job with --execution-mode {first}" in proc.stderr, proc.stderr[-3000:]
+    assert "Cannot map checkpoint/savepoint state for operator" in proc.stderr, proc.stderr[-3000:]

@@ -112,18 +112,9 @@ def parse_line(
         return "", None, f"{at}: {exc}"
 
 
-_MODE_MISMATCH = (
-    "key {key!r} has keyed state written in {other} mode, and this job runs in {mode} mode, "
-    "whose state layout differs (process mode keeps byte-array state, thread mode STRING "
-    "state: PyFlink's thread mode cannot read byte arrays back); restore the job with "
-    "--execution-mode {other} (FlinkConfig.execution_mode={other!r})"
-)
-
-
 class _State:
     """`KeyStore` over the function's keyed state in process mode (the current key is set by
-    Flink): byte-array values. `mode_check` is the other layout's key state: found set on a
-    key this layout has never written, the job was restored from a thread-mode snapshot."""
+    Flink): byte-array values, the layout savepoints of earlier versions hold."""
 
     def __init__(self, rc: RuntimeContext) -> None:
         self.key = rc.get_state(ValueStateDescriptor("ratchet-key", _BYTES))
@@ -134,17 +125,10 @@ class _State:
         self.calls_st = rc.get_map_state(
             MapStateDescriptor("ratchet-calls", Types.STRING(), _BYTES)
         )
-        self.mode_check = rc.get_state(ValueStateDescriptor(_TEXT_KEY, Types.STRING()))
 
     def get_key(self) -> bytes | None:
         v = self.key.value()
-        if v is None:
-            if self.mode_check.value() is not None:
-                raise ConfigError(
-                    _MODE_MISMATCH.format(key=_current(), mode="process", other="thread")
-                )
-            return None
-        return bytes(v)
+        return None if v is None else bytes(v)
 
     def put_key(self, value: bytes) -> None:
         self.key.update(value)
@@ -178,40 +162,24 @@ class _State:
         self.calls_st.clear()
 
 
-_TEXT_KEY = "ratchet-key-t"
-_CURRENT: list[Any] = [None]  # the key of the callback running (for the messages above)
-
-
-def _current() -> Any:
-    return _CURRENT[0]
-
-
 class _TextState:
     """`KeyStore` over STRING keyed state, for thread mode: each value is the latin-1 text of
     its bytes (one character per byte, so the round trip is exact).
 
     PyFlink 2.3's thread mode (Pemja) converts a byte-array state value element by element,
-    to a tuple of ints, and fails on an empty one; a STRING crosses as a Java String."""
+    to a tuple of ints, and fails on an empty one; a STRING crosses as a Java String. Other
+    names than process mode's: a job restores in the mode it ran in (docs/flink.md)."""
 
     def __init__(self, rc: RuntimeContext) -> None:
         s = Types.STRING()
-        self.key = rc.get_state(ValueStateDescriptor(_TEXT_KEY, s))
+        self.key = rc.get_state(ValueStateDescriptor("ratchet-key-t", s))
         self.inputs_st = rc.get_map_state(MapStateDescriptor("ratchet-inputs-t", Types.LONG(), s))
         self.run = rc.get_state(ValueStateDescriptor("ratchet-run-t", s))
         self.calls_st = rc.get_map_state(MapStateDescriptor("ratchet-calls-t", s, s))
-        self.mode_check = rc.get_state(ValueStateDescriptor("ratchet-key", _BYTES))
 
     def get_key(self) -> bytes | None:
         v = self.key.value()
-        if v is None:
-            # The Java state itself: thread mode's byte-array conversion fails on None.
-            raw = getattr(self.mode_check, "_state", self.mode_check)
-            if raw.value() is not None:
-                raise ConfigError(
-                    _MODE_MISMATCH.format(key=_current(), mode="thread", other="process")
-                )
-            return None
-        return v.encode("latin-1")  # type: ignore[no-any-return]
+        return None if v is None else v.encode("latin-1")
 
     def put_key(self, value: bytes) -> None:
         self.key.update(value.decode("latin-1"))
@@ -323,7 +291,7 @@ class AgentFunction(KeyedProcessFunction):
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Any:
         assert self.core is not None
         fkey = ctx.get_current_key()
-        key = _CURRENT[0] = native_key(fkey)
+        key = native_key(fkey)
         if self.json_pairs:
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
@@ -335,7 +303,7 @@ class AgentFunction(KeyedProcessFunction):
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Any:
         assert self.core is not None
         fkey = ctx.get_current_key()
-        key = _CURRENT[0] = native_key(fkey)
+        key = native_key(fkey)
         end = ctx.time_domain() == TimeDomain.EVENT_TIME and timestamp >= END_OF_INPUT
         if not end and self._timers_due.get(key) == timestamp:
             del self._timers_due[key]
@@ -399,7 +367,6 @@ class AgentFunction(KeyedProcessFunction):
     def _switch(self, key: Any) -> _State | _TextState:
         assert self._set_key is not None
         self._set_key(flink_key(key))
-        _CURRENT[0] = key
         return self.state
 
     def _others(self, ctx: Any, fkey: str, key: Any) -> Any:
@@ -415,7 +382,6 @@ class AgentFunction(KeyedProcessFunction):
             yield from self._emit(other, st)
         if switched:
             self._set_key(fkey)
-            _CURRENT[0] = key
 
     def _timers(self, ctx: Any, key: Any, step: Step, register_end: bool) -> None:
         ts = ctx.timer_service()

@@ -37,7 +37,7 @@ def _submit(cluster, tmp: Path, inputs: Path, out: Path, dsn: str, *extra: str) 
         *CLI, f"{AGENTS}:Journaled", "--input", str(inputs), "--output", str(out),
         "--jobmanager", cluster.jobmanager, "--detach", "--follow", "300",
         "--checkpoint-interval", "300", "--checkpoint-dir", str(tmp / "checkpoints"),
-        "--restart-delay", "500", "--tmp-dir", str(tmp / "flink-tmp"), *extra,
+        "--restart-delay", "500", "--restart-attempts", "1000", "--tmp-dir", str(tmp / "flink-tmp"), *extra,
     ]  # fmt: skip
     env = flink_env(tmp, RATCHET_CALL_JOURNAL=dsn)  # the URI through the environment
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

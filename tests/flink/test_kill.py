@@ -49,6 +49,11 @@ def submit(cluster, tmp: Path, agent: str, inputs: Path, out: Path, *extra: str)
         str(tmp / "checkpoints"),
         "--restart-delay",
         "500",
+        # Each restart while no TaskManager is registered fails at once (no slots), so 10
+        # attempts of 500 ms last 5 s: a replacement that takes longer to register (17 s once
+        # under load) would leave the job FAILED. Enough attempts to outlast any start-up.
+        "--restart-attempts",
+        "1000",
         "--tmp-dir",
         str(tmp / "flink-tmp"),
         *extra,

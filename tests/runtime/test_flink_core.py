@@ -278,8 +278,9 @@ class _Slow(Agent):
 
 
 class _Operator:
-    """Drives the core as the PyFlink function does: after each callback `others` applies
-    other keys' finished work with that key current; the end of input drains all keys."""
+    """Drives the core as the PyFlink function does: each key is worked on only in its own
+    callbacks (an element, or its timer when its step asked for one); the end of input drains
+    all keys, each with its own state current."""
 
     def __init__(self, agent: Agent, **config: Any) -> None:
         from ratchet.agents._context import AgentBinding
@@ -305,26 +306,19 @@ class _Operator:
         if step.poll_ms is not None:
             self.timers.add(key)
 
-    def _after(self, key: Any) -> None:
-        for other, step in self.core.others(key, self._switch):
-            assert self.current == other  # the other key's state is current while it is applied
-            self._take(other, step)
-        self.current = key
-
     def element(self, key: Any, value: Any) -> None:
         self.current = key
         self._take(key, self.core.element(key, value, self.state.view(key)))
-        self._after(key)
 
     def fire(self) -> None:
         timers, self.timers = self.timers, set()
         for key in timers:
             self.current = key
             self._take(key, self.core.timer(key, self.state.view(key)))
-            self._after(key)
 
     def end(self) -> None:
         for key, step in self.core.drain(self._switch):
+            assert self.current == key  # the key's state is current while it is applied
             self._take(key, step)
 
     def memory(self) -> dict[Any, Any]:
@@ -342,6 +336,31 @@ def test_max_concurrent_runs_bounds_runs_in_flight_per_subtask_and_loses_nothing
             op.fire()
         op.end()
         assert sum(1 for ks in op.core.machine.keys.values() if ks.run) == 0
+    finally:
+        op.core.close()
+    assert _Slow.peak <= 2
+    got = per_key(op.outputs)
+    assert got == {f"k{j}": [i for i in range(30) if i % 6 == j] for j in range(6)}
+    assert op.memory() == {f"k{j}": {"seen": got[f"k{j}"]} for j in range(6)}
+
+
+def test_with_max_concurrent_runs_waiting_keys_poll_and_finish_without_an_end_of_input() -> None:
+    """A followed input never ends: a key whose run waits for a slot (or whose run another
+    key's callback started) must get its own timer, or it would wait for good."""
+    import time
+
+    _Slow.peak, _Slow.together = 0, 0
+    op = _Operator(_Slow(), max_concurrent_runs=2)
+    try:
+        rows = [{"key": f"k{i % 6}", "v": i} for i in range(30)]
+        for row in rows:
+            op.element(row["key"], row)
+        deadline = time.monotonic() + 30
+        while len(op.outputs) < len(rows) and time.monotonic() < deadline:
+            assert op.timers, "keys with work left and no timer: they would never run again"
+            time.sleep(0.005)
+            op.fire()
+            assert sum(1 for ks in op.core.machine.keys.values() if ks.run) <= 2
     finally:
         op.core.close()
     assert _Slow.peak <= 2

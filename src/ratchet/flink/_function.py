@@ -290,20 +290,17 @@ class AgentFunction(KeyedProcessFunction):
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Any:
         assert self.core is not None
-        fkey = ctx.get_current_key()
-        key = native_key(fkey)
+        key = native_key(ctx.get_current_key())
         if self.json_pairs:
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
         self._m_inputs.inc()
         self._timers(ctx, key, step, register_end=self.emit_memory)
         yield from self._emit(key, step)
-        yield from self._others(ctx, fkey, key)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Any:
         assert self.core is not None
-        fkey = ctx.get_current_key()
-        key = native_key(fkey)
+        key = native_key(ctx.get_current_key())
         end = ctx.time_domain() == TimeDomain.EVENT_TIME and timestamp >= END_OF_INPUT
         if not end and self._timers_due.get(key) == timestamp:
             del self._timers_due[key]
@@ -322,8 +319,6 @@ class AgentFunction(KeyedProcessFunction):
         if not end:
             self._timers(ctx, key, step, register_end=False)
         yield from self._emit(key, step)
-        if not end:
-            yield from self._others(ctx, fkey, key)
         if end and self.emit_memory:
             import base64
 
@@ -368,20 +363,6 @@ class AgentFunction(KeyedProcessFunction):
         assert self._set_key is not None
         self._set_key(flink_key(key))
         return self.state
-
-    def _others(self, ctx: Any, fkey: str, key: Any) -> Any:
-        """Apply other keys' finished tasks in this callback (fewer timer round trips), then
-        make this callback's key current again."""
-        assert self.core is not None
-        if self._set_key is None:
-            return
-        switched = False
-        for other, st in self.core.others(key, self._switch):
-            switched = True
-            self._timers(ctx, other, st, register_end=False)
-            yield from self._emit(other, st)
-        if switched:
-            self._set_key(fkey)
 
     def _timers(self, ctx: Any, key: Any, step: Step, register_end: bool) -> None:
         ts = ctx.timer_service()

@@ -48,7 +48,8 @@ log = logging.getLogger("ratchet.flink")
 # Without `max_concurrent_runs` machine slots are not shared across keys on Flink: a key's run
 # starts when its input arrives, so a callback for one key never starts another key's run.
 # With it, a run that ends frees a slot for another key's run, whose first tasks wait in
-# `_held` until a callback with that key current (`others`) dispatches them and writes its state.
+# `_held` until that key's own callback (it polls while it waits; see `_persist`) dispatches
+# them and writes its state.
 _UNBOUNDED = 1 << 62
 
 # Flink keys are strings; an integer key is tagged so that `1` and `"1"` stay two keys, as they
@@ -429,11 +430,14 @@ class AgentCore:
             self._persist(key, info, store, step)
         return step
 
-    def others(self, current: Any, switch: Callable[[Any], KeyStore]) -> Iterator[tuple[Any, Step]]:
-        """Apply the finished tasks of every other key that has some (and dispatch the held
-        first tasks of runs started for other keys), each with its own keyed state:
-        `switch(key)` makes `key` current and returns its `KeyStore`. The caller registers
-        each yielded step's timer before taking the next (the key is current until then)."""
+    def _others(
+        self, current: Any, switch: Callable[[Any], KeyStore]
+    ) -> Iterator[tuple[Any, Step]]:
+        """The drain's step: apply the finished tasks of every other key that has some (and
+        dispatch the held first tasks of runs started for other keys), each with its own keyed
+        state: `switch(key)` makes `key` current and returns its `KeyStore`. Only the
+        end-of-input drain does this; in any other callback a key is worked on alone (with
+        this in every callback, a key was seen lost for good after a worker kill)."""
         with self._lock:
             keys = [k for k, done in self._done.items() if done and k != current]
         keys += [k for k in self._held if k != current and k not in keys]
@@ -453,7 +457,7 @@ class AgentCore:
             with self._cond:
                 if not any(self._done.values()) and not self._held:
                     self._cond.wait(timeout=1.0)
-            yield from self.others(None, switch)
+            yield from self._others(None, switch)
             if self.clock.monotonic() - waited > self.config.end_wait_log_s:
                 busy = [k for k in self.machine.keys if self._key_busy(k)]
                 log.warning("end of input: %d key(s) still have work running", len(busy))
@@ -598,9 +602,12 @@ class AgentCore:
                     info.calls_written = True
         step.active = run is not None or bool(ks.queue)
         if info.executing > 0:
-            # Work running: call again (a key waiting for a run slot needs no timer: the
-            # callback whose run frees the slot starts its run, and `others` dispatches it).
-            step.poll_ms = info.poll_ms
+            step.poll_ms = info.poll_ms  # work running: call again
+        elif step.active:
+            # A run waiting for a slot (`max_concurrent_runs`), or started by another key's
+            # callback with its first tasks held: only this key's own callback dispatches them
+            # (a callback never works on another key's state, except in the end-of-input drain).
+            step.poll_ms = self.config.poll_max_ms
         elif not step.active:
             idle = self._idle
             idle[key] = None
@@ -660,7 +667,7 @@ class AgentCore:
                             f"a callback for key {key!r} dispatched key {task.key!r}"
                         )
                     # A slot freed by this key's run went to another key's run: its first
-                    # tasks wait until that key is current (`others`).
+                    # tasks wait for that key's own callback (it polls meanwhile).
                     self._held.setdefault(task.key, []).append(task)
                     continue
                 writer = _KeyWriter(self, key, self._input_fp(info, task))

@@ -111,7 +111,7 @@ def flink(tmp: Path, n: int) -> float:
     got = sum(
         1
         for f in (tmp / f"f{n}.out").iterdir()
-        if not f.name.startswith(".")
+        if f.is_file() and not f.name.startswith((".", "_"))  # not _progress/, _bad-input/
         for line in f.read_text().splitlines()
         if line
     )

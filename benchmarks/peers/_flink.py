@@ -40,7 +40,10 @@ def newest_checkpoint(chk_root: Path) -> Path | None:
 
 def environment(wd: Path, extra: dict[str, str] | None = None) -> StreamExecutionEnvironment:
     here = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, sysconfig.get_paths()["purelib"]])
+    # An inherited PYTHONPATH stays (after this folder): `PYTHONPATH=<worktree>/src` runs the
+    # Python workers on that checkout's ratchet rather than the venv's editable install.
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, *inherited, sysconfig.get_paths()["purelib"]])
     tmp = wd / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = Configuration()

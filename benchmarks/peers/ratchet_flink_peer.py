@@ -2,7 +2,8 @@
 
 The same agents as the ratchet column (`ratchet_agents.py`) through `ratchet.flink.apply_agent`,
 on the same mini-cluster settings, source, sink and resume as the Flink Agents and PyFlink
-columns (`_flink.py`). Python workers in process mode, as `ratchet flink run` sets them.
+columns (`_flink.py`). Python workers in process mode, as `ratchet flink run` sets them by
+default; `--mode thread` runs them in thread mode (`--execution-mode thread`).
 `PEER_FLINK_CONF="key=value,..."` adds Flink options (bundle sizes, for instance) for
 before/after figures; the table's figures use none.
 """
@@ -60,6 +61,8 @@ def main() -> None:
     extra = dict(
         kv.split("=", 1) for kv in os.environ.get("PEER_FLINK_CONF", "").split(",") if "=" in kv
     )
+    if a.mode == "thread":  # the "ratchet on Flink thread" column: Python inside the JVM
+        extra.setdefault("python.execution-mode", "thread")
     env = fl.environment(wd, extra)
     inputs = fl.source(env, wd).map(json.loads).uid("parse")
     config = FlinkConfig(core=CoreConfig(max_concurrent_tasks=c.CONCURRENCY))

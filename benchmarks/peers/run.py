@@ -83,6 +83,9 @@ PEERS = [
     Peer("ratchet on Flink", "ratchet-flink", "ratchet_flink_peer.py", "default",
          "Flink checkpoints every 1 s (hashmap state, filesystem storage); outputs by FileSink, committed on checkpoint; durable-call records in keyed state",
          ["ratchet", "apache-flink"], ALL, w4_copy=False, w4_settle=3.0, timeout=900),
+    Peer("ratchet on Flink thread", "ratchet-flink", "ratchet_flink_peer.py", "thread",
+         "as ratchet on Flink, its Python functions in thread mode (Pemja, inside the JVM: `--execution-mode thread`)",
+         ["ratchet", "apache-flink"], ALL, w4_copy=False, w4_settle=3.0, timeout=900),
 ]  # fmt: skip
 
 

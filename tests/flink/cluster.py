@@ -107,6 +107,19 @@ class Cluster:
             "heartbeat.interval": 1000,
             "slot.request.timeout": 120000,
         }
+        lib_env: dict[str, str] = {}
+        if os.environ.get("RATCHET_FLINK_EXECUTION_MODE") == "thread":
+            # Thread mode on a session cluster: Pemja loads its native library once per JVM, and
+            # a second job's (or a restarted job's) classloader fails to load it again
+            # ("NoSuchFieldException: loadedLibraryNames" on Java 17). With flink-python on the
+            # TaskManagers' own classpath and Pemja's classes parent-first, one loader loads it.
+            lib = base / "lib"
+            lib.mkdir(exist_ok=True)
+            pkg = Path(pyflink.__file__).parent
+            for jar in [*(pkg / "lib").glob("*.jar"), *(pkg / "opt").glob("flink-python-*.jar")]:
+                (lib / jar.name).symlink_to(jar)
+            settings["classloader.parent-first-patterns.additional"] = "pemja."
+            lib_env["FLINK_LIB_DIR"] = str(lib)
         (self.conf / "config.yaml").write_text(
             "".join(
                 f"{k}: {json.dumps(v) if isinstance(v, str) else v}\n" for k, v in settings.items()
@@ -120,6 +133,7 @@ class Cluster:
             TMPDIR=str(self.tmp),
             JVM_ARGS=f"-Djava.io.tmpdir={self.tmp}",
             RATCHET_TEST_EXEC_LOG=str(base / "exec.log"),  # the Python workers inherit it
+            **lib_env,
         )
         self.exec_log = base / "exec.log"
         self.started: list[int] = []

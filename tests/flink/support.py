@@ -10,9 +10,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 AGENTS = HERE / "agents.py"
 CLI = [sys.executable, str(HERE / "_cli.py"), "flink", "run"]
+
+# `RATCHET_FLINK_EXECUTION_MODE=thread` runs the suite's jobs in thread mode (FlinkConfig's
+# default follows it). There the Python code runs inside the JVM: a test that kills a separate
+# Python worker process has nothing to kill without taking the local mini-cluster with it.
+THREAD_MODE = os.environ.get("RATCHET_FLINK_EXECUTION_MODE") == "thread"
+kills_a_python_worker = pytest.mark.skipif(
+    THREAD_MODE,
+    reason="kills a separate Python worker process; in thread mode the Python code runs inside "
+    "the TaskManager's JVM, whose loss the TaskManager SIGKILL tests cover",
+)
 
 
 def flink_env(tmp: Path, **extra: str) -> dict[str, str]:

@@ -19,13 +19,22 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import descendants, kill_pids, wait_for  # noqa: E402
-from .support import AGENTS, CLI, exec_log, flink_env, flink_memory, write_inputs  # noqa: E402
+from .support import (  # noqa: E402
+    AGENTS,
+    CLI,
+    exec_log,
+    flink_env,
+    flink_memory,
+    kills_a_python_worker,
+    write_inputs,
+)
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
 
 KEYS, PER_KEY = 6, 16
 
 
+@kills_a_python_worker
 def test_sigkill_while_the_last_runs_are_worked_off_loses_and_duplicates_nothing(
     tmp_path: Path,
 ) -> None:

@@ -20,13 +20,14 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import descendants, kill_pids, wait_for  # noqa: E402
-from .support import AGENTS, CLI, exec_log, flink_env, write_inputs  # noqa: E402
+from .support import AGENTS, CLI, exec_log, flink_env, kills_a_python_worker, write_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
 
 KEYS, PER_KEY, KILLS = 6, 10, 3
 
 
+@kills_a_python_worker
 def test_every_key_runs_again_after_each_worker_kill_on_a_followed_input(tmp_path: Path) -> None:
     rows = [{"key": f"f{k}", "v": k * 100 + i} for i in range(PER_KEY) for k in range(KEYS)]
     (tmp_path / "in").mkdir()

@@ -13,7 +13,16 @@ import ratchet  # noqa: E402
 from ratchet.agents._run import load_agent  # noqa: E402
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .support import AGENTS, embedded_memory, exec_log, flink_memory, per_key, run_cli, write_inputs  # noqa: E402
+from .support import (  # noqa: E402
+    AGENTS,
+    embedded_memory,
+    exec_log,
+    flink_memory,
+    kills_a_python_worker,
+    per_key,
+    run_cli,
+    write_inputs,
+)
 
 pytestmark = pytest.mark.flink
 
@@ -80,6 +89,7 @@ def test_outputs_and_memory_match_the_embedded_engine(
     assert type(got_mem["k2"]["blob"]) is bytes and got_mem["k2"]["blob"] == bytes([11, 0, 255])
 
 
+@kills_a_python_worker
 def test_after_a_worker_crash_replay_gives_the_same_outputs_and_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -46,6 +46,14 @@ def register(sub: Any) -> argparse.ArgumentParser:
     run.add_argument("--aligned-checkpoints", action="store_true", help="disable unaligned ones")
     run.add_argument("--bundle-size", type=int, default=100, help="python.fn-execution.bundle.size")
     run.add_argument("--bundle-time", type=int, default=10, metavar="MS")
+    run.add_argument(
+        "--execution-mode",
+        choices=["process", "thread"],
+        default=None,
+        help="Python workers in separate processes (default) or in the TaskManager's JVM "
+        "(thread, Pemja: faster per record); restore a job in the mode it ran in "
+        "(default: $RATCHET_FLINK_EXECUTION_MODE, else process)",
+    )
     run.add_argument("--max-concurrent-tasks", type=int, default=64, help="per subtask")
     run.add_argument(
         "--max-concurrent-runs",
@@ -134,6 +142,7 @@ def _config(args: argparse.Namespace) -> Any:
         unaligned_checkpoints=not args.aligned_checkpoints,
         bundle_size=args.bundle_size,
         bundle_time_ms=args.bundle_time,
+        **({"execution_mode": args.execution_mode} if args.execution_mode else {}),
         tmp_dir=args.tmp_dir,
         core=CoreConfig(
             max_concurrent_tasks=args.max_concurrent_tasks,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +13,12 @@ from ratchet.runtime._flink_core import CoreConfig
 
 _BACKENDS = ("rocksdb", "hashmap")
 _RESTARTS = ("fixed-delay", "exponential-delay", "none")
+_MODES = ("process", "thread")
+
+
+def _default_mode() -> str:
+    # The environment variable lets a whole test suite or benchmark run in thread mode.
+    return os.environ.get("RATCHET_FLINK_EXECUTION_MODE", "process")
 
 
 @dataclass
@@ -32,6 +40,10 @@ class FlinkConfig:
     bundle_size: int = 100
     bundle_time_ms: int = 10
     buffer_timeout_ms: int = 5
+    # Where the Python functions run: "process" (separate Python workers, Beam's gRPC between
+    # them and the JVM) or "thread" (Pemja, embedded in the TaskManager's JVM; docs/flink.md).
+    # A job's keyed state is laid out for its mode: restore it in the same mode.
+    execution_mode: str = field(default_factory=_default_mode)
     python_executable: str = field(default_factory=lambda: sys.executable)
     tmp_dir: str | None = None
     core: CoreConfig = field(default_factory=CoreConfig)
@@ -51,6 +63,10 @@ class FlinkConfig:
         if self.restart_strategy not in _RESTARTS:
             raise ConfigError(
                 f"restart strategy {self.restart_strategy!r} is not one of {', '.join(_RESTARTS)}"
+            )
+        if self.execution_mode not in _MODES:
+            raise ConfigError(
+                f"execution mode {self.execution_mode!r} is not one of {', '.join(_MODES)}"
             )
         if self.checkpoint_interval_ms < 10:
             raise ConfigError("checkpoint interval must be at least 10 ms (Flink's minimum)")
@@ -74,7 +90,7 @@ class FlinkConfig:
             "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
             "state.backend.type": self.state_backend,
             "parallelism.default": str(self.parallelism),
-            "python.execution-mode": "process",
+            "python.execution-mode": self.execution_mode,
             "python.executable": self.python_executable,
             "python.client.executable": self.python_executable,
             "python.fn-execution.bundle.size": str(self.bundle_size),
@@ -94,6 +110,12 @@ class FlinkConfig:
             conf["restart-strategy.exponential-delay.attempts-before-reset-backoff"] = str(
                 self.restart_attempts
             )
+        if self.execution_mode == "thread":
+            # The embedded interpreter starts from the base Python's paths, not the venv's:
+            # without its site-packages it does not even find pemja.
+            paths = _site_packages(self.python_executable)
+            if paths:
+                conf["python.pythonpath"] = paths
         if self.checkpoint_dir:
             conf["execution.checkpointing.storage"] = "filesystem"
             conf["execution.checkpointing.dir"] = _uri(self.checkpoint_dir)
@@ -108,3 +130,23 @@ def _uri(path: str) -> str:
     if "://" in path:
         return path
     return Path(path).resolve().as_uri()
+
+
+def _site_packages(python: str) -> str | None:
+    """The site-packages folders of the Python at `python` (None if it cannot be asked)."""
+    code = (
+        "import os, sysconfig; p = sysconfig.get_paths(); "
+        "print(os.pathsep.join(dict.fromkeys([p['purelib'], p['platlib']])))"
+    )
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
+        p = sysconfig.get_paths()
+        return os.pathsep.join(dict.fromkeys([p["purelib"], p["platlib"]]))
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None  # a cluster's interpreter path need not exist on the client
+    return out.stdout.strip() or None

@@ -113,7 +113,8 @@ def parse_line(
 
 
 class _State:
-    """`KeyStore` over the function's keyed state (the current key is set by Flink)."""
+    """`KeyStore` over the function's keyed state in process mode (the current key is set by
+    Flink): byte-array values, the layout savepoints of earlier versions hold."""
 
     def __init__(self, rc: RuntimeContext) -> None:
         self.key = rc.get_state(ValueStateDescriptor("ratchet-key", _BYTES))
@@ -161,6 +162,62 @@ class _State:
         self.calls_st.clear()
 
 
+class _TextState:
+    """`KeyStore` over STRING keyed state, for thread mode: each value is the latin-1 text of
+    its bytes (one character per byte, so the round trip is exact).
+
+    PyFlink 2.3's thread mode (Pemja) converts a byte-array state value element by element,
+    to a tuple of ints, and fails on an empty one; a STRING crosses as a Java String. Other
+    names than process mode's: a job restores in the mode it ran in (docs/flink.md)."""
+
+    def __init__(self, rc: RuntimeContext) -> None:
+        s = Types.STRING()
+        self.key = rc.get_state(ValueStateDescriptor("ratchet-key-t", s))
+        self.inputs_st = rc.get_map_state(MapStateDescriptor("ratchet-inputs-t", Types.LONG(), s))
+        self.run = rc.get_state(ValueStateDescriptor("ratchet-run-t", s))
+        self.calls_st = rc.get_map_state(MapStateDescriptor("ratchet-calls-t", s, s))
+
+    def get_key(self) -> bytes | None:
+        v = self.key.value()
+        return None if v is None else v.encode("latin-1")
+
+    def put_key(self, value: bytes) -> None:
+        self.key.update(value.decode("latin-1"))
+
+    def inputs(self) -> list[tuple[int, bytes]]:
+        return [(int(k), v.encode("latin-1")) for k, v in self.inputs_st.items()]
+
+    def put_input(self, seq: int, value: bytes) -> None:
+        self.inputs_st.put(seq, value.decode("latin-1"))
+
+    def remove_input(self, seq: int) -> None:
+        self.inputs_st.remove(seq)
+
+    def get_run(self) -> bytes | None:
+        v = self.run.value()
+        return None if v is None else v.encode("latin-1")
+
+    def put_run(self, value: bytes) -> None:
+        self.run.update(value.decode("latin-1"))
+
+    def clear_run(self) -> None:
+        self.run.clear()
+
+    def calls(self) -> list[bytes]:
+        return [v.encode("latin-1") for v in self.calls_st.values()]
+
+    def put_call(self, name: str, value: bytes) -> None:
+        self.calls_st.put(name, value.decode("latin-1"))
+
+    def clear_calls(self) -> None:
+        self.calls_st.clear()
+
+
+def thread_mode(rc: RuntimeContext) -> bool:
+    """Whether this function runs embedded in the JVM (PyFlink's thread mode, Pemja)."""
+    return ".embedded." in type(rc).__module__
+
+
 class AgentFunction(KeyedProcessFunction):
     """Runs a ratchet agent per key: the same run machine as the embedded engine.
 
@@ -203,10 +260,14 @@ class AgentFunction(KeyedProcessFunction):
             AgentBinding(agent, self.agent_config), self.core_config, journal=journal
         )
         self.core.open()
-        self.state = _State(runtime_context)
+        self._thread = thread_mode(runtime_context)
+        self.state: _State | _TextState = (
+            _TextState(runtime_context) if self._thread else _State(runtime_context)
+        )
         # PyFlink's keyed state backend of this worker: a callback may apply another key's
         # finished tasks by making that key current (its state and timers), then back.
         self._backend = getattr(runtime_context, "_keyed_state_backend", None)
+        self._set_key = self._key_setter()
         self._timers_due: dict[Any, int] = {}  # key -> its pending processing-time timer
         self._metrics(runtime_context)
 
@@ -243,7 +304,7 @@ class AgentFunction(KeyedProcessFunction):
         end = ctx.time_domain() == TimeDomain.EVENT_TIME and timestamp >= END_OF_INPUT
         if not end and self._timers_due.get(key) == timestamp:
             del self._timers_due[key]
-        if end and self._backend is not None:
+        if end and self._set_key is not None:
             # End of a bounded input: every key of this worker drains at once (not one key
             # per end timer), then this key's own state is current again.
             step = self.core.timer(key, self.state)
@@ -277,9 +338,30 @@ class AgentFunction(KeyedProcessFunction):
             for seq in step.completed:
                 yield PROGRESS_TAG, json.dumps({"key": key, "seq": seq})
 
-    def _switch(self, key: Any) -> _State:
-        assert self._backend is not None
-        self._backend.set_current_key(Row(flink_key(key)))
+    def _key_setter(self) -> Any:
+        """How this worker makes a Flink key current: process mode's Python backend takes a
+        Row; thread mode's (Pemja) wraps the JVM's backend, whose keys are `Row(key)` too
+        (PyFlink's `KeyByKeySelector`), set there directly."""
+        backend = self._backend
+        if backend is None:
+            return None
+        if not self._thread:
+            return lambda fkey: backend.set_current_key(Row(fkey))
+        from pemja import findClass  # type: ignore[import-not-found]
+
+        jrow = findClass("org.apache.flink.types.Row")
+        jbackend = backend._keyed_state_backend
+
+        def set_key(fkey: str) -> None:
+            row = jrow(1)
+            row.setField(0, fkey)
+            jbackend.setCurrentKey(row)
+
+        return set_key
+
+    def _switch(self, key: Any) -> _State | _TextState:
+        assert self._set_key is not None
+        self._set_key(flink_key(key))
         return self.state
 
     def _timers(self, ctx: Any, key: Any, step: Step, register_end: bool) -> None:

@@ -85,11 +85,14 @@ while alive(worker, wstart):
 
 def start_parent_watchdog(interval: float = 1.0) -> bool:
     """Start (once per process) the watcher that ends this worker when its JVM is gone.
-    Returns whether one runs (False where there is no /proc or no java ancestor)."""
+    Returns whether one runs (False where there is no /proc or no java ancestor, and in
+    thread mode, where the worker is the JVM itself)."""
     global _started, _watcher
     with _lock:
         if _started:
             return True
+        if _comm(os.getpid()) == "java":
+            return False  # thread mode: this interpreter is inside the JVM, and dies with it
         jvm = jvm_ancestor()
         me = _stat(os.getpid())
         if jvm is None or me is None:

@@ -500,11 +500,18 @@ class AgentCore:
         memory: dict[str, Any] = {}
         next_dispatch = 0
         raw = store.get_key()
-        if raw is not None:
-            data = decoded("ratchet-key", key, codec.decode, raw)
-            memory = decoded("ratchet-key", key, lambda: decode_memory(data["m"]))
-            next_dispatch = data["d"]
-            info.next_seq = data["n"]
+        if raw is None:
+            # A key never written: every callback that writes a key's run or inputs also
+            # writes its key record (admitting an input marks it dirty), so there is nothing
+            # else to read (each read is a round trip to the JVM in process mode).
+            self.machine.load_key(key, memory, next_dispatch, None, [])
+            if self._journal_keys:
+                self._read_journal(key, info, info.next_seq)
+            return info
+        data = decoded("ratchet-key", key, codec.decode, raw)
+        memory = decoded("ratchet-key", key, lambda: decode_memory(data["m"]))
+        next_dispatch = data["d"]
+        info.next_seq = data["n"]
         run_raw = store.get_run()
         run = decoded("ratchet-run", key, decode_run, b, key, run_raw) if run_raw else None
         queued = []

@@ -268,7 +268,6 @@ class AgentFunction(KeyedProcessFunction):
         # finished tasks by making that key current (its state and timers), then back.
         self._backend = getattr(runtime_context, "_keyed_state_backend", None)
         self._set_key = self._key_setter()
-        self._timers_due: dict[Any, int] = {}  # key -> its pending processing-time timer
         self._metrics(runtime_context)
 
     def _metrics(self, rc: RuntimeContext) -> None:
@@ -302,8 +301,6 @@ class AgentFunction(KeyedProcessFunction):
         assert self.core is not None
         key = native_key(ctx.get_current_key())
         end = ctx.time_domain() == TimeDomain.EVENT_TIME and timestamp >= END_OF_INPUT
-        if not end and self._timers_due.get(key) == timestamp:
-            del self._timers_due[key]
         if end and self._set_key is not None:
             # End of a bounded input: every key of this worker drains at once (not one key
             # per end timer), then this key's own state is current again.
@@ -368,11 +365,7 @@ class AgentFunction(KeyedProcessFunction):
         ts = ctx.timer_service()
         if step.poll_ms is not None:
             now = ts.current_processing_time()
-            due = self._timers_due.get(key)
-            if due is None or due < now:
-                # One pending timer per key: its callback registers the next one.
-                self._timers_due[key] = now + step.poll_ms
-                ts.register_processing_time_timer(now + step.poll_ms)
+            ts.register_processing_time_timer(now + step.poll_ms)
             # The backstop (see BACKSTOP_MS): a checkpoint can lack the poll timer above.
             ts.register_processing_time_timer((now + BACKSTOP_MS) // 1000 * 1000 + 1000)
         if step.active or register_end:

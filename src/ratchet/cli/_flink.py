@@ -189,7 +189,7 @@ def _open_journal(args: argparse.Namespace, config: Any) -> Any:
 
 
 def _pruner(args: argparse.Namespace, journal: Any, rest: str, job_id: str) -> Any:
-    from ratchet.flink._prune import JournalPruner
+    from ratchet.runtime._journal_prune import JournalPruner
 
     pruner = JournalPruner(journal, rest, job_id, margin_s=args.call_journal_margin)
     pruner.start()

@@ -366,22 +366,18 @@ def cmd_prune_journal(args: argparse.Namespace) -> int:
     except RatchetError as exc:
         print(f"ratchet flink: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    pruned = 0
+    from ratchet.runtime._journal_prune import JournalPruner
+
+    pruner = JournalPruner(journal, jm.base, args.job, margin_s=args.call_journal_margin)
     try:
         while True:
-            # The rule of ratchet.flink._prune (see there and docs/flink.md): records of runs
-            # completed `margin` before the latest completed checkpoint's trigger time.
-            latest = (jm.checkpoints(args.job).get("latest") or {}).get("completed") or {}
-            if latest.get("trigger_timestamp") is not None:
-                before = float(latest["trigger_timestamp"]) / 1000.0 - args.call_journal_margin
-                try:
-                    n = journal.prune(before)
-                except Exception as exc:  # noqa: BLE001 - a journal fault: the next pass retries
-                    print(f"ratchet flink: not pruned this pass: {exc}", file=sys.stderr)
-                    n = 0
-                pruned += n
-                if n:
-                    print(f"ratchet flink: {n} call record(s) pruned", file=sys.stderr, flush=True)
+            try:
+                n = pruner.step()
+            except Exception as exc:  # noqa: BLE001 - a journal or REST fault: the next pass retries
+                print(f"ratchet flink: not pruned this pass: {exc}", file=sys.stderr)
+                n = 0
+            if n:
+                print(f"ratchet flink: {n} call record(s) pruned", file=sys.stderr, flush=True)
             if args.once or jm.job(args.job).get("state") in TERMINAL:
                 break
             SYSTEM_CLOCK.sleep_sync(args.every)
@@ -389,5 +385,5 @@ def cmd_prune_journal(args: argparse.Namespace) -> int:
         return _fail(exc)
     finally:
         journal.close()
-    print(json.dumps({"job_id": args.job, "pruned": pruned}))
+    print(json.dumps({"job_id": args.job, "pruned": pruner.pruned}))
     return EXIT_OK

@@ -1,9 +1,10 @@
 """A followed (unbounded) input whose Python worker is SIGKILLed three times while every key has
 runs in flight: after each restore every key runs again, and all its outputs are committed
 exactly once. There is no end of input here to fire end timers, so a key whose restored state
-has work and no processing-time timer would never run again: before the backstop timer
-(`BACKSTOP_MS` in ratchet/flink/_function.py) about one kill in four left the job idle
-forever, with every task of the restarted job waiting and checkpoints still completing."""
+has work and no processing-time timer would never run again: PyFlink's process mode leaves the
+timers of the bundle a checkpoint barrier finishes out of that checkpoint, and before the wake
+registries (docs/flink.md) this test lost the key whose inputs came last in about one run in
+ten (in 1 of 12 loop runs, and in a CI run)."""
 
 from __future__ import annotations
 

@@ -9,28 +9,24 @@ from typing import Any
 from pyflink.common import Row, Types
 from pyflink.datastream import KeyedProcessFunction, OutputTag, ProcessFunction, RuntimeContext
 from pyflink.datastream.functions import TimeDomain
-from pyflink.datastream.state import MapStateDescriptor, ValueStateDescriptor
+from pyflink.datastream.state import MapState, MapStateDescriptor, ValueStateDescriptor
 
 from ratchet._errors import BadInputError, ConfigError
 from ratchet.flink._watchdog import start_parent_watchdog
 from ratchet.runtime._flink_core import AgentCore, CoreConfig, Step, flink_key, native_key
+from ratchet.runtime._flink_keygroups import WAKE_PREFIX, key_group, key_group_range, wake_key
 from ratchet.runtime._io import _parse
 from ratchet.runtime._journal import encode_memory
 
 log = logging.getLogger("ratchet.flink")
 
+
 # Event-time timers at this timestamp fire only at the end of a bounded input (the source's
 # final watermark); the operator then waits until the key's runs are done.
 END_OF_INPUT = (1 << 63) - 2
 
-# A key with work running also keeps a processing-time timer this far ahead (rounded up to a
-# whole second, so that the callbacks of one second register one timer, not one each). Its
-# short poll timer alone is not enough: a checkpoint can hold a key's state without the poll
-# timer its last callback registered (the JVM fired the previous one and the new registration
-# had not reached it; seen after restores in about one Python-worker kill in four, with
-# `--follow`), and after a restore from it the key had work and no timer: it never ran again.
-# The backstop was registered at least one callback earlier, so the checkpoint holds it.
-BACKSTOP_MS = 3000
+# The wake registries' heartbeat period (see `AgentFunction._sweep`).
+HEARTBEAT_MS = 1000
 
 MEMORY_TAG = OutputTag("ratchet-memory", Types.STRING())
 """Side output of `apply_agent(..., emit_memory=True)`: one JSON line per key at end of input,
@@ -269,6 +265,21 @@ class AgentFunction(KeyedProcessFunction):
         self._backend = getattr(runtime_context, "_keyed_state_backend", None)
         self._set_key = self._key_setter()
         self._metrics(runtime_context)
+        # The wake registries (process mode only; see `_sweep`): this subtask's key groups.
+        self._wake: MapState | None = None
+        self._swept = False
+        self._groups: range = range(0)
+        self._max_par = 0
+        if not self._thread and self._set_key is not None:
+            self._max_par = runtime_context.get_max_number_of_parallel_subtasks()
+            self._groups = key_group_range(
+                self._max_par,
+                runtime_context.get_number_of_parallel_subtasks(),
+                runtime_context.get_index_of_this_subtask(),
+            )
+            self._wake = runtime_context.get_map_state(
+                MapStateDescriptor("ratchet-wake", Types.STRING(), Types.BOOLEAN())
+            )
 
     def _metrics(self, rc: RuntimeContext) -> None:
         core = self.core
@@ -289,17 +300,28 @@ class AgentFunction(KeyedProcessFunction):
 
     def process_element(self, value: Any, ctx: KeyedProcessFunction.Context) -> Any:
         assert self.core is not None
-        key = native_key(ctx.get_current_key())
+        fkey = ctx.get_current_key()
+        if not self._swept:
+            yield from self._sweep(ctx, fkey)
+        key = native_key(fkey)
         if self.json_pairs:
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
         self._m_inputs.inc()
         self._timers(ctx, key, step, register_end=self.emit_memory)
+        self._update_wake(fkey, step)
         yield from self._emit(key, step)
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Any:
         assert self.core is not None
-        key = native_key(ctx.get_current_key())
+        fkey = ctx.get_current_key()
+        if not self._swept:
+            yield from self._sweep(ctx, fkey)
+        if fkey.startswith(WAKE_PREFIX):
+            if self._groups and fkey == wake_key(self._groups[0], self._max_par):
+                self._heartbeat(ctx)
+            return  # a wake registry's own timer (a rescaled job's old one is let go)
+        key = native_key(fkey)
         end = ctx.time_domain() == TimeDomain.EVENT_TIME and timestamp >= END_OF_INPUT
         if end and self._set_key is not None:
             # End of a bounded input: every key of this worker drains at once (not one key
@@ -308,6 +330,7 @@ class AgentFunction(KeyedProcessFunction):
             yield from self._emit(key, step)
             for other, st in self.core.drain(self._switch):
                 self._timers(ctx, other, st, register_end=False)
+                self._update_wake(flink_key(other), st)
                 yield from self._emit(other, st)
             self._switch(key)
             step = self.core.timer(key, self.state, end=True)
@@ -315,6 +338,7 @@ class AgentFunction(KeyedProcessFunction):
             step = self.core.timer(key, self.state, end=end)
         if not end:
             self._timers(ctx, key, step, register_end=False)
+        self._update_wake(fkey, step)
         yield from self._emit(key, step)
         if end and self.emit_memory:
             import base64
@@ -326,6 +350,63 @@ class AgentFunction(KeyedProcessFunction):
                 if admitted is not None:  # which of a key's records is the latest
                     rec["inputs"] = admitted
                 yield MEMORY_TAG, json.dumps(rec)
+
+    # -- the wake registries (process mode) -----------------------------------------------
+    #
+    # In process mode PyFlink registers the timers a bundle of callbacks asks for through the
+    # task's mailbox, after that bundle; a checkpoint barrier finishes the open bundle and
+    # snapshots at once, so the checkpoint holds the bundle's state writes but not its timer
+    # registrations (flink-python 2.3: `prepareSnapshotPreBarrier` finishes the bundle, and
+    # only a watermark drains the registrations still queued). A key whose work started in
+    # that bundle is restored with work and no timer: nothing would ever call it again. So
+    # each key with work is also listed, in the same callback, in its key group's registry
+    # (keyed state under a reserved key of that group, so it is in the same checkpoint), and
+    # a new worker's first callback reads the registries of its key groups and calls every
+    # listed key it has not seen (`_sweep`), which registers its timers anew. A per-subtask
+    # heartbeat timer, renewed a second ahead of the one in flight, makes sure a callback
+    # comes after a restore even if no input does. Thread mode registers timers at once.
+
+    def _update_wake(self, fkey: str, step: Step) -> None:
+        if self._wake is None or not step.wake or self._set_key is None:
+            return
+        self._set_key(wake_key(key_group(fkey, self._max_par), self._max_par))
+        if step.wake > 0:
+            self._wake.put(fkey, True)
+        else:
+            self._wake.remove(fkey)
+        self._set_key(fkey)
+
+    def _sweep(self, ctx: Any, current: str) -> Any:
+        """Once per worker, at its first callback: call every key the registries of this
+        subtask's key groups list and this worker has not loaded (after a restore: keys that
+        may have work and no timer); their timers are registered as at any callback."""
+        self._swept = True
+        if self._wake is None or self._set_key is None:
+            return
+        assert self.core is not None
+        for group in self._groups:
+            wkey = wake_key(group, self._max_par)
+            self._set_key(wkey)
+            for fkey in list(self._wake.keys()):
+                key = native_key(fkey)
+                if self.core.loaded(key):
+                    continue
+                self._set_key(fkey)
+                step = self.core.timer(key, self.state)
+                self._timers(ctx, key, step, register_end=self.emit_memory)
+                self._update_wake(fkey, step)
+                yield from self._emit(key, step)
+        self._set_key(wake_key(self._groups[0], self._max_par))
+        self._heartbeat(ctx)
+        self._set_key(current)
+
+    def _heartbeat(self, ctx: Any) -> None:
+        """This subtask's heartbeat (its first group's wake key current): two timers, one and
+        two seconds ahead, so a checkpoint always holds one registered a callback earlier."""
+        ts = ctx.timer_service()
+        second = ts.current_processing_time() // 1000 * 1000
+        ts.register_processing_time_timer(second + HEARTBEAT_MS)
+        ts.register_processing_time_timer(second + 2 * HEARTBEAT_MS)
 
     def _emit(self, key: Any, step: Step) -> Any:
         if step.outputs:
@@ -366,7 +447,5 @@ class AgentFunction(KeyedProcessFunction):
         if step.poll_ms is not None:
             now = ts.current_processing_time()
             ts.register_processing_time_timer(now + step.poll_ms)
-            # The backstop (see BACKSTOP_MS): a checkpoint can lack the poll timer above.
-            ts.register_processing_time_timer((now + BACKSTOP_MS) // 1000 * 1000 + 1000)
         if step.active or register_end:
             ts.register_event_time_timer(END_OF_INPUT)

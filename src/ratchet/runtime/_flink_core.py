@@ -120,6 +120,9 @@ class Step:
     completed: list[int] = field(default_factory=list)  # seqs of the key's runs that ended
     poll_ms: int | None = None  # register a processing-time timer this far ahead
     active: bool = False  # the key has a run or queued inputs
+    # The key's entry in its key group's wake registry (see `flink/_function.py`): +1 add it
+    # (the key has work), -1 remove it (idle now), 0 nothing to change.
+    wake: int = 0
 
 
 @dataclass(eq=False)
@@ -135,6 +138,8 @@ class _Key:
     # Records from the external call journal for runs not started yet, by seq.
     journalled: dict[int, list[JournalledCall]] = field(default_factory=dict)
     run_input: tuple[int, str] | None = None  # (seq, fingerprint of its input) of the last run
+    # Whether the key is in its wake registry: None after a load from state (not known).
+    registered: bool | None = None
 
 
 class _KeyWriter:
@@ -483,6 +488,10 @@ class AgentCore:
         raw = store.get_key()
         return None if raw is None else decode_memory(codec.decode(raw)["m"])
 
+    def loaded(self, key: Any) -> bool:
+        """Whether this core has the key loaded (it had a callback since this worker began)."""
+        return key in self._keys
+
     def admitted(self, key: Any) -> int | None:
         """How many inputs the key has admitted (None if it is not loaded)."""
         info = self._keys.get(key)
@@ -505,6 +514,7 @@ class AgentCore:
             # writes its key record (admitting an input marks it dirty), so there is nothing
             # else to read (each read is a round trip to the JVM in process mode).
             self.machine.load_key(key, memory, next_dispatch, None, [])
+            info.registered = False  # only a key with state can be registered
             if self._journal_keys:
                 self._read_journal(key, info, info.next_seq)
             return info
@@ -601,6 +611,9 @@ class AgentCore:
                     store.put_call(f"{rec.task_id}#{rec.idx}", encode_call(rec))
                     info.calls_written = True
         step.active = run is not None or bool(ks.queue)
+        if step.active != info.registered:
+            step.wake = 1 if step.active else -1
+            info.registered = step.active
         if info.executing > 0:
             step.poll_ms = info.poll_ms  # work running: call again
         elif step.active:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink uses .venv-flink)")
@@ -27,7 +29,12 @@ def test_thread_mode_puts_the_venvs_site_packages_on_the_embedded_path(
     monkeypatch.setenv("RATCHET_FLINK_EXECUTION_MODE", "thread")
     conf = FlinkConfig().to_flink()
     assert conf["python.execution-mode"] == "thread"
-    assert sysconfig.get_paths()["purelib"] in conf["python.pythonpath"].split(":")
+    paths = conf["python.pythonpath"].split(":")
+    assert sysconfig.get_paths()["purelib"] in paths
+    # An editable install of ratchet is a `.pth` line the embedded interpreter would not read.
+    import ratchet
+
+    assert str(Path(ratchet.__file__).resolve().parent.parent) in paths
 
 
 def test_an_unknown_mode_is_refused_by_name() -> None:

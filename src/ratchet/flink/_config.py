@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,20 +132,18 @@ def _uri(path: str) -> str:
 
 
 def _site_packages(python: str) -> str | None:
-    """The site-packages folders of the Python at `python` (None if it cannot be asked)."""
-    code = (
-        "import os, sysconfig; p = sysconfig.get_paths(); "
-        "print(os.pathsep.join(dict.fromkeys([p['purelib'], p['platlib']])))"
-    )
-    if os.path.abspath(python) == os.path.abspath(sys.executable):
-        p = sysconfig.get_paths()
-        return os.pathsep.join(dict.fromkeys([p["purelib"], p["platlib"]]))
+    """The import path of the Python at `python` as its `site` makes it: its site-packages
+    folders and what their `.pth` files add (an editable install of ratchet is such a line,
+    which the embedded interpreter would not read: "No module named 'ratchet'"). PYTHONPATH
+    is left out (the embedded interpreter reads it from the environment itself). None if the
+    interpreter cannot be asked (a cluster's interpreter path need not exist on the client)."""
     import subprocess
 
+    code = "import os, sys; print(os.pathsep.join(p for p in sys.path[1:] if p))"
     try:
         out = subprocess.run(
-            [python, "-c", code], capture_output=True, text=True, timeout=30, check=True
+            [python, "-E", "-c", code], capture_output=True, text=True, timeout=30, check=True
         )
     except (OSError, subprocess.SubprocessError):
-        return None  # a cluster's interpreter path need not exist on the client
+        return None
     return out.stdout.strip() or None

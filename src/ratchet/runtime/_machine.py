@@ -44,7 +44,10 @@ class TaskResult:
     stm_ops: list[tuple[Any, ...]]
     sensory_ops: list[tuple[Any, ...]]
     events: list[Any]
-    trace: dict[str, Any] | None = None  # how it ran (timing, attempts, calls), for run traces
+    # How it ran, for run traces: beyond its start and duration (attempts, calls, notes).
+    trace: dict[str, Any] | None = None
+    started: float | None = None  # when it started (None: not timed, e.g. replayed)
+    duration: float = 0.0
 
 
 # JournalEntry and Output are values, never changed once made; not `frozen=True` dataclasses
@@ -113,7 +116,13 @@ class Run:
     fires: dict[int, tuple[str, Any]] = field(default_factory=dict)
     notes: dict[str, JournalEntry] = field(default_factory=dict)  # replayed annotations
     errors: list[Any] = field(default_factory=list)  # error outputs: the run failed
-    trace: list[dict[str, Any]] = field(default_factory=list)  # committed tasks, as they ran
+    # committed tasks, as they ran: (task id, action, dispatch index, event, replayed, result)
+    trace: list[TraceStep] = field(default_factory=list)
+
+
+# One committed task in a run's trace, as the machine keeps it until the run completes:
+# (task id, action, dispatch index, event, replayed, result); `trace_dicts` spells it out.
+TraceStep = tuple[str, str, int, Any, bool, TaskResult]
 
 
 @dataclass(slots=True)
@@ -256,9 +265,9 @@ class Machine:
         # Keep what each committed task did, for run traces (`describe_event(event)` names an
         # event for the trace); None: no traces.
         self.describe_event: Callable[[Any], str] | None = None
-        # `pack_trace(started at, tasks)`: a completed run's trace as stored, made when the run
+        # `pack_trace(started at, steps)`: a completed run's trace as stored, made when the run
         # completes rather than at the checkpoint (so its objects do not outlive the run).
-        self.pack_trace: Callable[[float | None, list[dict[str, Any]]], bytes] | None = None
+        self.pack_trace: Callable[[float | None, list[TraceStep]], bytes] | None = None
         # Collect the long-term memory writes of completed runs into the delta (an agent that
         # uses long-term memory; others pay nothing for it).
         self.collect_ltm = False
@@ -447,14 +456,15 @@ class Machine:
         run.journal.append(entry)
         self._dirty_runs.add(run.seq)
         if self.describe_event is not None:
-            self._trace(task, res)
+            run.trace.append(
+                (task.task_id, task.action, task.dispatch_index, task.event, task.replayed, res)
+            )
         is_output = run.is_output or self._is_output
         delayed = self._delayed
         for index, event in enumerate(res.events):
-            event_id = f"{task.task_id}.{index}"
             timed = delayed(event) if delayed is not None else None
             if timed is not None:
-                self._schedule(run, event_id, *timed)
+                self._schedule(run, f"{task.task_id}.{index}", *timed)
                 continue
             if is_output(event):
                 if self._is_error is not None and self._is_error(event):
@@ -471,25 +481,7 @@ class Machine:
                     self.outputs.append(out)
                     self._delta.outputs[out.id] = out
                 continue
-            self._deliver(run, event_id, event)
-
-    def _trace(self, task: Task, res: TaskResult) -> None:
-        describe = self.describe_event
-        assert describe is not None
-        step: dict[str, Any] = {
-            "task": task.task_id,
-            "action": task.action,
-            "index": task.dispatch_index,
-            "on": describe(task.event),
-            "replayed": task.replayed,
-            "memory": [
-                [op[0], op[1], *([_short(op[2])] if len(op) > 2 else [])] for op in res.stm_ops
-            ],
-            "events": [describe(e) for e in res.events],
-        }
-        if res.trace:
-            step.update(res.trace)
-        task.run.trace.append(step)
+            self._deliver(run, f"{task.task_id}.{index}", event)
 
     def _schedule(self, run: Run, event_id: str, due: float, event: Any) -> None:
         note = run.notes.pop(f"{FIRE_NOTE}{event_id}", None)
@@ -646,9 +638,15 @@ class Machine:
         self.buffered_inputs -= 1
         self.completed.append(run)
         d = self._delta
-        if self.describe_event is not None:
+        describe = self.describe_event
+        if describe is not None:
             pack = self.pack_trace
-            steps = run.trace if pack is None else pack(run.started_at, run.trace)
+            steps: list[dict[str, Any]] | bytes
+            if pack is None:
+                steps = trace_dicts(run.trace, describe)
+            else:
+                steps = pack(run.started_at, run.trace)
+            run.trace = []
             d.traces[run.seq] = (run.key, bool(run.errors), run.started_at, steps)
         if run.errors:
             self.runs_failed += 1
@@ -782,6 +780,34 @@ class Machine:
         """Forget the change tracking kept for `capture` (for engines that never call it)."""
         self._delta = Delta()
         self._dirty_runs.clear()
+
+
+def trace_dicts(steps: list[TraceStep], describe: Callable[[Any], str]) -> list[dict[str, Any]]:
+    """A run's trace steps as the dicts a stored trace holds (`ratchet trace`, OpenTelemetry):
+    what each task did, and how it ran (its start and duration when it was timed)."""
+    out = []
+    for task_id, action, index, event, replayed, res in steps:
+        step: dict[str, Any] = {
+            "task": task_id,
+            "action": action,
+            "index": index,
+            "on": describe(event),
+            "replayed": replayed,
+            "memory": memory_trace(res.stm_ops),
+            "events": [describe(e) for e in res.events],
+        }
+        if res.started is not None:
+            step["started"] = res.started
+            step["duration"] = res.duration
+        if res.trace:
+            step.update(res.trace)
+        out.append(step)
+    return out
+
+
+def memory_trace(ops: list[tuple[Any, ...]]) -> list[list[Any]]:
+    """A task's memory ops as its trace step shows them (values cut short)."""
+    return [[op[0], op[1], *([_short(op[2])] if len(op) > 2 else [])] for op in ops]
 
 
 def _short(value: Any, limit: int = 200) -> Any:

@@ -1274,9 +1274,13 @@ class Engine:
         rows.completed = list(delta.completed)
         for seq, run in delta.runs.items():
             rows.runs.append((seq, enc(run.key), run.base_dispatch, encode_journal(b, run.journal)))
+        built = codec.encode_built
         for out in delta.outputs.values():
             record = sink_records[out.id] = b.output_record(out)
-            rows.outbox.append((out.id, out.seq, enc(record)))
+            # An output whose fields the codec encoded when it was sent is admitted: its
+            # record (ratchet's fields around them) packs as it is, to the same bytes.
+            blob = built(record) if getattr(out.event, "encoded", False) else enc(record)
+            rows.outbox.append((out.id, out.seq, blob))
         for op in delta.ltm:
             if op[0] == LTM_ADD:
                 _k, scope, ltm_id, text, meta, vector, at = op

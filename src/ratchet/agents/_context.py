@@ -794,7 +794,9 @@ class AgentBinding:
         )
 
     def is_output(self, event: Emitted) -> bool:
-        kind = self._kind(event.cls)
+        kind = self._kinds.get(event.cls)
+        if kind is None:
+            kind = self._kind(event.cls)
         if kind & _OUTPUT:
             return True
         # A failure nobody handles is reported as an output rather than vanishing.

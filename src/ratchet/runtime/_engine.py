@@ -279,7 +279,7 @@ def _trace_packer(
                 describe(event),
                 replayed,
                 memory_trace(ops) if ops else [],
-                [describe(e) for e in res.events],
+                list(map(describe, res.events)),
                 round((began - base) * 1e6),
                 round(res.duration * 1e6),
             ]
@@ -987,6 +987,7 @@ class Engine:
         if m.timers:
             for run, event_id, due in m.take_timers():
                 self._spawn(self._waits.deliver_at(run, event_id, due))
+        calls_for, writer, waits, ltm = self._calls.calls_for, self._writer, self._waits, self._ltm
         while True:
             dispatched, outputs, completed = m.take_effects()
             if outputs:
@@ -1006,12 +1007,6 @@ class Engine:
                 self._poke()
             if not dispatched:
                 return
-            calls_for, writer, waits, ltm = (
-                self._calls.calls_for,
-                self._writer,
-                self._waits,
-                self._ltm,
-            )
             for task in dispatched:
                 outcome = dispatcher.dispatch(task, calls_for(task, writer, waits, ltm))
                 if outcome is None:

@@ -446,12 +446,13 @@ class Machine:
             apply_ops(sensory, res.sensory_ops)
             run.sensory = sensory
         task.state = COMMITTED
+        events = res.events
         entry = JournalEntry(
             task.task_id,
             task.dispatch_index,
-            tuple(res.stm_ops),
-            tuple(res.sensory_ops),
-            tuple(res.events),
+            tuple(res.stm_ops) if res.stm_ops else (),
+            tuple(res.sensory_ops) if res.sensory_ops else (),
+            tuple(events) if events else (),
         )
         run.journal.append(entry)
         self._dirty_runs.add(run.seq)
@@ -461,7 +462,7 @@ class Machine:
             )
         is_output = run.is_output or self._is_output
         delayed = self._delayed
-        for index, event in enumerate(res.events):
+        for index, event in enumerate(events):
             timed = delayed(event) if delayed is not None else None
             if timed is not None:
                 self._schedule(run, f"{task.task_id}.{index}", *timed)
@@ -570,10 +571,13 @@ class Machine:
             ks.version = self.memory_version
             self._delta.keys[key] = (ks.memory, ks.next_dispatch, ks.version)
         seq, event = ks.queue[0]
-        notes = {e.task_id: e for e in journal if e.task_id[:1] == "!"} if journal else {}
-        started = notes.pop(START_NOTE, None)
         memory = ks.memory
         run = Run(key, seq, event, base, base, memory)
+        started = None
+        if journal:
+            notes = {e.task_id: e for e in journal if e.task_id[:1] == "!"}
+            started = notes.pop(START_NOTE, None)
+            run.notes = notes
         if self._expire is not None and self._now is not None:
             # Memory that expired before the run started is gone for it. The time is recorded
             # (when anything could expire) so a replay drops exactly what the run did not see.
@@ -584,7 +588,6 @@ class Machine:
                 run.started_at = now
                 run.journal.append(JournalEntry(START_NOTE, -1, (), (), (now,)))
         run.memory_version = ks.version
-        run.notes = notes
         if pinned is not None:
             run.listeners, run.is_output = pinned.listeners, pinned.is_output
         if journal:

@@ -701,3 +701,53 @@ def test_encode_built_falls_back_for_what_msgpack_refuses() -> None:
         assert codec.encode_built(value) == encode(value)
         assert same(decode(codec.encode_built(value)), value)
     assert codec.encode_built({"after": "a fallback"}) == encode({"after": "a fallback"})
+
+
+# --- encode's shortcut for plain dicts: the bytes lowering would give -------------------------
+
+
+@PROPERTY
+@given(
+    st.dictionaries(st.text(max_size=6) | st.integers(-3, 3) | st.booleans(), values, max_size=4)
+)
+def test_encode_of_a_dict_gives_the_bytes_of_its_lowered_form(value: Any) -> None:
+    try:
+        lowered = codec._pack(codec._lower_top(value, "", False))
+    except codec.CodecError:
+        with pytest.raises(codec.CodecError):
+            encode(value)
+        return
+    assert encode(value) == lowered
+
+
+@PROPERTY
+@given(built_values)
+def test_encode_of_plain_data_gives_the_bytes_of_its_lowered_form(value: Any) -> None:
+    wrapped = {"v": value}
+    assert encode(wrapped) == codec._pack(codec._lower_top(wrapped, "", False))
+
+
+def test_encode_of_a_dict_nested_past_the_limit_is_refused_as_before() -> None:
+    deep: Any = {}
+    for _ in range(codec.MAX_DEPTH + 1):
+        deep = {"d": deep}
+    with pytest.raises(codec.CodecError, match="nested"):
+        encode(deep)
+    ok: Any = {}
+    for _ in range(codec.MAX_DEPTH - 1):
+        ok = {"d": ok}
+    assert decode(encode(ok)) == ok
+
+
+@PROPERTY
+@given(
+    st.dictionaries(st.text(max_size=6) | st.integers(-3, 3) | st.booleans(), values, max_size=4)
+)
+def test_check_admissible_of_a_dict_agrees_with_encode(value: Any) -> None:
+    try:
+        encode(value)
+    except codec.CodecError as exc:
+        with pytest.raises(type(exc)):
+            codec.check_admissible(value, "v")
+        return
+    codec.check_admissible(value, "v")

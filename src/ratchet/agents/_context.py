@@ -107,11 +107,19 @@ class RunnerContext:
         self._stm_view: MemoryObject | None = None
         self._sensory_view: MemoryObject | None = None
         self.events: list[Emitted] = []
-        self._trace_calls: list[dict[str, Any]] = []  # durable calls, for the run's trace
-        self._notes: list[dict[str, Any]] = []
+        # Made when first used (most tasks make no durable call and note nothing):
+        self._trace_calls: list[dict[str, Any]] | None = None  # durable calls, for the trace
+        self._notes: list[dict[str, Any]] | None = None
         self._ltm: Any = None
-        self._ltm_texts: dict[tuple[str, str], int] = {}
+        self._ltm_texts_made: dict[tuple[str, str], int] | None = None
         self.config = config
+
+    @property
+    def _ltm_texts(self) -> dict[tuple[str, str], int]:
+        texts = self._ltm_texts_made
+        if texts is None:
+            texts = self._ltm_texts_made = {}
+        return texts
 
     @property
     def _stm(self) -> MemoryBuffer:
@@ -350,12 +358,15 @@ class RunnerContext:
     def trace_note(self, kind: str, **fields: Any) -> None:
         """Add a note to this task's entry in the run's trace (`ratchet trace`): the chat
         layer notes each model call; an action may note what it decided and why."""
-        self._notes.append(
-            {"kind": _traceable(kind), **{k: _traceable(v) for k, v in fields.items()}}
-        )
+        note = {"kind": _traceable(kind), **{k: _traceable(v) for k, v in fields.items()}}
+        if self._notes is None:
+            self._notes = []
+        self._notes.append(note)
 
     def _traced_call(self, fn: Callable[..., Any]) -> dict[str, Any]:
         entry: dict[str, Any] = {"fn": _fn_name(fn), "at": self._now()}
+        if self._trace_calls is None:
+            self._trace_calls = []
         self._trace_calls.append(entry)
         return entry
 
@@ -563,11 +574,13 @@ class RunnerContext:
                 f"they were recorded (a call is matched by its function and arguments). "
                 f"{UPGRADE_FIXES}"
             )
-        trace: dict[str, Any] = {}
-        if self._trace_calls:
-            trace["calls"] = self._trace_calls
-        if self._notes:
-            trace["notes"] = self._notes
+        trace: dict[str, Any] | None = None
+        if self._trace_calls or self._notes:
+            trace = {}
+            if self._trace_calls:
+                trace["calls"] = self._trace_calls
+            if self._notes:
+                trace["notes"] = self._notes
         stm, sensory = self._stm_buf, self._sensory_buf
         return TaskResult(
             [] if stm is None else stm.ops,
@@ -577,18 +590,21 @@ class RunnerContext:
         )
 
 
-def _clock_of(calls: TaskCalls) -> float:
-    return calls.waits.now() if calls.waits is not None else SYSTEM_CLOCK.now()
+def _clock_of(calls: TaskCalls) -> Callable[[], float]:
+    """Where a task reads the time: the engine's clock, or the system's without one."""
+    return calls.waits.now if calls.waits is not None else SYSTEM_CLOCK.now
 
 
-def _timed(result: TaskResult, calls: TaskCalls, started: float, attempts: int) -> TaskResult:
+def _timed(
+    result: TaskResult, now: Callable[[], float], started: float, attempts: int
+) -> TaskResult:
     """Note when the task started, how long it took and in how many attempts (the trace)."""
-    trace = result.trace if result.trace is not None else {}
-    trace["started"] = started
-    trace["duration"] = _clock_of(calls) - started
+    result.started = started
+    result.duration = now() - started
     if attempts > 1:
-        trace["attempts"] = attempts
-    result.trace = trace
+        if result.trace is None:
+            result.trace = {}
+        result.trace["attempts"] = attempts
     return result
 
 
@@ -778,7 +794,9 @@ class AgentBinding:
         )
 
     def is_output(self, event: Emitted) -> bool:
-        kind = self._kind(event.cls)
+        kind = self._kinds.get(event.cls)
+        if kind is None:
+            kind = self._kind(event.cls)
         if kind & _OUTPUT:
             return True
         # A failure nobody handles is reported as an output rather than vanishing.
@@ -850,8 +868,11 @@ class AgentBinding:
 
     def run_sync(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
+        now = _clock_of(calls)
+        if not calls.replayed and spec.retry is None:
+            return self._run_once(spec.fn, task, calls, now)
         attempt, until = self._resume_attempt(calls) if calls.replayed else (1, None)
-        started = _clock_of(calls)
+        started = now()
         while True:
             if until is not None:
                 # A blocking backoff: a sync action's retry holds its worker thread meanwhile.
@@ -879,15 +900,48 @@ class AgentBinding:
                 if until is not None:
                     attempt += 1
                     continue
-                return _timed(self._error_result(task, exc, attempt), calls, started, attempt)
+                return _timed(self._error_result(task, exc, attempt), now, started, attempt)
             finally:
                 _current.reset(token)
-            return _timed(ctx._result(), calls, started, attempt)
+            return _timed(ctx._result(), now, started, attempt)
+
+    def _run_once(
+        self,
+        fn: Callable[[Event, RunnerContext], Any],
+        task: Task,
+        calls: TaskCalls,
+        now: Callable[[], float],
+    ) -> TaskResult:
+        """`run_sync` for the common case: a first execution (no records) without retries."""
+        started = now()
+        ctx = RunnerContext(task, calls, self.config, self.metrics)
+        token = _current.set(ctx)
+        try:
+            out = fn(task.event.thaw(), ctx)
+            if out is not None and inspect.isawaitable(out):
+                close = getattr(out, "close", None)
+                if close is not None:
+                    close()
+                raise InvalidTypeError(
+                    f"sync action {task.action} returned an awaitable; declare it `async def`"
+                )
+        except ENGINE_FAULTS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+            result = self._error_result(task, exc)
+        else:
+            result = ctx._result()
+        finally:
+            _current.reset(token)
+        result.started = started
+        result.duration = now() - started
+        return result
 
     async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]
         attempt, until = self._resume_attempt(calls)
-        started = _clock_of(calls)
+        now = _clock_of(calls)
+        started = now()
         while True:
             if until is not None:
                 assert calls.waits is not None
@@ -907,11 +961,11 @@ class AgentBinding:
                 if until is not None:
                     attempt += 1
                     continue
-                return _timed(self._error_result(task, exc, attempt), calls, started, attempt)
+                return _timed(self._error_result(task, exc, attempt), now, started, attempt)
             finally:
                 _current.reset(token)
                 _cancel_leftovers(task, children)
-            return _timed(ctx._result(), calls, started, attempt)
+            return _timed(ctx._result(), now, started, attempt)
 
     # -- retries ----------------------------------------------------------------------------
 

@@ -151,6 +151,11 @@ class Emitted:
             raw = self._raw = codec.encode(self.fields)
         return raw
 
+    @property
+    def encoded(self) -> bool:
+        """Whether its fields were encoded when it was sent (so the codec admitted them)."""
+        return self._raw is not None
+
     def thaw(self) -> Event:
         """A private copy of the event, equal to what was sent."""
         try:
@@ -183,10 +188,12 @@ def freeze(event: Event) -> Emitted:
     get the model live and a dict after a crash. Refused here, naming the event and the field.
     """
     cls = type(event)
-    name = cls.event_name
+    output = _IS_OUTPUT.get(cls)
+    if output is None:
+        output = _IS_OUTPUT[cls] = issubclass(cls, OutputEvent)  # slow through the metaclass
     fields = _dump(event)  # new containers: not the sender's
     raw: bytes | None = None
-    if _scalars(fields) and not issubclass(cls, OutputEvent):
+    if not output and _scalars(fields):
         # Exact scalars come back from the stored form as they are, so the round trip
         # through it is skipped (the stored form is made when something needs it); the
         # check below still compares what a listener gets with what was sent.
@@ -195,15 +202,19 @@ def freeze(event: Event) -> Emitted:
         try:
             raw = codec.encode(fields)
         except CodecError:
-            codec.check_admissible(fields, f"event {name}")  # the same refusal, naming the field
+            codec.check_admissible(fields, f"event {cls.event_name}")  # naming the field
             raise
-        if issubclass(cls, OutputEvent):
+        if output:
             # Nobody listens to an output: it leaves as its stored fields, live and in replay.
             return Emitted(cls, fields, raw)
         copy = _validate(cls, codec.decode(raw))
+    sent_fields, back_fields = event.__dict__, copy.__dict__  # pydantic keeps fields there
     for f in cls.__pydantic_fields__:
-        sent, back = getattr(event, f), getattr(copy, f)
+        sent, back = sent_fields[f], back_fields[f]
+        if type(sent) is type(back) and (sent is back or type(sent) in _EXACT and sent == back):
+            continue  # the same value (what `_same` says, without its call)
         if not _same(sent, back):
+            name = cls.event_name
             raise CodecError(
                 f"event {name}: field {f!r} holds {type(sent).__name__} {sent!r:.80}, which "
                 f"comes back as {type(back).__name__} {back!r:.80} after it is stored; a "
@@ -212,6 +223,10 @@ def freeze(event: Event) -> Emitted:
             )
     return Emitted(cls, fields, raw, copy)
 
+
+_IS_OUTPUT: dict[type, bool] = {}
+# Types whose equal values are the same value (`_same` says so without looking further).
+_EXACT = frozenset((str, int, bool, bytes))
 
 # Per event class: whether it keeps pydantic's own model_dump / model_validate, which freeze
 # and thaw then call the serializer and validator of directly (what those methods do, without
@@ -249,7 +264,10 @@ _SCALAR_TYPES = frozenset((str, int, float, bool, bytes, type(None)))
 
 def _scalars(fields: dict[str, Any]) -> bool:
     """Whether every value is exactly a None, bool, int, float, str or bytes."""
-    return all(type(v) in _SCALAR_TYPES for v in fields.values())
+    for v in fields.values():
+        if type(v) not in _SCALAR_TYPES:
+            return False
+    return True
 
 
 _NOT_PLAIN: Any = object()

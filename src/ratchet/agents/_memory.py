@@ -22,6 +22,15 @@ _MISSING = object()
 
 
 def _check_path(path: str) -> str:
+    if (
+        type(path) is str
+        and path
+        and path[0] != "!"
+        and path[0] != "."
+        and path[-1] != "."
+        and ".." not in path
+    ):
+        return path  # a well-formed path (the checks below, in one pass)
     if not isinstance(path, str) or not path:
         raise InvalidTypeError(f"memory path must be a non-empty str, got {path!r}")
     if "" in path.split("."):
@@ -102,7 +111,8 @@ class MemoryObject:
                 f"memory value at {full!r} is a MemoryObject; use new_object({path!r}) to create "
                 f"an object, or copy its fields one by one"
             )
-        codec.check_admissible(value, full)
+        if type(value) not in _SCALARS:  # an exact scalar is always admitted
+            codec.check_admissible(value, full)
         data = self._buf.data
         for parent in parents(full) if "." in full else ():
             existing = data.get(parent, _MISSING)

@@ -14,7 +14,7 @@ import concurrent.futures
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
 from ratchet._errors import InternalError, RatchetError
@@ -154,37 +154,50 @@ class TaskCalls:
         self._recorded = recorded
         self._writer = writer
         # Rows are keyed (seq, task, idx): new calls take indexes after every recorded one.
-        # (next() on a count is atomic, so threads an action starts may share it.)
-        self._next = itertools.count(max(recorded) + 1 if recorded else 0)
+        # (next() on a count is atomic, so threads an action starts may share it.) Most tasks
+        # make no call: the count, and what follows, are made when first needed.
+        self._next: Iterator[int] | None = None
         self._by_call: dict[tuple[str, str], list[CallRecord]] | None = None
-        self._claimed: set[int] = set()
+        self._claimed: set[int] = _NONE_CLAIMED
         self._lock: threading.Lock | None = None
-        self._pending: list[CallRecord] = []  # patch markers, written with the next record
-        self._patches: dict[str, bool] = {}
+        self._pending: list[CallRecord] | None = None  # patch markers, written with the next
+        self._patches: dict[str, bool] | None = None
         self.waits: Waits | None = None  # set by an engine that supports durable waits
         self.ltm: Any = None  # long-term memory (ratchet.agents._ltm.LtmService), if any
         # records of later attempts (retries) of this task, by attempt number
-        self.attempts: dict[int, dict[int, CallRecord]] = {}
+        self.attempts: dict[int, dict[int, CallRecord]] = _NO_ATTEMPTS
         # Whether this task has records from before a restart (most tasks have none).
         self.replayed = bool(recorded)
         if recorded:  # a replayed task: match calls to records
+            self._next = itertools.count(max(recorded) + 1)
+            self._claimed = set()
             self._lock = threading.Lock()
             self._by_call = {}
             for idx in sorted(recorded):
                 rec = recorded[idx]
                 self._by_call.setdefault((rec.fn, rec.digest), []).append(rec)
 
+    def _index(self) -> int:
+        """A new call's index (after every recorded one)."""
+        counter = self._next
+        if counter is None:
+            with _MAKING:  # threads an action starts may make its first calls at once
+                counter = self._next
+                if counter is None:
+                    counter = self._next = itertools.count(0)
+        return next(counter)
+
     def claim(self, fn: str, digest: str) -> tuple[int, CallRecord | None]:
         """The record this call was made as before a crash (and its index), or a new index."""
         if self._lock is None or self._by_call is None:
-            return next(self._next), None
+            return self._index(), None
         with self._lock:
             pending = self._by_call.get((fn, digest))
             if pending:
                 rec = pending.pop(0)
                 self._claimed.add(rec.idx)
                 return rec.idx, rec
-            return next(self._next), None
+            return self._index(), None
 
     def unclaimed(self) -> list[CallRecord]:
         """Recorded calls with a result that this task's code has not made again (so far).
@@ -229,6 +242,8 @@ class TaskCalls:
         after it there is nothing a later attempt could disagree with), so a later attempt that
         finds those calls recorded knows they came from the new branch.
         """
+        if self._patches is None:
+            self._patches = {}
         decided = self._patches.get(change_id)
         if decided is not None:
             return decided
@@ -246,10 +261,10 @@ class TaskCalls:
                     for idx, r in self._recorded.items()
                 )
         if decided:
+            if self._pending is None:
+                self._pending = []
             self._pending.append(
-                CallRecord(
-                    self.seq, self.task_id, next(self._next), PATCH_FN, change_id, "ok", None
-                )
+                CallRecord(self.seq, self.task_id, self._index(), PATCH_FN, change_id, "ok", None)
             )
         self._patches[change_id] = decided
         return decided
@@ -261,9 +276,15 @@ class TaskCalls:
         record = CallRecord(self.seq, self.task_id, idx, fn, digest, status, payload)
         if not self._pending:
             return self._writer.put_call(record)
-        marks, self._pending = self._pending, []
+        marks, self._pending = self._pending, None
         # Queued first, so a marker is never durable after the call it precedes.
         return _all([*(self._writer.put_call(m) for m in marks), self._writer.put_call(record)])
+
+
+_MAKING = threading.Lock()
+# Shared empty values of a task with no records (never changed: replaced when there are some).
+_NONE_CLAIMED: set[int] = set()
+_NO_ATTEMPTS: dict[int, dict[int, CallRecord]] = {}
 
 
 class CallJournal:
@@ -286,9 +307,15 @@ class CallJournal:
     def calls_for(
         self, task: Task, writer: CallWriter, waits: Waits | None = None, ltm: Any = None
     ) -> TaskCalls:
-        where = (task.run.seq, task.task_id)
+        run = task.run
+        if not self._by_task and not self._attempts:  # nothing recorded (the usual case)
+            calls = TaskCalls(run.seq, task.task_id, run.key, {}, writer)
+            calls.waits = waits
+            calls.ltm = ltm
+            return calls
+        where = (run.seq, task.task_id)
         recorded = self._by_task.pop(where, None) or {}
-        calls = TaskCalls(task.run.seq, task.task_id, task.run.key, recorded, writer)
+        calls = TaskCalls(run.seq, task.task_id, run.key, recorded, writer)
         calls.waits = waits
         calls.ltm = ltm
         attempts = self._attempts.pop(where, None)
@@ -384,6 +411,8 @@ class Dispatcher:
         self._q: queue.SimpleQueue[tuple[Task, TaskCalls] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self.executed = 0
+        self._modes: dict[str, str] = {}  # action -> mode, as the binding says
+        self._run_sync = binding.run_sync
 
     def start(self) -> None:
         for i in range(self._nworkers):
@@ -409,9 +438,16 @@ class Dispatcher:
     def dispatch(self, task: Task, calls: TaskCalls) -> Outcome | None:
         """Run or schedule `task`; an inline task's outcome is returned at once, else None."""
         self.executed += 1
-        mode = self.binding.action_mode(task.action)  # the binding keeps them by name
-        if mode == INLINE:
-            return run_task(self.binding, task, calls)
+        mode = self._modes.get(task.action)
+        if mode is None:
+            mode = self._modes[task.action] = self.binding.action_mode(task.action)
+        if mode == INLINE:  # what run_task does, without its call (most tasks are inline)
+            try:
+                return self._run_sync(task, calls)
+            except RatchetError as exc:
+                return exc
+            except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal
+                return _broken(task, exc)
         if mode == ASYNC:
             self._spawn(self._run_async(task, calls))
         else:

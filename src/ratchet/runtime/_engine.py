@@ -47,13 +47,21 @@ from ratchet.runtime._journal import (
     encode_journal,
     encode_memory,
 )
-from ratchet.runtime._machine import Delta, Machine, RestoredRun, Task
+from ratchet.runtime._machine import (
+    Delta,
+    Machine,
+    RestoredRun,
+    Task,
+    TraceStep,
+    memory_trace,
+    trace_dicts,
+)
 from ratchet.runtime._memops import LTM_ADD, expire
 from ratchet.runtime._otel import RunExporter
 from ratchet.runtime._otel import wanted as otel_wanted
 from ratchet.store import codec
 from ratchet.store._base import Adopted, CallRecord, CheckpointRows, CheckpointStore
-from ratchet.store._traces import pack_trace
+from ratchet.store._traces import pack_rows, pack_trace
 
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
 
@@ -248,6 +256,41 @@ def _pack_trace(started: float | None, tasks: list[dict[str, Any]]) -> bytes:
     return pack_trace(started, tasks)
 
 
+def _trace_packer(
+    describe: Callable[[Any], str],
+) -> Callable[[float | None, list[TraceStep]], bytes]:
+    """The machine's `pack_trace`: a completed run's steps as `pack_trace` packs their dicts,
+    laid out directly (the same bytes; a step that was not timed falls back to the dicts)."""
+
+    def pack(started: float | None, steps: list[TraceStep]) -> bytes:
+        rows: list[list[Any]] = []
+        base: float | None = None
+        for task_id, action, index, event, replayed, res in steps:
+            began = res.started
+            if began is None:
+                return pack_trace(started, trace_dicts(steps, describe))
+            if base is None:
+                base = began + 0.0
+            ops = res.stm_ops
+            row: list[Any] = [
+                task_id,
+                None if task_id[task_id.rfind(">") + 1 :] == action else action,
+                index,
+                describe(event),
+                replayed,
+                memory_trace(ops) if ops else [],
+                list(map(describe, res.events)),
+                round((began - base) * 1e6),
+                round(res.duration * 1e6),
+            ]
+            if res.trace:
+                row.append(dict(res.trace))
+            rows.append(row)
+        return pack_rows(started, base, rows)
+
+    return pack
+
+
 def _resolve(
     fut: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
 ) -> None:
@@ -348,9 +391,8 @@ class _EngineWaits:
         self.signals: dict[tuple[str, str], collections.deque[tuple[int, bytes, float]]] = {}
         self.waiters: dict[tuple[str, str], collections.deque[_SignalWait]] = {}
         self.breakers: dict[str, _Breaker] = {}  # resources unavailable now
-
-    def now(self) -> float:
-        return self.engine.clock.now()
+        # The engine's clock read directly (every task reads it twice, for its trace).
+        self.now: Callable[[], float] = engine.clock.now
 
     def sleep_sync(self, seconds: float) -> None:
         self.engine.clock.sleep_sync(seconds)
@@ -625,7 +667,7 @@ class Engine:
         if self._retention is not None or self._otel is not None:
             self.machine.describe_event = binding.describe_event
             if self._otel is None:  # only stored: packed as each run completes
-                self.machine.pack_trace = _pack_trace
+                self.machine.pack_trace = _trace_packer(binding.describe_event)
         self._ltm: Any = None
         ltm_config = getattr(binding, "ltm_config", None)
         if ltm_config is not None:
@@ -945,6 +987,7 @@ class Engine:
         if m.timers:
             for run, event_id, due in m.take_timers():
                 self._spawn(self._waits.deliver_at(run, event_id, due))
+        calls_for, writer, waits, ltm = self._calls.calls_for, self._writer, self._waits, self._ltm
         while True:
             dispatched, outputs, completed = m.take_effects()
             if outputs:
@@ -964,12 +1007,6 @@ class Engine:
                 self._poke()
             if not dispatched:
                 return
-            calls_for, writer, waits, ltm = (
-                self._calls.calls_for,
-                self._writer,
-                self._waits,
-                self._ltm,
-            )
             for task in dispatched:
                 outcome = dispatcher.dispatch(task, calls_for(task, writer, waits, ltm))
                 if outcome is None:
@@ -1232,9 +1269,13 @@ class Engine:
         rows.completed = list(delta.completed)
         for seq, run in delta.runs.items():
             rows.runs.append((seq, enc(run.key), run.base_dispatch, encode_journal(b, run.journal)))
+        built = codec.encode_built
         for out in delta.outputs.values():
             record = sink_records[out.id] = b.output_record(out)
-            rows.outbox.append((out.id, out.seq, enc(record)))
+            # An output whose fields the codec encoded when it was sent is admitted: its
+            # record (ratchet's fields around them) packs as it is, to the same bytes.
+            blob = built(record) if getattr(out.event, "encoded", False) else enc(record)
+            rows.outbox.append((out.id, out.seq, blob))
         for op in delta.ltm:
             if op[0] == LTM_ADD:
                 _k, scope, ltm_id, text, meta, vector, at = op

@@ -44,7 +44,10 @@ class TaskResult:
     stm_ops: list[tuple[Any, ...]]
     sensory_ops: list[tuple[Any, ...]]
     events: list[Any]
-    trace: dict[str, Any] | None = None  # how it ran (timing, attempts, calls), for run traces
+    # How it ran, for run traces: beyond its start and duration (attempts, calls, notes).
+    trace: dict[str, Any] | None = None
+    started: float | None = None  # when it started (None: not timed, e.g. replayed)
+    duration: float = 0.0
 
 
 # JournalEntry and Output are values, never changed once made; not `frozen=True` dataclasses
@@ -113,7 +116,13 @@ class Run:
     fires: dict[int, tuple[str, Any]] = field(default_factory=dict)
     notes: dict[str, JournalEntry] = field(default_factory=dict)  # replayed annotations
     errors: list[Any] = field(default_factory=list)  # error outputs: the run failed
-    trace: list[dict[str, Any]] = field(default_factory=list)  # committed tasks, as they ran
+    # committed tasks, as they ran: (task id, action, dispatch index, event, replayed, result)
+    trace: list[TraceStep] = field(default_factory=list)
+
+
+# One committed task in a run's trace, as the machine keeps it until the run completes:
+# (task id, action, dispatch index, event, replayed, result); `trace_dicts` spells it out.
+TraceStep = tuple[str, str, int, Any, bool, TaskResult]
 
 
 @dataclass(slots=True)
@@ -256,9 +265,9 @@ class Machine:
         # Keep what each committed task did, for run traces (`describe_event(event)` names an
         # event for the trace); None: no traces.
         self.describe_event: Callable[[Any], str] | None = None
-        # `pack_trace(started at, tasks)`: a completed run's trace as stored, made when the run
+        # `pack_trace(started at, steps)`: a completed run's trace as stored, made when the run
         # completes rather than at the checkpoint (so its objects do not outlive the run).
-        self.pack_trace: Callable[[float | None, list[dict[str, Any]]], bytes] | None = None
+        self.pack_trace: Callable[[float | None, list[TraceStep]], bytes] | None = None
         # Collect the long-term memory writes of completed runs into the delta (an agent that
         # uses long-term memory; others pay nothing for it).
         self.collect_ltm = False
@@ -437,24 +446,26 @@ class Machine:
             apply_ops(sensory, res.sensory_ops)
             run.sensory = sensory
         task.state = COMMITTED
+        events = res.events
         entry = JournalEntry(
             task.task_id,
             task.dispatch_index,
-            tuple(res.stm_ops),
-            tuple(res.sensory_ops),
-            tuple(res.events),
+            tuple(res.stm_ops) if res.stm_ops else (),
+            tuple(res.sensory_ops) if res.sensory_ops else (),
+            tuple(events) if events else (),
         )
         run.journal.append(entry)
         self._dirty_runs.add(run.seq)
         if self.describe_event is not None:
-            self._trace(task, res)
+            run.trace.append(
+                (task.task_id, task.action, task.dispatch_index, task.event, task.replayed, res)
+            )
         is_output = run.is_output or self._is_output
         delayed = self._delayed
-        for index, event in enumerate(res.events):
-            event_id = f"{task.task_id}.{index}"
+        for index, event in enumerate(events):
             timed = delayed(event) if delayed is not None else None
             if timed is not None:
-                self._schedule(run, event_id, *timed)
+                self._schedule(run, f"{task.task_id}.{index}", *timed)
                 continue
             if is_output(event):
                 if self._is_error is not None and self._is_error(event):
@@ -471,25 +482,7 @@ class Machine:
                     self.outputs.append(out)
                     self._delta.outputs[out.id] = out
                 continue
-            self._deliver(run, event_id, event)
-
-    def _trace(self, task: Task, res: TaskResult) -> None:
-        describe = self.describe_event
-        assert describe is not None
-        step: dict[str, Any] = {
-            "task": task.task_id,
-            "action": task.action,
-            "index": task.dispatch_index,
-            "on": describe(task.event),
-            "replayed": task.replayed,
-            "memory": [
-                [op[0], op[1], *([_short(op[2])] if len(op) > 2 else [])] for op in res.stm_ops
-            ],
-            "events": [describe(e) for e in res.events],
-        }
-        if res.trace:
-            step.update(res.trace)
-        task.run.trace.append(step)
+            self._deliver(run, f"{task.task_id}.{index}", event)
 
     def _schedule(self, run: Run, event_id: str, due: float, event: Any) -> None:
         note = run.notes.pop(f"{FIRE_NOTE}{event_id}", None)
@@ -578,10 +571,13 @@ class Machine:
             ks.version = self.memory_version
             self._delta.keys[key] = (ks.memory, ks.next_dispatch, ks.version)
         seq, event = ks.queue[0]
-        notes = {e.task_id: e for e in journal if e.task_id[:1] == "!"} if journal else {}
-        started = notes.pop(START_NOTE, None)
         memory = ks.memory
         run = Run(key, seq, event, base, base, memory)
+        started = None
+        if journal:
+            notes = {e.task_id: e for e in journal if e.task_id[:1] == "!"}
+            started = notes.pop(START_NOTE, None)
+            run.notes = notes
         if self._expire is not None and self._now is not None:
             # Memory that expired before the run started is gone for it. The time is recorded
             # (when anything could expire) so a replay drops exactly what the run did not see.
@@ -592,7 +588,6 @@ class Machine:
                 run.started_at = now
                 run.journal.append(JournalEntry(START_NOTE, -1, (), (), (now,)))
         run.memory_version = ks.version
-        run.notes = notes
         if pinned is not None:
             run.listeners, run.is_output = pinned.listeners, pinned.is_output
         if journal:
@@ -646,9 +641,15 @@ class Machine:
         self.buffered_inputs -= 1
         self.completed.append(run)
         d = self._delta
-        if self.describe_event is not None:
+        describe = self.describe_event
+        if describe is not None:
             pack = self.pack_trace
-            steps = run.trace if pack is None else pack(run.started_at, run.trace)
+            steps: list[dict[str, Any]] | bytes
+            if pack is None:
+                steps = trace_dicts(run.trace, describe)
+            else:
+                steps = pack(run.started_at, run.trace)
+            run.trace = []
             d.traces[run.seq] = (run.key, bool(run.errors), run.started_at, steps)
         if run.errors:
             self.runs_failed += 1
@@ -782,6 +783,34 @@ class Machine:
         """Forget the change tracking kept for `capture` (for engines that never call it)."""
         self._delta = Delta()
         self._dirty_runs.clear()
+
+
+def trace_dicts(steps: list[TraceStep], describe: Callable[[Any], str]) -> list[dict[str, Any]]:
+    """A run's trace steps as the dicts a stored trace holds (`ratchet trace`, OpenTelemetry):
+    what each task did, and how it ran (its start and duration when it was timed)."""
+    out = []
+    for task_id, action, index, event, replayed, res in steps:
+        step: dict[str, Any] = {
+            "task": task_id,
+            "action": action,
+            "index": index,
+            "on": describe(event),
+            "replayed": replayed,
+            "memory": memory_trace(res.stm_ops),
+            "events": [describe(e) for e in res.events],
+        }
+        if res.started is not None:
+            step["started"] = res.started
+            step["duration"] = res.duration
+        if res.trace:
+            step.update(res.trace)
+        out.append(step)
+    return out
+
+
+def memory_trace(ops: list[tuple[Any, ...]]) -> list[list[Any]]:
+    """A task's memory ops as its trace step shows them (values cut short)."""
+    return [[op[0], op[1], *([_short(op[2])] if len(op) > 2 else [])] for op in ops]
 
 
 def _short(value: Any, limit: int = 200) -> Any:

@@ -762,6 +762,8 @@ def check_admissible(value: Any, path: str = "") -> None:
     Lets a caller refuse a value when it is handed over (e.g. a memory `set()`), long before
     it is written. `path` names the value in the message ("order" gives "order.items[2]").
     """
+    if type(value) is dict and _plain(value, 0):
+        return  # plain data: admitted
     _lower_top(value, path, False)
 
 
@@ -771,7 +773,44 @@ def encode(value: Any) -> bytes:
     Dicts keep their insertion order. Raises CodecError naming the path of the first
     inadmissible part.
     """
+    if type(value) is dict and _plain(value, 0):
+        return _pack(value)  # lowering would give it back as it is
     return _pack(_lower_top(value, "", False))
+
+
+_PLAIN_LEAVES = frozenset((str, bool, float, bytes, type(None)))
+
+
+def _plain(v: dict[Any, Any] | list[Any], depth: int) -> bool:
+    """Whether `v` (a dict or list at nesting `depth`) holds only dicts with str keys, lists,
+    and None, bool, float, str, bytes and 64-bit int leaves, within the depth limit: a value
+    `_lower` returns unchanged (so it packs as it is). False says nothing: `_lower` decides."""
+    if depth >= MAX_DEPTH:
+        return False
+    depth += 1
+    if type(v) is dict:
+        for k, x in v.items():
+            if type(k) is not str:
+                return False
+            t = type(x)
+            if t in _PLAIN_LEAVES:
+                continue
+            if t is int:
+                if not -9223372036854775808 <= x <= 18446744073709551615:
+                    return False
+            elif t is not dict and t is not list or not _plain(x, depth):
+                return False
+        return True
+    for x in v:
+        t = type(x)
+        if t in _PLAIN_LEAVES:
+            continue
+        if t is int:
+            if not -9223372036854775808 <= x <= 18446744073709551615:
+                return False
+        elif t is not dict and t is not list or not _plain(x, depth):
+            return False
+    return True
 
 
 def encode_built(value: Any) -> bytes:

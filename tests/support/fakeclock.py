@@ -4,6 +4,7 @@ is running, so timers, backoffs and timeouts are checked at exact virtual times.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 from ratchet import Agent
@@ -44,7 +45,9 @@ class Drive:
 
         async def main() -> EngineResult:
             nonlocal stop_at
-            install_task_factory(asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            install_task_factory(loop)
+            writing = _count_writer_work(engine, loop)
             job = asyncio.ensure_future(engine.run())
             while not job.done():
                 for _ in range(20):  # let everything runnable run before time moves
@@ -58,7 +61,7 @@ class Drive:
                 busy = (
                     any(r.pending > r.waiting for r in engine.machine.in_flight())
                     or any(w.closing for ws in waits.waiters.values() for w in ws)
-                    or not engine._writer._q.empty()
+                    or writing[0] > 0
                 )
                 deadline = self.clock.next_deadline()
                 if deadline is not None and not busy:
@@ -71,3 +74,32 @@ class Drive:
 
     def outputs(self) -> list[Any]:
         return [g["output"] for g in self.got]
+
+
+def _count_writer_work(engine: Engine, loop: asyncio.AbstractEventLoop) -> list[int]:
+    """How many writer jobs and call records are in flight, counted from the moment they are
+    handed to the writer thread until their result is back on the loop. An empty queue is not
+    enough: the writer may be in the middle of a job (taking a signal, say) while the queue is
+    empty, and moving time then would resume the waiting task at a later virtual time."""
+    writer = engine._writer
+    count = [0]
+    on_loop = threading.get_ident()  # called from main(), on the loop's thread
+
+    def done(_: Any) -> None:
+        loop.call_soon_threadsafe(lambda: count.__setitem__(0, count[0] - 1))
+
+    def wrap(put: Any) -> Any:
+        def counted(arg: Any) -> Any:
+            if threading.get_ident() == on_loop:
+                count[0] += 1
+            else:  # a sync action's thread: counted on the loop, before the decrement
+                loop.call_soon_threadsafe(lambda: count.__setitem__(0, count[0] + 1))
+            fut = put(arg)
+            fut.add_done_callback(done)
+            return fut
+
+        return counted
+
+    writer.submit = wrap(writer.submit)  # type: ignore[method-assign]
+    writer.put_call = wrap(writer.put_call)  # type: ignore[method-assign]
+    return count

@@ -595,6 +595,18 @@ def _clock_of(calls: TaskCalls) -> Callable[[], float]:
     return calls.waits.now if calls.waits is not None else SYSTEM_CLOCK.now
 
 
+def _call_sync(fn: Callable[[Event, RunnerContext], Any], task: Task, ctx: RunnerContext) -> None:
+    """Run a sync action; one that returned an awaitable was declared wrong (closed, refused)."""
+    out = fn(task.event.thaw(), ctx)
+    if out is not None and inspect.isawaitable(out):
+        close = getattr(out, "close", None)
+        if close is not None:
+            close()
+        raise InvalidTypeError(
+            f"sync action {task.action} returned an awaitable; declare it `async def`"
+        )
+
+
 def _timed(
     result: TaskResult, now: Callable[[], float], started: float, attempts: int
 ) -> TaskResult:
@@ -885,14 +897,7 @@ class AgentBinding:
             )
             token = _current.set(ctx)
             try:
-                out = spec.fn(task.event.thaw(), ctx)
-                if out is not None and inspect.isawaitable(out):
-                    close = getattr(out, "close", None)
-                    if close is not None:
-                        close()
-                    raise InvalidTypeError(
-                        f"sync action {task.action} returned an awaitable; declare it `async def`"
-                    )
+                _call_sync(spec.fn, task, ctx)
             except ENGINE_FAULTS:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
@@ -917,14 +922,7 @@ class AgentBinding:
         ctx = RunnerContext(task, calls, self.config, self.metrics)
         token = _current.set(ctx)
         try:
-            out = fn(task.event.thaw(), ctx)
-            if out is not None and inspect.isawaitable(out):
-                close = getattr(out, "close", None)
-                if close is not None:
-                    close()
-                raise InvalidTypeError(
-                    f"sync action {task.action} returned an awaitable; declare it `async def`"
-                )
+            _call_sync(fn, task, ctx)
         except ENGINE_FAULTS:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's failure becomes data

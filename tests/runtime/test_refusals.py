@@ -308,3 +308,31 @@ def test_cli_names_a_bad_agent_spec(tmp_path: Path) -> None:
     proc = _cli("run", "nocolon", "--input", "x", "--output", "y", "--state", str(tmp_path))
     assert proc.returncode == 2
     assert "must look like 'package.module:Class'" in proc.stderr
+
+
+async def _later() -> int:
+    return 1
+
+
+@pytest.mark.parametrize("retried", [False, True])
+def test_a_sync_action_that_returns_an_awaitable_fails_naming_the_fix(
+    tmp_path: Path, retried: bool
+) -> None:
+    """Both ways a sync action is called (a first execution without retries takes a short
+    path; with a retry policy, the retry loop) refuse an awaitable it returns, and close it."""
+    from ratchet import Retry
+
+    policy = Retry(max_attempts=2, initial_delay=0, on=(RuntimeError,)) if retried else None
+
+    class Forgot(Agent):
+        @action(InputEvent, retry=policy)
+        def go(self, event: InputEvent, ctx: Any) -> Any:
+            return _later()
+
+    out = tmp_path / "out.jsonl"
+    result = run(Forgot(), inputs=[{"key": "a"}], output=out, state_dir=tmp_path / "s")
+    assert result.runs_failed == 1
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert (
+        line["error"]["message"] == "sync action go returned an awaitable; declare it `async def`"
+    )

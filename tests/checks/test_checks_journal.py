@@ -83,7 +83,12 @@ def test_a_run_writes_the_whole_receipt_twice_and_one_record_per_change(
     again = runner.run_checks(ws.args(resume=first["run_id"]), _chain(30), seams=seams)
     assert {s["reused_from"] for s in again["stages"]} == {first["run_id"]}
     assert counting.writes == 2
-    assert len(counting.appends) == 30  # a no-op resume: one checkpoint record per stage
+    # A no-op resume: the 30 reused checkpoints in one record (one fsync), at the end of
+    # the schedule, not one record per stage.
+    assert [sorted(r["id"] for r in rec["stages"]) for rec in counting.appends] == [
+        sorted(f"s{i}" for i in range(30))
+    ]
+    assert all(r["checkpoint_verified"] for r in counting.appends[0]["stages"])
 
 
 def test_a_crashed_run_is_its_start_receipt_with_the_journal_folded(
@@ -237,6 +242,68 @@ def test_sigkill_mid_append_leaves_a_torn_record_that_counts_as_not_done(
     assert recs["a"]["reused_from"] == run_id
     assert "reused_from" not in recs["b"]
     assert Path(recs["b"]["log_path"]).read_text() == "b\n"
+
+
+def test_a_reused_checkpoint_is_on_disk_before_a_later_command_starts(
+    two_repos: Workspace,
+) -> None:
+    """Reused checkpoints are appended lazily, but never after a stage command starts: the
+    command of `b` (which runs, as `lib` changed) finds `a`'s reuse in the journal."""
+    ws = two_repos
+    seen = ws.control / "journal-seen-by-b"
+    copy = (
+        "import shutil, sys; from pathlib import Path\n"
+        f"runs = Path({str(ws.state_dir / 'runs')!r})\n"
+        "journals = [p / 'receipt.journal' for p in runs.iterdir()]\n"
+        "live = [j for j in journals if j.exists()]\n"
+        f"shutil.copy(live[0], {str(seen)!r}) if len(live) == 1 else sys.exit(3)\n"
+    )
+    plan = [
+        stage("a", inputs={"repos": ["app"]}),
+        stage("b", copy, inputs={"repos": ["lib"]}, deps=["a"]),
+    ]
+    first = ws.run(plan)
+    assert first["status"] == "passed"
+    seen.unlink()
+    ws.write("lib/lib.py", "Y = 3\n")
+    again = ws.run(plan, resume=first["run_id"])
+    recs = by_id(again)
+    assert recs["a"]["reused_from"] == first["run_id"]
+    assert "reused_from" not in recs["b"] and recs["b"]["status"] == "passed"
+    records = [json.loads(line) for line in seen.read_bytes().splitlines()]
+    on_disk = [r for rec in records for r in rec["stages"] if r["id"] == "a"]
+    assert on_disk and on_disk[-1]["checkpoint_verified"] is True
+    assert on_disk[-1]["reused_from"] == first["run_id"]
+
+
+def test_reused_checkpoints_lost_before_their_append_count_as_not_done(
+    two_repos: Workspace,
+) -> None:
+    """A crash between a reuse and its (lazy) append loses the reuse: the stage counts as
+    not done, and the next run verifies it again; nothing unverified is trusted."""
+    ws = two_repos
+    first = ws.run(_chain(3))
+
+    def lost(path: Path, line: bytes) -> None:
+        raise OSError("power cut")  # no append ever reaches the disk
+
+    counting = _Counting(fail_final=True)
+    seams = Seams(writer=counting.write, journal=lost)
+    with pytest.raises(ReceiptError, match="recover it before resuming"):
+        runner.run_checks(ws.args(resume=first["run_id"]), _chain(3), seams=seams)
+    crashed = next(p.name for p in (ws.state_dir / "runs").iterdir() if p.name != first["run_id"])
+    folded = by_id(ws.receipt(crashed))
+    assert {sid: (r["status"], r["checkpoint_verified"]) for sid, r in folded.items()} == {
+        f"s{i}": ("pending", False) for i in range(3)
+    }
+    report = runner.recover(
+        ws.root, ws.state_dir, crashed, apply=True, confirm_processes_stopped=True
+    )
+    assert report["action"] == "recovered"
+    # Nothing of the crashed run can be reused; resuming from it runs every stage again.
+    again = ws.run(_chain(3), resume=crashed)
+    assert again["status"] == "passed"
+    assert not any(s.get("reused_from") for s in again["stages"])
 
 
 class _CountingCheckpoints(Checkpoints):

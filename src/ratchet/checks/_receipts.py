@@ -11,7 +11,12 @@ counts as not done. Appending one record per stage keeps a run linear in its sta
 rewriting the whole receipt after every stage was quadratic.
 
 A checkpoint counts only once the append (or write) holding it has returned, so a failing
-writer can never make one trusted.
+writer can never make one trusted. The one exception is a *kept* record (`ReceiptBook.keep`,
+a reused checkpoint): it counts in this process at once and reaches disk with the next
+append or write, which comes before any stage command starts and at the end of the
+schedule; a crash before then loses it, so the stage counts as not done, which costs the
+next run one re-verification and never trusts anything unverified. A no-op resume of N
+stages thus makes one append (one fsync), not N.
 """
 
 from __future__ import annotations
@@ -322,6 +327,7 @@ class ReceiptBook:
         self._state = threading.Lock()
         self._writing = threading.Lock()
         self._dirty_ids: set[str] = set()
+        self._kept_ids: set[str] = set()  # dirty too, but left for the next blocking write
         self._dirty_header = False
         self._seq = 0
         self._prev: str | None = None  # the seal the next journal record follows
@@ -332,7 +338,14 @@ class ReceiptBook:
 
     @property
     def _dirty(self) -> bool:
+        """Changes that `try_flush` writes (kept records wait for a blocking write)."""
         return self._dirty_header or bool(self._dirty_ids)
+
+    def _take_dirty(self) -> tuple[set[str], bool]:
+        """Everything not yet written, kept records included (with `_state` held)."""
+        dirty = (self._dirty_ids | self._kept_ids, self._dirty_header)
+        self._dirty_ids, self._kept_ids, self._dirty_header = set(), set(), False
+        return dirty
 
     # state --------------------------------------------------------------------------
     def update(self, sid: str, **fields: Any) -> None:
@@ -344,6 +357,29 @@ class ReceiptBook:
         with self._state:
             self.header.update(fields)
             self._dirty_header = True
+
+    def keep(self, sid: str, rec: dict[str, Any]) -> None:
+        """Make `rec` a stage's record now, leaving its write to the next blocking one.
+
+        For a record whose loss in a crash costs only re-deriving it (a reused checkpoint,
+        which the next run verifies again): it counts in this process at once, and reaches
+        disk with the next `persist` (every stage command is preceded by one, so no command
+        runs on a checkpoint that is not on disk), `settle` or `write_receipt`; `try_flush`
+        leaves it alone. Without a journal this is `persist(override=...)`, as every change
+        of state is then a whole write. Raises only as `persist` does."""
+        if self._journal is None or self._prev is None:
+            self.persist(override=(sid, rec))
+            return
+        with self._state:
+            self.records[sid] = dict(rec)
+            self._kept_ids.add(sid)
+
+    def settle(self) -> None:
+        """Write the records `keep` left pending, if any (one append); raises if it fails."""
+        with self._state:
+            pending = bool(self._kept_ids)
+        if pending:
+            self.persist()
 
     def status(self, sid: str) -> str:
         """A stage's status right now (one dict read: no lock needed)."""
@@ -407,8 +443,7 @@ class ReceiptBook:
     def _write_whole_locked(self, override: tuple[str, dict[str, Any]] | None) -> None:
         while True:
             with self._state:
-                dirty = (self._dirty_ids, self._dirty_header)
-                self._dirty_ids, self._dirty_header = set(), False
+                dirty = self._take_dirty()
                 payload = self._payload(override)
             try:
                 sealed = seal(payload, self._key)
@@ -429,8 +464,7 @@ class ReceiptBook:
         assert self._journal is not None
         while True:
             with self._state:
-                dirty = (self._dirty_ids, self._dirty_header)
-                self._dirty_ids, self._dirty_header = set(), False
+                dirty = self._take_dirty()
                 ids = set(dirty[0])
                 if override is not None:
                     ids.add(override[0])

@@ -277,6 +277,10 @@ def _finish(run: _Run, jobs: int, progress_enabled: bool) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             book.write_receipt()
         raise
+    # The reused checkpoints kept in memory, in one append: the journal then holds them
+    # should the final write below fail. If this append fails, that write still has them.
+    with contextlib.suppress(Exception):
+        book.settle()
     book.set_header(phase="verifying")
     snapshot_ok = _final_snapshot(run)
     records = book.all_records()
@@ -466,7 +470,7 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
             finished_at=run.now(),
             duration_seconds=run.elapsed(started),
         )
-        _persist_checkpoint(run, sid, rec)
+        _persist_checkpoint(run, sid, rec, reused=True)
         return
     if decision.action == "refuse":
         book.update(
@@ -644,7 +648,7 @@ def _reuse_from_cache(
         finished_at=run.now(),
         duration_seconds=run.elapsed(started),
     )
-    _persist_checkpoint(run, sid, rec)
+    _persist_checkpoint(run, sid, rec, reused=True)
     return True
 
 
@@ -821,10 +825,19 @@ def _execute(
     return exit_code, None
 
 
-def _persist_checkpoint(run: _Run, sid: str, rec: dict[str, Any]) -> None:
-    """Make `rec` (a verified checkpoint) durable before anyone may build on it."""
+def _persist_checkpoint(run: _Run, sid: str, rec: dict[str, Any], *, reused: bool = False) -> None:
+    """Make `rec` (a verified checkpoint) durable before anyone may build on it.
+
+    A `reused` one (this run verified an earlier checkpoint, or a cache entry) is kept
+    (`ReceiptBook.keep`): it reaches disk with the next blocking write, which comes before
+    any stage command starts and at the end of the schedule, so a no-op resume makes one
+    append instead of one per stage. Losing it in a crash loses no verified work that a
+    command built on; the next run verifies the stage again."""
     try:
-        run.book.persist(override=(sid, rec))
+        if reused:
+            run.book.keep(sid, rec)
+        else:
+            run.book.persist(override=(sid, rec))
     except Exception as exc:
         run.book.update(
             sid,

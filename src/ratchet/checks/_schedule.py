@@ -1,10 +1,11 @@
 """The parallel scheduler: which stage may start now, on a pool of `jobs` threads.
 
 A stage starts once every `deps` and `after` predecessor has passed (a pass counts only
-once its checkpoint is on disk, see `ReceiptBook.persist`) and none of its resources is
-held by a running stage; it is skipped once one of them failed, was skipped or went stale.
-The loop wakes at least every tick to flush the receipt and show progress; the pause is
-an injected `Waiter`, so a test can watch the loop without patching it.
+once its checkpoint is on disk, see `ReceiptBook.persist`; a reused one counts at once, and
+reaches disk before any stage command starts, see `ReceiptBook.keep`) and none of its
+resources is held by a running stage; it is skipped once one of them failed, was skipped
+or went stale. The loop wakes at least every tick to flush the receipt and show progress;
+the pause is an injected `Waiter`, so a test can watch the loop without patching it.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ Not like for like: doit decides "up to date" from file timestamps (it hashes onl
 whose mtime moved); ratchet lists every repository with git, lstats every listed file and
 re-hashes it unless its stat cache (or the repository's tree cache) entry matches all of
 mode, device, inode, size, mtime_ns and ctime_ns (files that changed within 2 s of being
-hashed are always re-read), re-hashes every reused log, and appends a sealed record per
-stage to the receipt journal (fsync'd). Both ratchet figures do the same run; the command
-line's also includes the interpreter's start-up, its imports, reading the project file
-and printing the receipt. Run:
+hashed are always re-read), re-hashes every reused log, and writes a sealed receipt
+(fsync'd) at the start and the end, with the reused checkpoints in one journal append
+between. Both ratchet figures do the same run; the command line's also includes the
+interpreter's start-up, its imports, reading the project file and printing the receipt.
+Run:
 
     .venv/bin/python benchmarks/checks_noop_resume.py [--stages 50 --files 5000 --repos 5]
 """

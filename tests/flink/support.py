@@ -60,6 +60,29 @@ def run_cli(
     return proc
 
 
+def kill_test_cmd(tmp: Path, agent: str, inputs: Path, *extra: str) -> list[str]:
+    """`ratchet flink run` as the Python-worker kill tests start it: outputs, checkpoints (every
+    100 ms) and Flink's temp files under `tmp`, a 200 ms restart delay; `extra` arguments
+    (`--follow MS`, `--memory-output DIR`) go before those."""
+    return [
+        *CLI,
+        f"{AGENTS}:{agent}",
+        "--input",
+        str(inputs),
+        *extra,
+        "--output",
+        str(tmp / "out"),
+        "--checkpoint-interval",
+        "100",
+        "--checkpoint-dir",
+        str(tmp / "checkpoints"),
+        "--restart-delay",
+        "200",
+        "--tmp-dir",
+        str(tmp / "flink-tmp"),
+    ]
+
+
 def write_inputs(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -20,11 +20,10 @@ from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import descendants, kill_pids, wait_for  # noqa: E402
 from .support import (  # noqa: E402
-    AGENTS,
-    CLI,
     exec_log,
     flink_env,
     flink_memory,
+    kill_test_cmd,
     kills_a_python_worker,
     write_inputs,
 )
@@ -41,24 +40,7 @@ def test_sigkill_while_the_last_runs_are_worked_off_loses_and_duplicates_nothing
     inputs = tmp_path / "in.jsonl"
     rows = [{"key": f"d{k}", "v": k * 100 + i} for i in range(PER_KEY) for k in range(KEYS)]
     write_inputs(inputs, rows)
-    cmd = [
-        *CLI,
-        f"{AGENTS}:Slow",
-        "--input",
-        str(inputs),
-        "--output",
-        str(tmp_path / "out"),
-        "--memory-output",
-        str(tmp_path / "mem"),
-        "--checkpoint-interval",
-        "100",
-        "--checkpoint-dir",
-        str(tmp_path / "checkpoints"),
-        "--restart-delay",
-        "200",
-        "--tmp-dir",
-        str(tmp_path / "flink-tmp"),
-    ]
+    cmd = kill_test_cmd(tmp_path, "Slow", inputs, "--memory-output", str(tmp_path / "mem"))
     proc = subprocess.Popen(
         cmd, env=flink_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -21,7 +21,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import descendants, kill_pids, wait_for  # noqa: E402
-from .support import AGENTS, CLI, exec_log, flink_env, kills_a_python_worker, write_inputs  # noqa: E402
+from .support import exec_log, flink_env, kill_test_cmd, kills_a_python_worker, write_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
 
@@ -33,24 +33,7 @@ def test_every_key_runs_again_after_each_worker_kill_on_a_followed_input(tmp_pat
     rows = [{"key": f"f{k}", "v": k * 100 + i} for i in range(PER_KEY) for k in range(KEYS)]
     (tmp_path / "in").mkdir()
     write_inputs(tmp_path / "in" / "a.jsonl", rows)
-    cmd = [
-        *CLI,
-        f"{AGENTS}:Slow",
-        "--input",
-        str(tmp_path / "in"),
-        "--follow",
-        "60000",
-        "--output",
-        str(tmp_path / "out"),
-        "--checkpoint-interval",
-        "100",
-        "--checkpoint-dir",
-        str(tmp_path / "checkpoints"),
-        "--restart-delay",
-        "200",
-        "--tmp-dir",
-        str(tmp_path / "flink-tmp"),
-    ]
+    cmd = kill_test_cmd(tmp_path, "Slow", tmp_path / "in", "--follow", "60000")
     with (tmp_path / "stderr.txt").open("w") as err:
         proc = subprocess.Popen(
             cmd, env=flink_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err, text=True

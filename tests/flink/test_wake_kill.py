@@ -28,7 +28,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import descendants, kill_pids, wait_for  # noqa: E402
-from .support import AGENTS, CLI, exec_log, flink_env, kills_a_python_worker  # noqa: E402
+from .support import exec_log, flink_env, kill_test_cmd, kills_a_python_worker  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
 
@@ -59,24 +59,7 @@ def test_keys_starting_work_at_a_checkpoint_survive_worker_kills(tmp_path: Path)
         tmp.rename(inbox / tmp.name)
 
     drop(0)
-    cmd = [
-        *CLI,
-        f"{AGENTS}:Slow",
-        "--input",
-        str(inbox),
-        "--follow",
-        "100",
-        "--output",
-        str(tmp_path / "out"),
-        "--checkpoint-interval",
-        "100",
-        "--checkpoint-dir",
-        str(tmp_path / "checkpoints"),
-        "--restart-delay",
-        "200",
-        "--tmp-dir",
-        str(tmp_path / "flink-tmp"),
-    ]
+    cmd = kill_test_cmd(tmp_path, "Slow", inbox, "--follow", "100")
     with (tmp_path / "stderr.txt").open("w") as err:
         proc = subprocess.Popen(
             cmd, env=flink_env(tmp_path), stdout=subprocess.DEVNULL, stderr=err, text=True

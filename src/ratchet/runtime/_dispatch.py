@@ -15,7 +15,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ratchet._errors import InternalError, RatchetError
 from ratchet.runtime._machine import Output, Task, TaskResult
@@ -26,6 +26,8 @@ ASYNC = "async"
 THREAD = "thread"
 
 Outcome = TaskResult | RatchetError
+
+_T = TypeVar("_T")
 
 # The function name of a `ctx.patched` marker among a task's call records (digest: the id).
 PATCH_FN = "ratchet.patched"
@@ -378,6 +380,17 @@ async def run_task_async(binding: Binding, task: Task, calls: TaskCalls) -> Outc
         return exc
     except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
         return _broken(task, exc)
+
+
+def take_all(q: queue.SimpleQueue[_T]) -> list[_T]:
+    """What a blocking `get` returns and everything queued behind it: one group for a writer
+    thread to commit at once."""
+    items = [q.get()]
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
 
 
 class Dispatcher:

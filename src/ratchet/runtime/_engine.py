@@ -36,6 +36,7 @@ from ratchet.runtime._dispatch import (
     Dispatcher,
     Outcome,
     TaskCalls,
+    take_all,
 )
 from ratchet.runtime._io import Sink, Source, writable
 from ratchet.runtime._journal import (
@@ -203,12 +204,7 @@ class _Writer(threading.Thread):
 
     def run(self) -> None:
         while True:
-            items = [self._q.get()]
-            while True:
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
+            items = take_all(self._q)
             calls = [(rec, fut) for kind, rec, fut in items if kind == "call"]
             if calls:
                 error = self._put_calls([rec for rec, _ in calls])

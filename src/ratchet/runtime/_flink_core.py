@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import CheckpointError, ConfigError, InternalError, RatchetError
 from ratchet.agents._context import install_task_factory
-from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome
+from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome, take_all
 from ratchet.runtime._io import json_line_or_error
 from ratchet.runtime._journal import (
     decode_call,
@@ -210,12 +210,7 @@ class _JournalWriter(threading.Thread):
 
     def run(self) -> None:
         while True:
-            items = [self._q.get()]
-            while True:
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
+            items = take_all(self._q)
             self._write(
                 [(c, f) for kind, c, f in items if kind == "put" and f is not None],
                 [m for kind, m, _ in items if kind == "done"],

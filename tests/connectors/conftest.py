@@ -4,25 +4,12 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from connector_servers import NATS_PACKAGE, PG_PACKAGE, Nats, Postgres, pg_bin
+from connector_servers import NATS_PACKAGE, Nats, Postgres, postgres_or_skip
 
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[Postgres]:
-    bindir = pg_bin()
-    if bindir is None:
-        pytest.skip(
-            f"PostgreSQL server binaries (initdb, postgres) not found; install the Debian "
-            f"package {PG_PACKAGE} (`apt-get install {PG_PACKAGE}`)"
-        )
-    pytest.importorskip(
-        "psycopg", reason="psycopg is not installed: pip install 'ratchet[postgres]'"
-    )
-    server = Postgres(bindir)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from postgres_or_skip()
 
 
 @pytest.fixture(scope="session")

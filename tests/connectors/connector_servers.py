@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,24 @@ def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any] | No
         return exc.code, json.loads(exc.read() or b"null")
     except (OSError, urllib.error.URLError):
         return None
+
+
+def postgres_or_skip() -> Iterator[Postgres]:
+    """A session fixture's body: a real PostgreSQL server on a free port until the session
+    ends; the test skips, naming the package, where the server or psycopg is missing."""
+    import pytest
+
+    bindir = pg_bin()
+    if bindir is None:
+        pytest.skip(
+            f"PostgreSQL server binaries (initdb, postgres) not found; install the Debian "
+            f"package {PG_PACKAGE} (`apt-get install {PG_PACKAGE}`)"
+        )
+    pytest.importorskip(
+        "psycopg", reason="psycopg is not installed: pip install 'ratchet[postgres]'"
+    )
+    server = Postgres(bindir)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -31,19 +31,6 @@ def postgres() -> Iterator[Any]:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "connectors"))
-    from connector_servers import PG_PACKAGE, Postgres, pg_bin
+    from connector_servers import postgres_or_skip
 
-    bindir = pg_bin()
-    if bindir is None:
-        pytest.skip(
-            f"PostgreSQL server binaries (initdb, postgres) not found; install the Debian "
-            f"package {PG_PACKAGE} (`apt-get install {PG_PACKAGE}`)"
-        )
-    pytest.importorskip(
-        "psycopg", reason="psycopg is not installed: pip install 'ratchet[postgres]'"
-    )
-    server = Postgres(bindir)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from postgres_or_skip()

@@ -50,9 +50,11 @@ def register(sub: Any) -> argparse.ArgumentParser:
         "--execution-mode",
         choices=["process", "thread"],
         default=None,
-        help="Python workers in separate processes (default) or in the TaskManager's JVM "
-        "(thread, Pemja: faster per record); restore a job in the mode it ran in "
-        "(default: $RATCHET_FLINK_EXECUTION_MODE, else process)",
+        help="where the Python code runs: in the TaskManager's JVM (thread, Pemja: faster "
+        "per record) or in separate Python worker processes (process). Default: "
+        "$RATCHET_FLINK_EXECUTION_MODE, else the mode --from-savepoint was taken in, else "
+        "thread on the local mini-cluster and process with --jobmanager (thread mode on a "
+        "cluster needs its classpath settings: docs/flink.md)",
     )
     run.add_argument("--max-concurrent-tasks", type=int, default=64, help="per subtask")
     run.add_argument(
@@ -196,6 +198,59 @@ def _pruner(args: argparse.Namespace, journal: Any, rest: str, job_id: str) -> A
     return pruner
 
 
+def execution_mode(args: argparse.Namespace) -> str:
+    """The mode the job runs in (see --execution-mode's help). A savepoint's keyed state is laid
+    out for the mode it was taken in, and Flink's refusal of the other mode is a page of Java
+    stack trace: a mode named for a savepoint of the other mode is refused here instead."""
+    from ratchet._errors import ConfigError
+    from ratchet.runtime._flink_savepoint import MODE_ENV, savepoint_mode
+
+    named = args.execution_mode or os.environ.get(MODE_ENV) or None
+    if args.from_savepoint:
+        taken = savepoint_mode(args.from_savepoint)
+        if taken is not None and named is not None and named != taken:
+            how = "--execution-mode" if args.execution_mode else f"${MODE_ENV}"
+            raise ConfigError(
+                f"the savepoint {args.from_savepoint} was taken in {taken} mode and cannot be "
+                f"restored in {named} mode ({how}): a job's keyed state is laid out for its "
+                f"execution mode. Run it with --execution-mode {taken}"
+            )
+        if taken is not None:
+            return taken
+    if named is not None:
+        return named
+    return "process" if args.jobmanager else "thread"
+
+
+def _restores_to_completion(args: argparse.Namespace) -> bool:
+    """Whether this is a local run of a bounded input from a savepoint, which runs to completion
+    like a fresh one: its source watches --input, skips the files the savepoint names as read
+    and reads the rest. Only a savepoint that ended such a run (its marker says so) names every
+    file its job read; from any other one, files read to the end would be read again."""
+    if not args.from_savepoint or args.follow is not None or args.jobmanager or args.detach:
+        return False
+    from ratchet._errors import ConfigError
+    from ratchet.runtime._flink_savepoint import MARKER, read_marker
+
+    marker = read_marker(args.from_savepoint)
+    if marker is None:
+        raise ConfigError(
+            f"the savepoint {args.from_savepoint} has no {MARKER}: it was not taken at the end "
+            "of a local `ratchet flink run` to completion, so its source state need not name "
+            "the files its job read, and a run to completion could read them again. Restore it "
+            "with --follow MS (the job keeps watching --input), or where it was taken "
+            "(--jobmanager)"
+        )
+    if marker.get("drained"):
+        raise ConfigError(
+            f"the savepoint {args.from_savepoint} ended its job for good: that run wrote "
+            "--memory-output, which drains the job (the final watermark writes each key's "
+            "memory), and Flink restores a drained source as finished, so no new input would be "
+            "read. Run a job without --memory-output to continue it later"
+        )
+    return True
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     try:
         import pyflink  # noqa: F401
@@ -219,6 +274,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     journal = None
     try:
         load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
+        args.execution_mode = execution_mode(args)
+        restoring = _restores_to_completion(args)
         config = _config(args)
         config.validate()
         if config.call_journal:
@@ -227,14 +284,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"ratchet flink: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return _run(args, config, journal)
+        return _run(args, config, journal, restoring)
     finally:
         if journal is not None:
             journal.close()
 
 
-def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
+def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -> int:
     from ratchet.flink import build_job, environment
+    from ratchet.runtime._flink_savepoint import unread_inputs
 
     bad: list[str] = []
     inputs = 0
@@ -245,7 +303,9 @@ def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
         if not Path(args.input).exists():
             print(f"ratchet flink: --input {args.input} does not exist", file=sys.stderr)
             return EXIT_USAGE
-        bad, inputs = scan_input(Path(args.input), args.key)
+        # Restoring: only the files the savepoint's source has not read (it skips the others).
+        only = unread_inputs(args.from_savepoint, args.input) if restoring else None
+        bad, inputs = scan_input(Path(args.input), args.key, only)
         if bad and args.on_bad_input == "stop":
             more = f" (and {len(bad) - 1} more bad line(s))" if len(bad) > 1 else ""
             print(
@@ -267,11 +327,18 @@ def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
     # done, then the job stops with a savepoint that drains it: keys keep running concurrently
     # and checkpoints keep completing to the last input (a bounded source's end would make
     # the operator finish every key's work in one callback, with no checkpoint meanwhile).
-    to_completion = args.follow is None and not args.detach and not args.from_savepoint
-    progress_dir = None
-    if to_completion:
-        import uuid
+    # Restored from such a run's savepoint (`_restores_to_completion`), it runs the same way,
+    # and its progress lines also name each input it admits: the savepoint's own runs finish
+    # in it too, and only its own inputs say when it is done. Any other restored job keeps the
+    # progress sink and writes nothing to it: Flink refuses a savepoint whose stateful operator
+    # the job lacks.
+    import uuid
 
+    to_completion = (
+        args.follow is None and not args.detach and (not args.from_savepoint or restoring)
+    )
+    progress_dir = None
+    if to_completion or args.from_savepoint:
         progress_dir = os.path.join(args.output, PROGRESS_DIR, uuid.uuid4().hex)
     env = environment(config)
     build_job(
@@ -281,13 +348,20 @@ def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
         args.output,
         key_field=args.key,
         config=config,
-        follow_ms=_WATCH_MS if to_completion else args.follow,
+        follow_ms=(_RESTORED_WATCH_MS if restoring else _WATCH_MS)
+        if to_completion
+        else args.follow,
         memory_dir=args.memory_output,
         on_bad_input=args.on_bad_input,
         progress_dir=progress_dir,
+        emit_progress=to_completion,
+        progress_admissions=restoring,
     )
     started = SYSTEM_CLOCK.monotonic()
-    client = env.execute_async(name)
+    try:
+        client = env.execute_async(name)
+    except Exception as exc:  # the job did not start: a savepoint it cannot restore, say
+        return _job_failed("(not started)", exc, args)
     job_id = str(client.get_job_id())
     print(json.dumps({"job_id": job_id, "name": name}), flush=True)
     if args.detach:
@@ -297,11 +371,11 @@ def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
     if journal is not None:
         pruner = _pruner(args, journal, f"http://127.0.0.1:{config.extra['rest.port']}", job_id)
     try:
-        if progress_dir is not None:
-            savepoint = _run_to_completion(client, args, progress_dir, inputs - len(bad))
+        if to_completion and progress_dir is not None:
+            savepoint = _run_to_completion(client, args, progress_dir, inputs - len(bad), restoring)
         client.get_job_execution_result().result()
     except Exception as exc:  # py4j's error, with the Java cause chain as text
-        return _job_failed(job_id, exc)
+        return _job_failed(job_id, exc, args)
     finally:
         if pruner is not None:
             pruner.stop()
@@ -309,6 +383,7 @@ def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
         "job_id": job_id,
         "status": "FINISHED",
         "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
+        "execution_mode": config.execution_mode,
     }
     if savepoint is not None:
         summary["savepoint"] = savepoint
@@ -326,23 +401,34 @@ def _run(args: argparse.Namespace, config: Any, journal: Any) -> int:
 
 PROGRESS_DIR = "_progress"  # under the output folder: one committed line per finished run
 _WATCH_MS = 3_600_000  # how often a bounded input run as a stream looks for new files
+# A fresh source lists its files when the job starts; a restored one first lists them one
+# interval after its start (Flink's ContinuousFileSplitEnumerator), so a restored run looks soon.
+_RESTORED_WATCH_MS = 500
 _POLL_S = 0.25
 _REPORT_S = 5.0
 
 
-def _run_to_completion(client: Any, args: argparse.Namespace, progress: str, inputs: int) -> Any:
+def _run_to_completion(
+    client: Any, args: argparse.Namespace, progress: str, inputs: int, restored: bool
+) -> Any:
     """Wait until `inputs` runs are done for good (their progress lines are committed), printing
     a progress line now and then, then stop the job with a draining savepoint; returns its
-    path (None when the job ended by itself, which the caller then reports)."""
-    from ratchet.flink import count_progress
+    path (None when the job ended by itself, which the caller then reports). `restored`: count
+    only the runs of inputs this job admitted, once all `inputs` are admitted."""
+    from ratchet.flink._job import count_admitted_progress, count_progress
 
     terminal = {"FINISHED", "FAILED", "CANCELED"}
     started = last = SYSTEM_CLOCK.monotonic()
     reported = -1
     while True:
-        done = count_progress(progress)
+        if restored:
+            admitted, done = count_admitted_progress(progress)
+            finished = admitted >= inputs and done == admitted
+        else:
+            done = count_progress(progress)
+            finished = done >= inputs
         now = SYSTEM_CLOCK.monotonic()
-        if done >= inputs:
+        if finished:
             break
         if str(client.get_job_status().result()) in terminal:
             return None
@@ -362,7 +448,24 @@ def _run_to_completion(client: Any, args: argparse.Namespace, progress: str, inp
         target = os.path.abspath(
             os.path.join(where, "savepoints") if where else os.path.join(args.output, "_savepoints")
         )
-    return _stop_with_savepoint(client, target, drain=True)
+    # Every input's run is done and committed: the stop only takes the savepoint. It drains
+    # (the final watermark fires each key's end-of-input timer) only to write --memory-output;
+    # a drained savepoint ends the job for good (Flink restores its finished source as
+    # finished: nothing new would be read), so without that option it does not drain and the
+    # savepoint can be continued from (`_restores_to_completion`).
+    drain = bool(args.memory_output)
+    savepoint = _stop_with_savepoint(client, target, drain=drain)
+    from ratchet.runtime._flink_savepoint import write_marker
+
+    write_marker(
+        savepoint,
+        {
+            "input": os.path.abspath(args.input),
+            "execution_mode": args.execution_mode,
+            "drained": drain,
+        },
+    )
+    return savepoint
 
 
 def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:
@@ -374,18 +477,16 @@ def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:
     return str(client._j_job_client.stopWithSavepoint(drain, target, fmt).get())
 
 
-def scan_input(path: Path, key_field: str) -> tuple[list[str], int]:
+def scan_input(path: Path, key_field: str, only: list[Path] | None = None) -> tuple[list[str], int]:
     """The bad lines of a bounded input (a file, or the files under a folder that Flink's file
-    source reads: names starting with `.` or `_` are skipped), as the embedded engine words
-    them (`path:line: ...`), and how many non-blank lines it has."""
+    source reads: names starting with `.` or `_` are skipped; `only` some of them), as the
+    embedded engine words them (`path:line: ...`), and how many non-blank lines it has."""
     from ratchet.flink._function import parse_line
+    from ratchet.runtime._flink_savepoint import input_files
 
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     bad: list[str] = []
     lines = 0
-    for f in files:
-        if any(part[:1] in (".", "_") for part in f.relative_to(path).parts) and f != path:
-            continue
+    for f in input_files(path) if only is None else only:
         with f.open("rb") as fh:
             for n, raw in enumerate(fh, 1):
                 text = raw.decode("utf-8", errors="replace")
@@ -413,7 +514,10 @@ def _report_bad(args: argparse.Namespace, bad: list[str]) -> None:
     )
 
 
-def _job_failed(job_id: str, exc: BaseException) -> int:
+UNMAPPED_STATE = "Cannot map checkpoint/savepoint state for operator"  # Flink's refusal
+
+
+def _job_failed(job_id: str, exc: BaseException, args: argparse.Namespace) -> int:
     from ratchet.flink._function import BAD_INPUT_MARK
 
     text = str(exc)
@@ -422,6 +526,16 @@ def _job_failed(job_id: str, exc: BaseException) -> int:
         line = text[at + len(BAD_INPUT_MARK) :].splitlines()[0].strip()
         print(f"ratchet flink: bad input: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if UNMAPPED_STATE in text:
+        print(
+            f"ratchet flink: the savepoint {args.from_savepoint} holds state of an operator "
+            "this job does not have, so Flink will not restore it: run with the options of the "
+            "job that took it (--memory-output, --on-bad-input dead-letter and --execution-mode "
+            "add or change operators), or pass --allow-non-restored-state to drop that "
+            "operator's state (its uncommitted output is lost)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     cause = [ln for ln in text.splitlines() if "Error" in ln or "Exception" in ln]
     print(
         f"ratchet flink: job {job_id} failed: {cause[-1].strip() if cause else text[:500]}",

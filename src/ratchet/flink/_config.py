@@ -9,15 +9,15 @@ from pathlib import Path
 
 from ratchet._errors import ConfigError
 from ratchet.runtime._flink_core import CoreConfig
+from ratchet.runtime._flink_savepoint import MODE_ENV, MODES
 
 _BACKENDS = ("rocksdb", "hashmap")
 _RESTARTS = ("fixed-delay", "exponential-delay", "none")
-_MODES = ("process", "thread")
 
 
 def _default_mode() -> str:
-    # The environment variable lets a whole test suite or benchmark run in thread mode.
-    return os.environ.get("RATCHET_FLINK_EXECUTION_MODE", "process")
+    # The environment variable lets a whole test suite or benchmark run in one mode.
+    return os.environ.get(MODE_ENV, "process")
 
 
 @dataclass
@@ -63,9 +63,9 @@ class FlinkConfig:
             raise ConfigError(
                 f"restart strategy {self.restart_strategy!r} is not one of {', '.join(_RESTARTS)}"
             )
-        if self.execution_mode not in _MODES:
+        if self.execution_mode not in MODES:
             raise ConfigError(
-                f"execution mode {self.execution_mode!r} is not one of {', '.join(_MODES)}"
+                f"execution mode {self.execution_mode!r} is not one of {', '.join(MODES)}"
             )
         if self.checkpoint_interval_ms < 10:
             raise ConfigError("checkpoint interval must be at least 10 ms (Flink's minimum)")

@@ -15,6 +15,7 @@ from ratchet._errors import BadInputError, ConfigError
 from ratchet.flink._watchdog import start_parent_watchdog
 from ratchet.runtime._flink_core import AgentCore, CoreConfig, Step, flink_key, native_key
 from ratchet.runtime._flink_keygroups import WAKE_PREFIX, key_group, key_group_range, wake_key
+from ratchet.runtime._flink_savepoint import PROCESS_STATES, THREAD_STATES
 from ratchet.runtime._io import _parse
 from ratchet.runtime._journal import encode_memory
 
@@ -113,13 +114,13 @@ class _State:
     Flink): byte-array values, the layout savepoints of earlier versions hold."""
 
     def __init__(self, rc: RuntimeContext) -> None:
-        self.key = rc.get_state(ValueStateDescriptor("ratchet-key", _BYTES))
+        self.key = rc.get_state(ValueStateDescriptor(PROCESS_STATES[0], _BYTES))
         self.inputs_st = rc.get_map_state(
-            MapStateDescriptor("ratchet-inputs", Types.LONG(), _BYTES)
+            MapStateDescriptor(PROCESS_STATES[1], Types.LONG(), _BYTES)
         )
-        self.run = rc.get_state(ValueStateDescriptor("ratchet-run", _BYTES))
+        self.run = rc.get_state(ValueStateDescriptor(PROCESS_STATES[2], _BYTES))
         self.calls_st = rc.get_map_state(
-            MapStateDescriptor("ratchet-calls", Types.STRING(), _BYTES)
+            MapStateDescriptor(PROCESS_STATES[3], Types.STRING(), _BYTES)
         )
 
     def get_key(self) -> bytes | None:
@@ -168,10 +169,10 @@ class _TextState:
 
     def __init__(self, rc: RuntimeContext) -> None:
         s = Types.STRING()
-        self.key = rc.get_state(ValueStateDescriptor("ratchet-key-t", s))
-        self.inputs_st = rc.get_map_state(MapStateDescriptor("ratchet-inputs-t", Types.LONG(), s))
-        self.run = rc.get_state(ValueStateDescriptor("ratchet-run-t", s))
-        self.calls_st = rc.get_map_state(MapStateDescriptor("ratchet-calls-t", s, s))
+        self.key = rc.get_state(ValueStateDescriptor(THREAD_STATES[0], s))
+        self.inputs_st = rc.get_map_state(MapStateDescriptor(THREAD_STATES[1], Types.LONG(), s))
+        self.run = rc.get_state(ValueStateDescriptor(THREAD_STATES[2], s))
+        self.calls_st = rc.get_map_state(MapStateDescriptor(THREAD_STATES[3], s, s))
 
     def get_key(self) -> bytes | None:
         v = self.key.value()
@@ -231,6 +232,7 @@ class AgentFunction(KeyedProcessFunction):
         emit_memory: bool = False,
         emit_progress: bool = False,
         journal: tuple[str, str] | None = None,
+        emit_admissions: bool = False,
     ) -> None:
         self.agent = agent
         self.journal = journal  # (PostgreSQL URI, namespace) of the external call journal
@@ -239,6 +241,7 @@ class AgentFunction(KeyedProcessFunction):
         self.json_pairs = json_pairs
         self.emit_memory = emit_memory
         self.emit_progress = emit_progress
+        self.emit_admissions = emit_admissions
         self.core: AgentCore | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
@@ -278,7 +281,7 @@ class AgentFunction(KeyedProcessFunction):
                 runtime_context.get_index_of_this_subtask(),
             )
             self._wake = runtime_context.get_map_state(
-                MapStateDescriptor("ratchet-wake", Types.STRING(), Types.BOOLEAN())
+                MapStateDescriptor(PROCESS_STATES[4], Types.STRING(), Types.BOOLEAN())
             )
 
     def _metrics(self, rc: RuntimeContext) -> None:
@@ -308,6 +311,8 @@ class AgentFunction(KeyedProcessFunction):
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
         self._m_inputs.inc()
+        if self.emit_admissions:
+            yield PROGRESS_TAG, json.dumps({"key": key, "seq": step.admitted, "in": 1})
         self._timers(ctx, key, step, register_end=self.emit_memory)
         self._update_wake(fkey, step)
         yield from self._emit(key, step)

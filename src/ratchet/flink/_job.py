@@ -72,6 +72,7 @@ def apply_agent(
     emit_memory: bool = False,
     emit_progress: bool = False,
     _json_pairs: bool = False,
+    _emit_admissions: bool = False,
 ) -> DataStream:
     """Apply a ratchet `Agent` to a DataStream (or KeyedStream); returns the outputs stream.
 
@@ -102,6 +103,7 @@ def apply_agent(
         journal=(config.call_journal, config.journal_namespace or "")
         if config.call_journal
         else None,
+        emit_admissions=_emit_admissions,
     )
     return keyed.process(fn, output_type=Types.STRING()).uid(uid).name(f"ratchet agent ({uid})")
 
@@ -159,10 +161,25 @@ def file_sink(directory: str | os.PathLike[str], prefix: str = "part") -> FileSi
 def count_progress(directory: str | os.PathLike[str]) -> int:
     """How many distinct runs a progress folder (`build_job(progress_dir=...)`) says are done,
     counting committed part files only."""
+    return len(_progress(directory)[1])
+
+
+def count_admitted_progress(directory: str | os.PathLike[str]) -> tuple[int, int]:
+    """(inputs admitted, of those the runs done) by the job writing a progress folder with
+    `progress_admissions=True`, counting committed part files only. A job restored from a
+    savepoint also finishes runs the savepoint held; only its own inputs count here."""
+    admitted, done = _progress(directory)
+    return len(admitted), len(admitted & done)
+
+
+def _progress(
+    directory: str | os.PathLike[str],
+) -> tuple[set[tuple[Any, int]], set[tuple[Any, int]]]:
+    admitted: set[tuple[Any, int]] = set()
     done: set[tuple[Any, int]] = set()
     for rec in read_output_dir(directory):
-        done.add((rec["key"], rec["seq"]))
-    return len(done)
+        (admitted if rec.get("in") else done).add((rec["key"], rec["seq"]))
+    return admitted, done
 
 
 def build_job(
@@ -178,11 +195,16 @@ def build_job(
     agent_config: dict[str, Any] | None = None,
     on_bad_input: str = "stop",
     progress_dir: str | os.PathLike[str] | None = None,
+    emit_progress: bool = True,
+    progress_admissions: bool = False,
 ) -> None:
     """Source (JSONL file or folder) -> parse -> agent -> exactly-once file sink, with uids.
 
     With `progress_dir`, one line per finished run goes there through its own exactly-once
     sink (`count_progress` reads it): how `ratchet flink run` knows a job's inputs are done.
+    `emit_progress=False` keeps that sink (a savepoint that holds its state can be restored)
+    and writes nothing to it; `progress_admissions` adds a line per admitted input
+    (`count_admitted_progress`).
 
     With `on_bad_input="dead-letter"` bad lines go to `output_dir/_bad-input/` (part files
     prefixed `bad-input`); `read_output_dir` does not read that folder as outputs."""
@@ -214,7 +236,8 @@ def build_job(
         config=config,
         agent_config=agent_config,
         emit_memory=memory_dir is not None,
-        emit_progress=progress_dir is not None,
+        emit_progress=progress_dir is not None and emit_progress,
+        _emit_admissions=progress_dir is not None and emit_progress and progress_admissions,
         _json_pairs=True,
     )
     outputs.sink_to(file_sink(output_dir)).uid("ratchet-sink").name("outputs")

@@ -123,6 +123,7 @@ class Step:
     # The key's entry in its key group's wake registry (see `flink/_function.py`): +1 add it
     # (the key has work), -1 remove it (idle now), 0 nothing to change.
     wake: int = 0
+    admitted: int | None = None  # the seq given to the input this callback admitted
 
 
 @dataclass(eq=False)
@@ -407,7 +408,7 @@ class AgentCore:
         info.next_seq += 1
         info.key_dirty = True
         self.machine.admit(key, seq, self.binding.event_from_input(value))
-        step = Step()
+        step = Step(admitted=seq)
         self._pump(key, info, step)
         self._persist(key, info, store, step)
         return step

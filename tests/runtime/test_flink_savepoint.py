@@ -1,0 +1,163 @@
+"""What `ratchet flink run --from-savepoint` reads from a savepoint without Flink: the execution
+mode it was taken in (state names), the input files its job read (the source's URIs), and
+whether a run to completion may continue from it (ratchet's marker). No PyFlink needed:
+synthetic savepoint folders holding bytes the way Flink writes them."""
+
+from __future__ import annotations
+
+import argparse
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ratchet._errors import ConfigError
+from ratchet.cli._flink import _restores_to_completion, execution_mode
+from ratchet.runtime._flink_savepoint import (
+    MARKER,
+    MODE_ENV,
+    PROCESS_STATES,
+    THREAD_STATES,
+    local_path,
+    read_marker,
+    savepoint_mode,
+    unread_inputs,
+    write_marker,
+)
+
+
+def utf(name: str) -> bytes:
+    raw = name.encode()
+    return struct.pack(">H", len(raw)) + raw
+
+
+def process_name(name: str) -> bytes:
+    return utf("python-state-" + name)
+
+
+def savepoint(tmp: Path, *chunks: bytes, file: str = "_metadata") -> Path:
+    d = tmp / "savepoint-abc"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / file).write_bytes(b"".join(chunks))
+    return d
+
+
+@given(
+    which=st.sampled_from(["process", "thread"]),
+    name=st.integers(0, 3),
+    before=st.binary(max_size=200),
+    after=st.binary(max_size=200),
+)
+def test_the_mode_is_read_from_any_state_name_wherever_it_sits(
+    tmp_path_factory: pytest.TempPathFactory, which: str, name: int, before: bytes, after: bytes
+) -> None:
+    tmp = tmp_path_factory.mktemp("sp")
+    token = process_name(PROCESS_STATES[name]) if which == "process" else utf(THREAD_STATES[name])
+    d = savepoint(tmp, before, token, after)
+    assert savepoint_mode(str(d)) == which
+    assert savepoint_mode(d.as_uri()) == which
+    assert savepoint_mode(str(d / "_metadata")) == which  # the metadata file named itself
+
+
+def test_large_state_keeps_its_names_in_a_state_file_beside_metadata(tmp_path: Path) -> None:
+    d = savepoint(tmp_path, b"\x00" * 100)  # no names inline
+    (d / "3f2a-state").write_bytes(b"\x01\x02" + utf(THREAD_STATES[0]) + b"\x00" * 5000)
+    assert savepoint_mode(str(d)) == "thread"
+
+
+def test_undecidable_savepoints_leave_the_choice_to_the_default(tmp_path: Path) -> None:
+    # No ratchet state (a job that never wrote a key), both layouts, a process-mode name
+    # without PyFlink's prefix, a name that only starts like ours, nothing there.
+    assert savepoint_mode(str(savepoint(tmp_path / "a", b"other-state"))) is None
+    both = savepoint(tmp_path / "b", process_name("ratchet-wake"), utf("ratchet-run-t"))
+    assert savepoint_mode(str(both)) is None
+    assert savepoint_mode(str(savepoint(tmp_path / "c", utf("ratchet-key")))) is None
+    assert savepoint_mode(str(savepoint(tmp_path / "d", utf("ratchet-key-tx")))) is None
+    assert savepoint_mode(str(tmp_path / "missing")) is None
+    assert savepoint_mode("s3://bucket/savepoints/savepoint-1") is None
+    assert local_path("hdfs://nn/sp") is None
+    assert local_path("file:///tmp/a%20b") == Path("/tmp/a b")
+
+
+def args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {"execution_mode": None, "from_savepoint": None, "jobmanager": None}
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_the_default_is_thread_locally_and_process_on_a_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    assert execution_mode(args()) == "thread"
+    assert execution_mode(args(jobmanager="jm:8081")) == "process"
+    assert execution_mode(args(execution_mode="process")) == "process"
+    monkeypatch.setenv(MODE_ENV, "process")
+    assert execution_mode(args()) == "process"
+    assert execution_mode(args(execution_mode="thread")) == "thread"  # the flag wins
+
+
+@pytest.mark.parametrize("taken", ["process", "thread"])
+def test_a_savepoint_runs_in_its_mode_and_naming_the_other_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken: str
+) -> None:
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    name = process_name("ratchet-key") if taken == "process" else utf("ratchet-key-t")
+    sp = str(savepoint(tmp_path, name))
+    other = "thread" if taken == "process" else "process"
+    assert execution_mode(args(from_savepoint=sp)) == taken
+    assert execution_mode(args(from_savepoint=sp, jobmanager="jm:8081")) == taken
+    assert execution_mode(args(from_savepoint=sp, execution_mode=taken)) == taken
+    with pytest.raises(ConfigError) as err:
+        execution_mode(args(from_savepoint=sp, execution_mode=other))
+    msg = str(err.value)
+    assert f"taken in {taken} mode" in msg and f"--execution-mode {taken}" in msg, msg
+    monkeypatch.setenv(MODE_ENV, other)
+    with pytest.raises(ConfigError, match=MODE_ENV):
+        execution_mode(args(from_savepoint=sp))
+
+
+def test_input_files_the_savepoint_does_not_name_are_the_unread_ones(tmp_path: Path) -> None:
+    inputs = tmp_path / "in"
+    (inputs / "sub").mkdir(parents=True)
+    for name in ("a.jsonl", "a.jsonl.bak", "b.jsonl", "sub/c.jsonl", ".hidden", "_skip"):
+        (inputs / name).write_text("{}\n")
+    a, c = inputs / "a.jsonl", inputs / "sub" / "c.jsonl"
+    # Flink keeps each read file's URI (a length, then the text) in the source's state.
+    d = savepoint(
+        tmp_path, b"\x00\x00\x00N" + f"file:{a}".encode(), b"\x00\x01", f"file:{c}".encode()
+    )
+    unread = unread_inputs(str(d), str(inputs))
+    assert unread == [inputs / "a.jsonl.bak", inputs / "b.jsonl"], unread
+    assert unread_inputs(str(d), str(a)) == []  # a single file
+    assert unread_inputs("s3://bucket/sp", str(inputs)) == []  # cannot tell: nothing refused
+
+
+def restore_args(sp: Path, **kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {
+        "from_savepoint": str(sp), "follow": None, "jobmanager": None, "detach": False,
+    }  # fmt: skip
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_only_a_savepoint_that_ended_a_run_to_completion_restores_to_completion(
+    tmp_path: Path,
+) -> None:
+    sp = savepoint(tmp_path, utf(THREAD_STATES[0]))
+    # Not a local run to completion: nothing to check here.
+    assert not _restores_to_completion(restore_args(sp, follow=500))
+    assert not _restores_to_completion(restore_args(sp, jobmanager="jm:8081"))
+    assert not _restores_to_completion(restore_args(sp, detach=True))
+    with pytest.raises(ConfigError, match=MARKER):  # taken by a job that may re-read files
+        _restores_to_completion(restore_args(sp))
+    write_marker(str(sp), {"input": "in", "execution_mode": "thread", "drained": True})
+    with pytest.raises(ConfigError, match="ended its job for good"):
+        _restores_to_completion(restore_args(sp))
+    write_marker(sp.as_uri(), {"input": "in", "execution_mode": "thread", "drained": False})
+    assert read_marker(str(sp / "_metadata")) == {
+        "input": "in", "execution_mode": "thread", "drained": False,
+    }  # fmt: skip
+    assert _restores_to_completion(restore_args(sp))

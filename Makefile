@@ -28,15 +28,20 @@ test-sharded: $(STAMP)
 
 # The Flink engine's suite, in its own environment (PyFlink is large and pins its own deps).
 FLINK_VENV := .venv-flink
-test-flink:
+FLINK_STAMP := $(FLINK_VENV)/.installed-postgres
+$(FLINK_STAMP):
 	@test -x $(FLINK_VENV)/bin/python || $(PY) -m venv $(FLINK_VENV)
-	@test -f $(FLINK_VENV)/.installed-postgres || { $(FLINK_VENV)/bin/python -m pip install -q --upgrade pip && \
-		$(FLINK_VENV)/bin/python -m pip install -q -e '.[flink,postgres]' pytest pytest-timeout && touch $(FLINK_VENV)/.installed-postgres; }
-	$(FLINK_VENV)/bin/python -m pytest -q -m flink tests/flink
+	$(FLINK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLINK_VENV)/bin/python -m pip install -q -e '.[flink,postgres]' pytest pytest-timeout
+	@touch $(FLINK_STAMP)
 
-# The same suite in thread mode (`--execution-mode thread`, experimental; known failures in
-# docs/flink.md, "Thread mode"). Not part of CI.
-test-flink-thread: test-flink
+# test-flink runs the suite in process mode (separate Python workers: the default with
+# --jobmanager), test-flink-thread in thread mode (the Python code inside the TaskManager's JVM:
+# the default on the local mini-cluster); CI runs both.
+test-flink: $(FLINK_STAMP)
+	RATCHET_FLINK_EXECUTION_MODE=process $(FLINK_VENV)/bin/python -m pytest -q -m flink tests/flink
+
+test-flink-thread: $(FLINK_STAMP)
 	RATCHET_FLINK_EXECUTION_MODE=thread $(FLINK_VENV)/bin/python -m pytest -q -m flink tests/flink
 
 lint: $(STAMP)

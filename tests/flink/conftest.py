@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -8,6 +9,11 @@ from typing import Any
 import pytest
 
 HAVE_PYFLINK = importlib.util.find_spec("pyflink") is not None
+
+# The suite runs in one execution mode throughout: `make test-flink` sets process and
+# `make test-flink-thread` thread; run directly, process (the CLI's own default would differ
+# between local runs, thread, and cluster runs, process).
+os.environ.setdefault("RATCHET_FLINK_EXECUTION_MODE", "process")
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,10 @@ AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", 
 # `subprocess` (-> `selectors`, `select`, `locale`): `git ls-files` is spawned with
 # `os.posix_spawnp` (`ratchet.checks._spawn`), stage commands import it when one starts;
 # `shutil` (-> `bz2`, `lzma`, `zlib`), which argparse imported for the terminal's width
-# (`ratchet._argparse` asks `os`).
+# (`ratchet._argparse` asks `os`); `typing` (-> `_typing`), which the modules on that path
+# import only for the type checker (`TYPE_CHECKING = False`), their Protocols kept in
+# `ratchet.checks._protocols` and `ratchet._clock_protocol`, their NamedTuples built by
+# `ratchet._records`.
 STARTUP_HEAVY = (
     "asyncio",
     "bz2",
@@ -42,6 +45,8 @@ STARTUP_HEAVY = (
     "textwrap",
     "tokenize",
     "traceback",
+    "typing",
+    "_typing",
 )
 
 

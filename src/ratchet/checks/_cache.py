@@ -18,13 +18,17 @@ import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
-from ratchet._clock import Clock
 from ratchet.checks._receipts import seal_receipt
 from ratchet.checks._signing import signing_key
 from ratchet.checks.common import atomic_json, read_json
 from ratchet.store import sha256_file, verify_seal
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet._clock import Clock
 
 __all__ = ["CACHE_VERSION", "CheckCache", "check_entry", "gc", "is_digest"]
 

@@ -14,7 +14,6 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from ratchet._argparse import Parser
 from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, RatchetError
@@ -27,6 +26,10 @@ from ratchet.checks._receipts import read_receipt, state_dir_for
 from ratchet.checks._recover import recover
 from ratchet.checks._run import project_path, run_checks
 from ratchet.checks.common import readable_json
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["add_common_arguments", "configure", "dispatch", "exit_code", "main", "register"]
 

@@ -23,9 +23,8 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
-from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet.checks._errors import ProjectError
 from ratchet.checks._spawn import Child, output_of
 from ratchet.checks._threads import map_threads
@@ -35,6 +34,12 @@ from ratchet.store import (
     sha256_bytes,
     sha256_file,
 )
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet._clock import Clock
 
 __all__ = [
     "WORKSPACE_REST",

@@ -12,11 +12,14 @@ import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from ratchet._errors import InvalidArgumentError
 from ratchet.store import atomic_write_bytes
 from ratchet.store import read_json as _store_read_json
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "LOCK_DIR_ENV",

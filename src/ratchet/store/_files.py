@@ -8,9 +8,12 @@ import hmac
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from ratchet._errors import CorruptDataError
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 SEAL_FIELD = "seal"
 SEAL_ALGORITHM = "sha256"

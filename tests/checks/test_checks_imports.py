@@ -24,14 +24,18 @@ AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", 
 # (`ratchet._argparse` asks `os`); `typing` (-> `_typing`), which the modules on that path
 # import only for the type checker (`TYPE_CHECKING = False`), their Protocols kept in
 # `ratchet.checks._protocols` and `ratchet._clock_protocol`, their NamedTuples built by
-# `ratchet._records`.
+# `ratchet._records`; and OpenSSL's `_hashlib` (with `hashlib`, `hmac`): the small inputs a
+# no-op hashes go to CPython's builtin SHA-256 (`ratchet.store._digest`).
 STARTUP_HEAVY = (
+    "_hashlib",
     "asyncio",
     "bz2",
     "concurrent.futures",
     "ctypes",
     "dataclasses",
     "datetime",
+    "hashlib",
+    "hmac",
     "inspect",
     "linecache",
     "logging",

@@ -14,7 +14,6 @@ read-only cache (for jobs that must not be able to poison it) is read and never 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -208,6 +207,8 @@ def _mkstemp(directory: Path) -> tuple[int, str]:
 
 
 def _write_atomic(target: Path, chunks: Iterable[bytes], *, sha256: str | None = None) -> bool:
+    import hashlib  # here: a run that stores nothing in the cache does not load OpenSSL
+
     fd, tmp = _mkstemp(target.parent)
     try:
         hasher = hashlib.sha256()

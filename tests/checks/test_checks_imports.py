@@ -25,19 +25,24 @@ AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", 
 # import only for the type checker (`TYPE_CHECKING = False`), their Protocols kept in
 # `ratchet.checks._protocols` and `ratchet._clock_protocol`, their NamedTuples built by
 # `ratchet._records`; and OpenSSL's `_hashlib` (with `hashlib`, `hmac`): the small inputs a
-# no-op hashes go to CPython's builtin SHA-256 (`ratchet.store._digest`).
+# no-op hashes go to CPython's builtin SHA-256 (`ratchet.store._digest`); and `argparse`
+# (-> `gettext`, and `locale` when a parser is built): a plain `checks run` command line is
+# read by `ratchet.checks._cli.read_plain_run`.
 STARTUP_HEAVY = (
     "_hashlib",
+    "argparse",
     "asyncio",
     "bz2",
     "concurrent.futures",
     "ctypes",
     "dataclasses",
     "datetime",
+    "gettext",
     "hashlib",
     "hmac",
     "inspect",
     "linecache",
+    "locale",
     "logging",
     "lzma",
     "platform",

@@ -9,7 +9,6 @@ once a receipt holding it is on disk; then the locks are released and consumers 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -70,6 +69,7 @@ from ratchet.store import sha256_bytes
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
+    import argparse
     from typing import Any
 
     from ratchet.checks._protocols import Prober

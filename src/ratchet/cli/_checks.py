@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 from ratchet.checks import _cli
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
+    import argparse
     from typing import Any
 
 

@@ -92,6 +92,7 @@ def test_the_protocols_resolve_where_they_were() -> None:
     for name in ("Executor", "Prober"):
         assert getattr(ratchet.checks, name) is getattr(_seams, name)
         assert getattr(ratchet.checks, name)._is_protocol
+        assert name in dir(ratchet.checks)
     assert _seams.Waiter._is_protocol and _seams.ProberFactory._is_protocol
     assert ratchet.Clock is _clock.Clock
     assert isinstance(_clock.SYSTEM_CLOCK, _clock.Clock)

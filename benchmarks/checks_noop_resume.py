@@ -143,6 +143,11 @@ def bench_ratchet(
     cli = _command_line()
     warm = [*cli, "checks", "--help"]
     subprocess.run(warm, env=env, capture_output=True, check=True)
+    # Which ratchet the command runs: the one this interpreter imports with this environment
+    # (PYTHONPATH first, then the installed package), as the console script does.
+    where = [sys.executable, "-c", "import ratchet; print(ratchet.__file__)"]
+    package = subprocess.run(where, env=env, capture_output=True, text=True, check=True)
+    print(f"ratchet  command line {' '.join(cli)} imports {package.stdout.strip()}")
     cli_times = []
     for _ in range(repeat):
         argv = [*cli, "checks", "run", "--workspace-root"]

@@ -4,9 +4,6 @@ Progress only moves forward: committed work survives `kill -9`, is never done tw
 every "already done" is re-verified before it is trusted.
 """
 
-import importlib
-from typing import TYPE_CHECKING
-
 from ratchet._errors import (
     BadInputError,
     ChatError,
@@ -37,6 +34,8 @@ from ratchet._errors import (
     UnknownTypeError,
 )
 
+# `typing` and `importlib` are not imported here: `ratchet checks` starts without them.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ratchet._clock import Clock
     from ratchet._state_api import State, open_state
@@ -218,6 +217,8 @@ def __getattr__(name: str) -> object:
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'ratchet' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value

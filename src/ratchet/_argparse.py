@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["HelpFormatter", "Parser", "terminal_columns"]
 

@@ -9,28 +9,21 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Protocol, runtime_checkable
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ratchet._clock_protocol import Clock as Clock
 
 
-@runtime_checkable
-class Clock(Protocol):
-    """The three things ratchet asks of time."""
+def __getattr__(name: str) -> object:
+    # `Clock` is a `typing.Protocol` (engines check `isinstance` against it): made on first
+    # use, so that a `ratchet checks` start-up, which only reads the clock, does not import
+    # `typing`.
+    if name == "Clock":
+        from ratchet._clock_protocol import Clock
 
-    def now(self) -> float:
-        """Wall-clock seconds since the epoch (stored in checkpoints and receipts)."""
-        ...
-
-    def monotonic(self) -> float:
-        """Seconds on a clock that never goes back (durations, deadlines)."""
-        ...
-
-    async def sleep(self, seconds: float) -> None:
-        """Wait `seconds` on this clock (in an event loop)."""
-        ...
-
-    def sleep_sync(self, seconds: float) -> None:
-        """Block the calling thread for `seconds` on this clock."""
-        ...
+        return Clock
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SystemClock:

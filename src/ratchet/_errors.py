@@ -36,7 +36,9 @@ restart cannot fix).
 
 from __future__ import annotations
 
-from typing import Final
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Final
 
 # -- exit codes of `ratchet` (documented in README "Exit codes") ---------------------------------
 EXIT_OK: Final = 0

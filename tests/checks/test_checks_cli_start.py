@@ -1,14 +1,16 @@
 """`ratchet checks` builds only the subcommand it runs: the same parse as with every
-subcommand built, and every subcommand when that cannot be told for sure."""
+subcommand built, and every subcommand when that cannot be told for sure; and a plain
+`checks run` command line is read without argparse, to what argparse would make of it."""
 
 from __future__ import annotations
 
 import argparse
+import random
 
 import pytest
 
 from ratchet._argparse import HelpFormatter, terminal_columns
-from ratchet.checks._cli import SUBCOMMANDS, subcommand_of
+from ratchet.checks._cli import SUBCOMMANDS, read_plain_run, subcommand_of
 from ratchet.cli import build_parser
 
 
@@ -80,3 +82,132 @@ def test_the_help_is_as_wide_as_argparse_would_make_it(
     theirs = argparse.HelpFormatter("ratchet")  # asks shutil.get_terminal_size()
     assert (ours._width, ours._max_help_position) == (theirs._width, theirs._max_help_position)
     assert terminal_columns() == ours._width + 2
+
+
+# --- a plain `checks run` command line, read without argparse -----------------------------
+
+PLAIN = [
+    ["run"],
+    [
+        "run",
+        "--workspace-root",
+        "/w",
+        "--state-dir",
+        "/s",
+        "--resume",
+        "r1",
+        "--no-cache",
+        "--json",
+    ],
+    ["--workspace-root", "/w", "--json", "run", "--resume=latest", "--jobs", "4"],
+    ["--project", "run", "run", "--repo", "a", "--repo=b", "--changed", "--base", "origin/main"],
+    ["run", "--lock-timeout", "2.5", "--lock-dir", "/l", "--lock-scope", "s", "--junit", "j"],
+    ["run", "--dry-run", "--allow-empty", "--cache-dir", "c", "--cache-url", "http://h:1"],
+    ["run", "--cache-read-only", "--strict-env", "--profile", "p", "--resume", ""],
+    ["--state-dir", "/a", "run", "--state-dir", "/b", "--json", "--json", "--jobs", "1_0"],
+]
+NOT_PLAIN = [
+    [],
+    ["--json"],  # no subcommand
+    ["run", "--help"],
+    ["-h", "run"],
+    ["run", "-j", "2"],  # a short option
+    ["run", "--res", "r1"],  # abbreviated
+    ["run", "--resume"],  # no value
+    ["run", "--resume", "--json"],
+    ["run", "--jobs", "-1"],  # a value starting with '-'
+    ["run", "--jobs", "two"],  # argparse says why
+    ["run", "--lock-timeout", "soon"],
+    ["run", "--json=yes"],
+    ["--resume", "r1", "run"],  # a run option before `run`
+    ["run", "run"],
+    ["run", "extra"],
+    ["list"],
+    ["run", "--", "--json"],
+]
+
+
+def _argparse_reads(rest: list[str]) -> dict[str, object] | None:
+    parser = build_parser("checks")
+    try:
+        return vars(parser.parse_args(["checks", *rest]))
+    except SystemExit:
+        return None
+
+
+@pytest.mark.parametrize("rest", PLAIN)
+def test_a_plain_run_command_line_reads_as_argparse_reads_it(rest: list[str]) -> None:
+    plain = read_plain_run(rest)
+    assert plain is not None
+    assert vars(plain) == _argparse_reads(rest)
+
+
+@pytest.mark.parametrize("rest", NOT_PLAIN)
+def test_anything_else_is_left_to_argparse(rest: list[str]) -> None:
+    assert read_plain_run(rest) is None
+
+
+def _random_command_line(rng: random.Random) -> list[str]:
+    """A plain `checks run` command line, then, half the time, one to three edits that may
+    make it anything (a tricky value, an unknown or misplaced word, a lost token)."""
+    common = ["--workspace-root", "--project", "--state-dir"]
+    valued = ["--profile", "--repo", "--base", "--resume", "--junit", "--lock-dir"]
+    valued += ["--lock-scope", "--cache-dir", "--cache-url", *common]
+    flags = ["--json", "--changed", "--dry-run", "--allow-empty", "--no-cache"]
+    flags += ["--cache-read-only", "--strict-env"]
+    values = ["x", "", "run", "a=b", "latest", "/w s"]
+    tricky = ["-1", "--json", "-", "1e3", "two", "--", "-h", "run", "=", "3"]
+
+    def option(names: list[str]) -> list[str]:
+        name = rng.choice(names)
+        if name in flags:
+            return [name]
+        value = rng.choice(values)
+        return [f"{name}={value}"] if rng.random() < 0.3 else [name, value]
+
+    rest: list[str] = []
+    for _ in range(rng.randrange(3)):
+        rest += option([*common, "--json"])
+    rest.append("run")
+    for _ in range(rng.randrange(6)):
+        roll = rng.random()
+        if roll < 0.15:
+            rest += ["--jobs", str(rng.randrange(1, 9))]
+        elif roll < 0.25:
+            rest += ["--lock-timeout", rng.choice(["0", "2.5", "1e3"])]
+        else:
+            rest += option(valued + flags)
+    if rng.random() < 0.5:
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(rest) + 1)
+            roll = rng.random()
+            if roll < 0.4:
+                rest.insert(at, rng.choice(tricky))
+            elif roll < 0.7 and rest:
+                del rest[min(at, len(rest) - 1)]
+            else:
+                rest.insert(at, rng.choice(["-j", "--res", "--help", "list", "--jobs", "run"]))
+    return rest
+
+
+def test_random_command_lines_read_as_argparse_reads_them_or_are_left_to_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every command line `read_plain_run` reads, argparse reads the same way (and none it
+    reads does argparse refuse); a fixed seed, so a failure replays."""
+    rng = random.Random(17)
+    parser = build_parser("checks")
+    plain_count = 0
+    for _ in range(3000):
+        rest = _random_command_line(rng)
+        plain = read_plain_run(rest)
+        if plain is None:
+            continue
+        plain_count += 1
+        try:
+            theirs = vars(parser.parse_args(["checks", *rest]))
+        except SystemExit:
+            raise AssertionError(f"read as plain, refused by argparse: {rest}") from None
+        assert vars(plain) == theirs, rest
+    capsys.readouterr()
+    assert plain_count > 1000  # the sample reaches the reader, not only argparse

@@ -21,16 +21,28 @@ AGENT_SIDE = ("ratchet.agents", "ratchet.runtime", "ratchet.flink", "pydantic", 
 # `subprocess` (-> `selectors`, `select`, `locale`): `git ls-files` is spawned with
 # `os.posix_spawnp` (`ratchet.checks._spawn`), stage commands import it when one starts;
 # `shutil` (-> `bz2`, `lzma`, `zlib`), which argparse imported for the terminal's width
-# (`ratchet._argparse` asks `os`).
+# (`ratchet._argparse` asks `os`); `typing` (-> `_typing`), which the modules on that path
+# import only for the type checker (`TYPE_CHECKING = False`), their Protocols kept in
+# `ratchet.checks._protocols` and `ratchet._clock_protocol`, their NamedTuples built by
+# `ratchet._records`; and OpenSSL's `_hashlib` (with `hashlib`, `hmac`): the small inputs a
+# no-op hashes go to CPython's builtin SHA-256 (`ratchet.store._digest`); and `argparse`
+# (-> `gettext`, and `locale` when a parser is built): a plain `checks run` command line is
+# read by `ratchet.checks._cli.read_plain_run`.
 STARTUP_HEAVY = (
+    "_hashlib",
+    "argparse",
     "asyncio",
     "bz2",
     "concurrent.futures",
     "ctypes",
     "dataclasses",
     "datetime",
+    "gettext",
+    "hashlib",
+    "hmac",
     "inspect",
     "linecache",
+    "locale",
     "logging",
     "lzma",
     "platform",
@@ -42,6 +54,8 @@ STARTUP_HEAVY = (
     "textwrap",
     "tokenize",
     "traceback",
+    "typing",
+    "_typing",
 )
 
 

@@ -13,7 +13,26 @@ from ratchet.checks._errors import (
     StageTimeoutError,
 )
 from ratchet.checks._plan import load_project, plan_stages
-from ratchet.checks._seams import Executor, Prober, Seams
+from ratchet.checks._seams import Seams
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ratchet.checks._protocols import Executor, Prober
+
+
+def __getattr__(name: str) -> object:
+    # `Executor` and `Prober` are `typing.Protocol`s: made on first use, so that a
+    # `ratchet checks` start-up does not import `typing` (see `_protocols`).
+    if name in ("Executor", "Prober"):
+        from ratchet.checks import _protocols
+
+        return getattr(_protocols, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "Executor",

@@ -14,17 +14,20 @@ read-only cache (for jobs that must not be able to poison it) is read and never 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
-from ratchet._clock import Clock
 from ratchet.checks._receipts import seal_receipt
 from ratchet.checks._signing import signing_key
 from ratchet.checks.common import atomic_json, read_json
 from ratchet.store import sha256_file, verify_seal
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet._clock import Clock
 
 __all__ = ["CACHE_VERSION", "CheckCache", "check_entry", "gc", "is_digest"]
 
@@ -204,6 +207,8 @@ def _mkstemp(directory: Path) -> tuple[int, str]:
 
 
 def _write_atomic(target: Path, chunks: Iterable[bytes], *, sha256: str | None = None) -> bool:
+    import hashlib  # here: a run that stores nothing in the cache does not load OpenSSL
+
     fd, tmp = _mkstemp(target.parent)
     try:
         hasher = hashlib.sha256()

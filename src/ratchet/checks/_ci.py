@@ -9,7 +9,10 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any, TextIO
 
 __all__ = ["LOG_TAIL_LINES", "ci_report", "log_tail", "write_junit"]
 

@@ -6,7 +6,6 @@ arguments into calls of the run (`_run`), `recover` and `explain`, with the real
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -14,9 +13,8 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
 
-from ratchet._argparse import Parser
 from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, RatchetError
 from ratchet.checks import _report
 from ratchet.checks._ci import ci_report, write_junit
@@ -27,6 +25,11 @@ from ratchet.checks._receipts import read_receipt, state_dir_for
 from ratchet.checks._recover import recover
 from ratchet.checks._run import project_path, run_checks
 from ratchet.checks.common import readable_json
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
 __all__ = ["add_common_arguments", "configure", "dispatch", "exit_code", "main", "register"]
 
@@ -142,6 +145,8 @@ def dispatch(parsed: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ratchet._argparse import Parser
+
     argv = sys.argv[1:] if argv is None else argv
     parser = Parser(prog="python -m ratchet.checks", description=_DESCRIPTION)
     configure(parser, argv)
@@ -261,29 +266,45 @@ def _handle_list(parsed: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# An option: its flags and `add_argument`'s keywords. The options of `checks run` (and the
+# workspace options) are tables, read by argparse and by `read_plain_run` alike.
+Option = tuple[tuple[str, ...], "dict[str, Any]"]  # a string: `Any` is not imported
+
+
+def _common_options() -> list[Option]:
+    return [
+        (("--workspace-root",), {"default": os.getcwd(), "help": "workspace root (default: cwd)"}),
+        (
+            ("--project",),
+            {
+                "default": "checks.project.json",
+                "help": "project file, relative to the workspace root (default: "
+                "checks.project.json)",
+            },
+        ),
+        (
+            ("--state-dir",),
+            {
+                "default": None,
+                "help": "where runs and logs live (default: a folder under $XDG_STATE_HOME)",
+            },
+        ),
+        (
+            ("--json",),
+            {"action": "store_true", "default": False, "help": "print the result as JSON"},
+        ),
+    ]
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
     """The workspace options; on subcommands they default to SUPPRESS, so they may come
     before or after the subcommand name."""
+    import argparse
 
-    def default(value: Any) -> Any:
-        return argparse.SUPPRESS if suppress else value
-
-    parser.add_argument(
-        "--workspace-root", default=default(os.getcwd()), help="workspace root (default: cwd)"
-    )
-    parser.add_argument(
-        "--project",
-        default=default("checks.project.json"),
-        help="project file, relative to the workspace root (default: checks.project.json)",
-    )
-    parser.add_argument(
-        "--state-dir",
-        default=default(None),
-        help="where runs and logs live (default: a folder under $XDG_STATE_HOME)",
-    )
-    parser.add_argument(
-        "--json", action="store_true", default=default(False), help="print the result as JSON"
-    )
+    for flags, options in _common_options():
+        if suppress:
+            options = {**options, "default": argparse.SUPPRESS}
+        parser.add_argument(*flags, **options)
 
 
 def register(subparsers: Any, only: str | None = None) -> None:
@@ -303,89 +324,197 @@ def register(subparsers: Any, only: str | None = None) -> None:
         _register_list(subparsers)
 
 
+_RUN_OPTIONS: tuple[Option, ...] = (
+    (("--profile",), {"default": None, "help": "run only this profile's checks"}),
+    (
+        ("--repo",),
+        {"action": "append", "default": None, "help": "only checks covering this repository"},
+    ),
+    (
+        ("--changed",),
+        {
+            "action": "store_true",
+            "help": "only checks covering repos with uncommitted changes",
+        },
+    ),
+    (
+        ("--base",),
+        {
+            "default": None,
+            "metavar": "REF",
+            "help": "with --changed: changes since this commit (e.g. origin/main), not just "
+            "uncommitted",
+        },
+    ),
+    (
+        ("--resume",),
+        {
+            "default": None,
+            "metavar": "RUN_ID",
+            "help": "reuse verified checkpoints of this run ('latest': the newest finished run)",
+        },
+    ),
+    (("--junit",), {"default": None, "metavar": "PATH", "help": "also write JUnit XML here"}),
+    (("--jobs", "-j"), {"type": int, "default": 1, "help": "stages run in parallel"}),
+    (
+        ("--lock-timeout",),
+        {
+            "type": float,
+            "default": None,
+            "metavar": "SECONDS",
+            "help": "how long a stage waits for a resource another run holds (default 600; 0: "
+            "fail)",
+        },
+    ),
+    (
+        ("--lock-dir",),
+        {
+            "default": None,
+            "metavar": "DIR",
+            "help": "the machine-wide folder of resource locks every clone of the workspace "
+            "shares (default: $RATCHET_CHECKS_LOCK_DIR, else $XDG_RUNTIME_DIR/ratchet/"
+            "checks-locks, else $TMPDIR/ratchet-checks-locks-UID)",
+        },
+    ),
+    (
+        ("--lock-scope",),
+        {
+            "default": None,
+            "metavar": "NAME",
+            "help": "whose resource locks this run shares (default: $RATCHET_CHECKS_LOCK_SCOPE, "
+            "else the project's name, the same in every clone)",
+        },
+    ),
+    (("--dry-run",), {"action": "store_true", "help": "print the plan, run nothing"}),
+    (
+        ("--allow-empty",),
+        {
+            "action": "store_true",
+            "help": "accept a plan that selects no checks as a pass (default: exit 2)",
+        },
+    ),
+    (
+        ("--no-cache",),
+        {
+            "dest": "cache",
+            "action": "store_false",
+            "help": "neither read nor write the content-addressed cache",
+        },
+    ),
+    (
+        ("--cache-dir",),
+        {
+            "default": None,
+            "metavar": "DIR",
+            "help": "the cache folder, e.g. a shared mount (default: $RATCHET_CHECKS_CACHE_DIR, "
+            "else the state folder's cache/)",
+        },
+    ),
+    (
+        ("--cache-url",),
+        {
+            "default": None,
+            "metavar": "URL",
+            "help": "a cache server (`ratchet checks cache serve`) instead of a cache folder "
+            "(default: $RATCHET_CHECKS_CACHE_URL); the state folder's cache/ is its local mirror",
+        },
+    ),
+    (
+        ("--cache-read-only",),
+        {
+            "action": "store_true",
+            "help": "reuse from the cache but never write to it (untrusted jobs)",
+        },
+    ),
+    (
+        ("--strict-env",),
+        {
+            "action": "store_true",
+            "help": "pass stages only the fingerprinted variables and their declared `env`",
+        },
+    ),
+)
+
+
+def _run_defaults() -> dict[str, Any]:
+    return {"handler": _handle_run, "cache": True}
+
+
 def _register_run(subparsers: Any) -> None:
     run_p = subparsers.add_parser("run", help="run the checks (or resume a run)")
     add_common_arguments(run_p, suppress=True)
-    run_p.add_argument("--profile", default=None, help="run only this profile's checks")
-    run_p.add_argument(
-        "--repo", action="append", default=None, help="only checks covering this repository"
-    )
-    run_p.add_argument(
-        "--changed", action="store_true", help="only checks covering repos with uncommitted changes"
-    )
-    run_p.add_argument(
-        "--base",
-        default=None,
-        metavar="REF",
-        help="with --changed: changes since this commit (e.g. origin/main), not just uncommitted",
-    )
-    run_p.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN_ID",
-        help="reuse verified checkpoints of this run ('latest': the newest finished run)",
-    )
-    run_p.add_argument("--junit", default=None, metavar="PATH", help="also write JUnit XML here")
-    run_p.add_argument("--jobs", "-j", type=int, default=1, help="stages run in parallel")
-    run_p.add_argument(
-        "--lock-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="how long a stage waits for a resource another run holds (default 600; 0: fail)",
-    )
-    run_p.add_argument(
-        "--lock-dir",
-        default=None,
-        metavar="DIR",
-        help="the machine-wide folder of resource locks every clone of the workspace shares "
-        "(default: $RATCHET_CHECKS_LOCK_DIR, else $XDG_RUNTIME_DIR/ratchet/checks-locks, "
-        "else $TMPDIR/ratchet-checks-locks-UID)",
-    )
-    run_p.add_argument(
-        "--lock-scope",
-        default=None,
-        metavar="NAME",
-        help="whose resource locks this run shares (default: $RATCHET_CHECKS_LOCK_SCOPE, "
-        "else the project's name, the same in every clone)",
-    )
-    run_p.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
-    run_p.add_argument(
-        "--allow-empty",
-        action="store_true",
-        help="accept a plan that selects no checks as a pass (default: exit 2)",
-    )
-    run_p.add_argument(
-        "--no-cache",
-        dest="cache",
-        action="store_false",
-        help="neither read nor write the content-addressed cache",
-    )
-    run_p.add_argument(
-        "--cache-dir",
-        default=None,
-        metavar="DIR",
-        help="the cache folder, e.g. a shared mount (default: $RATCHET_CHECKS_CACHE_DIR, "
-        "else the state folder's cache/)",
-    )
-    run_p.add_argument(
-        "--cache-url",
-        default=None,
-        metavar="URL",
-        help="a cache server (`ratchet checks cache serve`) instead of a cache folder "
-        "(default: $RATCHET_CHECKS_CACHE_URL); the state folder's cache/ is its local mirror",
-    )
-    run_p.add_argument(
-        "--cache-read-only",
-        action="store_true",
-        help="reuse from the cache but never write to it (untrusted jobs)",
-    )
-    run_p.add_argument(
-        "--strict-env",
-        action="store_true",
-        help="pass stages only the fingerprinted variables and their declared `env`",
-    )
-    run_p.set_defaults(handler=_handle_run, cache=True)
+    for flags, options in _RUN_OPTIONS:
+        run_p.add_argument(*flags, **options)
+    run_p.set_defaults(**_run_defaults())
+
+
+def read_plain_run(rest: Sequence[str]) -> SimpleNamespace | None:
+    """What argparse would make of `ratchet checks REST` when REST is a plain `run` command
+    line, without importing argparse or building a parser (4-6 ms of every start-up, a
+    tenth of a no-op's command line); None for anything else, which argparse then parses.
+
+    Plain: the workspace options, then `run`, then the workspace and run options, each
+    spelled out in full (`--name value` or `--name=value`; flags without a value), no value
+    starting with `-`, and `--jobs`/`--lock-timeout` values that `int`/`float` take. Help,
+    abbreviations, short options, unknown words and anything argparse would refuse are
+    not plain. `tests/checks/test_checks_cli_start.py` pins that every plain command line
+    reads as argparse reads it.
+    """
+    common = {flags[0]: options for flags, options in _common_options()}
+    after_run = {**common, **{flags[0]: options for flags, options in _RUN_OPTIONS}}
+    values: dict[str, Any] = {
+        "command": "checks",
+        "verbose": False,
+        "log_format": "text",
+        "func": dispatch,
+        "checks_command": "run",
+        **{_dest(flag, options): _default(options) for flag, options in common.items()},
+        **{_dest(flags[0], options): _default(options) for flags, options in _RUN_OPTIONS},
+        **_run_defaults(),
+    }
+    known = common
+    seen_run = False
+    tokens = iter(rest)
+    for token in tokens:
+        if token == "run" and not seen_run:
+            seen_run, known = True, after_run
+            continue
+        name, equals, given = token.partition("=")
+        options = known.get(name)
+        if options is None:
+            return None
+        action = options.get("action")
+        if action in ("store_true", "store_false"):
+            if equals:
+                return None
+            values[_dest(name, options)] = action == "store_true"
+            continue
+        value = given if equals else next(tokens, None)
+        if value is None or value.startswith("-"):
+            return None
+        convert = options.get("type")
+        if convert is not None:
+            try:
+                value = convert(value)
+            except ValueError:
+                return None
+        dest = _dest(name, options)
+        if action == "append":
+            values[dest] = [*(values[dest] or []), value]
+        else:
+            values[dest] = value
+    return SimpleNamespace(**values) if seen_run else None
+
+
+def _dest(flag: str, options: dict[str, Any]) -> str:
+    return str(options.get("dest") or flag.lstrip("-").replace("-", "_"))
+
+
+def _default(options: dict[str, Any]) -> Any:
+    """The value argparse gives an option that is not given."""
+    if "default" in options:
+        return options["default"]
+    return {"store_true": False, "store_false": True}.get(options.get("action", ""))
 
 
 def _register_recover(subparsers: Any) -> None:

@@ -9,7 +9,6 @@ computing only once the key matched), the decision says so and the caller asks a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple
 
 from ratchet.store import canonical_json, sha256_bytes
 
@@ -30,8 +29,15 @@ __all__ = [
 FINGERPRINT_VERSION = 1
 CHECKPOINT_VERSION = 1
 
-Action = Literal["run", "reuse", "refuse", "hash-log", "hash-outputs"]
-Outcome = Literal["passed", "failed", "stale"]
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any, Literal, NamedTuple
+
+    Action = Literal["run", "reuse", "refuse", "hash-log", "hash-outputs"]
+    Outcome = Literal["passed", "failed", "stale"]
+else:
+    from ratchet._records import NamedTuple  # the same classes, built without `typing`
+
 _WORD = {
     "run": "ran",
     "reuse": "reused",

@@ -14,12 +14,13 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from ratchet.checks._errors import StageTimeoutError
 
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
     import subprocess
+    from typing import Any
 
 __all__ = [
     "RunStoppedError",

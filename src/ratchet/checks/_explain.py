@@ -9,19 +9,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
 
 from ratchet.checks._errors import ProjectError
 from ratchet.checks._receipts import read_receipt
 from ratchet.checks.checkpoints import WORKSPACE_REST, diff_manifests
 
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet.checks._protocols import ManifestSource
+
 MAX_FILES = 20
-
-
-class ManifestSource(Protocol):
-    """Where the manifests recorded by digest are found (`Checkpoints` is one)."""
-
-    def stored_manifest(self, digest: str) -> dict[str, str] | None: ...
 
 
 def explain(

@@ -11,14 +11,15 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from ratchet.checks._errors import ProjectError
 from ratchet.checks.common import read_json
 from ratchet.store import canonical_json, sha256_bytes
 
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
     import subprocess
+    from typing import Any
 
 SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_SECONDS = 3600.0

@@ -29,15 +29,20 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
-from ratchet._clock import Clock, utc_iso
+from ratchet._clock import utc_iso
 from ratchet.checks._decide import CHECKPOINT_VERSION, FINGERPRINT_VERSION
 from ratchet.checks._errors import LegacyReceiptError, ReceiptError
 from ratchet.checks._signing import KEY_ENV, KEY_FILE_ENV, signing_key
 from ratchet.checks.common import read_json, state_root
 from ratchet.store import canonical_json, seal, verify_seal
 from ratchet.store._files import fsync_dir
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet._clock import Clock
 
 __all__ = [
     "JOURNAL_NAME",
@@ -57,7 +62,7 @@ __all__ = [
 ]
 
 # Writes a JSON payload to a path atomically: readers see the old file or the new one.
-ReceiptWriter = Callable[[Path, dict[str, Any]], None]
+ReceiptWriter = Callable[[Path, "dict[str, Any]"], None]  # a string: `Any` is not imported
 # Appends one journal record (a line of bytes) to a path durably: when it returns, the record
 # is on disk; when it raises, the file holds no part of it (or, after a crash, a torn end
 # that readers ignore).

@@ -12,9 +12,8 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from ratchet._clock import SYSTEM_CLOCK, Clock, utc_iso
+from ratchet._clock import SYSTEM_CLOCK, utc_iso
 from ratchet.checks._errors import ReceiptError
 from ratchet.checks._receipts import (
     ReceiptWriter,
@@ -24,6 +23,12 @@ from ratchet.checks._receipts import (
     state_dir_for,
 )
 from ratchet.checks.common import atomic_json
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet._clock import Clock
 
 __all__ = ["active", "hostname", "process_start", "recover"]
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
 
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
+    from typing import Any, TextIO
+
     from rich.progress import Progress
     from rich.table import Table
 

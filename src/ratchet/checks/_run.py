@@ -9,7 +9,6 @@ once a receipt holding it is on disk; then the locks are released and consumers 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -18,7 +17,6 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from ratchet._clock import utc_iso
 from ratchet._errors import ConfigError
@@ -57,7 +55,7 @@ from ratchet.checks._receipts import (
 from ratchet.checks._recover import active, hostname, process_start
 from ratchet.checks._report import LiveProgress
 from ratchet.checks._schedule import schedule
-from ratchet.checks._seams import ENV_KEYS, Prober, Seams, extra_env_keys
+from ratchet.checks._seams import ENV_KEYS, Seams, extra_env_keys
 from ratchet.checks._signing import SECRET_ENV, hash_value, signing_key
 from ratchet.checks.checkpoints import MISSING_REPOSITORY, outputs_manifest, runtime_identity
 from ratchet.checks.common import (
@@ -68,6 +66,13 @@ from ratchet.checks.common import (
     state_root,
 )
 from ratchet.store import sha256_bytes
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
+
+    from ratchet.checks._protocols import Prober
 
 __all__ = ["project_path", "run_checks"]
 

@@ -12,27 +12,20 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
 
 from ratchet.checks._receipts import ReceiptBook
-from ratchet.checks._seams import Waiter
-from ratchet.checks._threads import FIRST_COMPLETED, StageFuture, pool_for
+from ratchet.checks._threads import FIRST_COMPLETED, pool_for
 
-__all__ = ["SCHEDULER_TICK_SECONDS", "Progress", "schedule"]
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet.checks._protocols import Progress, StageFuture, Waiter
+
+__all__ = ["SCHEDULER_TICK_SECONDS", "schedule"]
 
 SCHEDULER_TICK_SECONDS = 0.05
 _STOPPED = ("failed", "skipped", "stale")
-
-
-class Progress(Protocol):
-    """What the scheduler reports to after each look at the run (`LiveProgress`)."""
-
-    @property
-    def active(self) -> bool:
-        """False when nothing is shown: the scheduler then never gathers the records."""
-        ...
-
-    def update(self, records: Sequence[Mapping[str, Any]]) -> None: ...
 
 
 class _Graph:

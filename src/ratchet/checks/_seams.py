@@ -12,16 +12,13 @@ from __future__ import annotations
 import os
 import random
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
 
-from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet.checks._execute import SubprocessExecutor
-from ratchet.checks._explain import ManifestSource
 from ratchet.checks._receipts import JournalAppender, ReceiptWriter, append_record
 from ratchet.checks._signing import SECRET_ENV
-from ratchet.checks._threads import StageFuture
 from ratchet.checks._threads import wait as _stage_wait
 from ratchet.checks.checkpoints import Checkpoints
 from ratchet.checks.common import atomic_json
@@ -38,79 +35,31 @@ __all__ = [
     "extra_env_keys",
 ]
 
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet._clock import Clock
+    from ratchet.checks._protocols import Executor as Executor
+    from ratchet.checks._protocols import Prober as Prober
+    from ratchet.checks._protocols import ProberFactory as ProberFactory
+    from ratchet.checks._protocols import Waiter as Waiter
+
+_PROTOCOLS = ("Executor", "Prober", "ProberFactory", "Waiter")
+
+
+def __getattr__(name: str) -> object:
+    # The Protocol classes live in `_protocols` (defining one imports `typing`): made on
+    # first use, not at every start-up of `ratchet checks`.
+    if name in _PROTOCOLS:
+        from ratchet.checks import _protocols
+
+        return getattr(_protocols, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # Environment variables that enter every cache key; RATCHET_ENV_KEYS (comma-separated) adds more.
 ENV_KEYS = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LANG", "LC_ALL", "TZ")
-
-
-class Prober(ManifestSource, Protocol):
-    """Hashes a stage's declared inputs and a log: the evidence every decision rests on.
-
-    `command_started`/`command_finished` bracket each command, so a prober that memoises
-    digests knows when they may have gone stale; `forget` drops every memo.
-    """
-
-    def scope(self, stage: Mapping[str, Any]) -> list[str]: ...
-
-    def identity(self, stage: Mapping[str, Any]) -> Any: ...
-
-    def snapshot_identity(self, stage: Mapping[str, Any]) -> Any: ...
-
-    def source_identity(self) -> Any: ...
-
-    def log_digest(self, path: str | os.PathLike[str]) -> str: ...
-
-    def command_started(self) -> None: ...
-
-    def command_finished(self) -> None: ...
-
-    def forget(self) -> None: ...
-
-
-class ProberFactory(Protocol):
-    """Builds a run's prober (`Checkpoints` is one)."""
-
-    def __call__(
-        self,
-        workspace_root: Path,
-        repositories: Mapping[str, Path],
-        state_dir: Path,
-        *,
-        clock: Clock,
-    ) -> Prober: ...
-
-
-class Executor(Protocol):
-    """Runs a stage's command with its output in `log_path`; returns the exit code.
-
-    On timeout it raises StageTimeoutError; `kill_all` stops every command it is running
-    (the run was interrupted).
-    """
-
-    def run(
-        self,
-        stage: Mapping[str, Any],
-        *,
-        cwd: Path,
-        log_path: Path,
-        timeout: float | None,
-        env: Mapping[str, str] | None,
-    ) -> int: ...
-
-    def kill_all(self) -> None: ...
-
-
-class Waiter(Protocol):
-    """`concurrent.futures.wait`'s signature: the scheduler's pause between two looks at
-    the run. With the default (`ratchet.checks._threads.wait`) the scheduler runs stages
-    on its own light pool; with any other waiter, on a `ThreadPoolExecutor`, so the
-    futures it is given are `concurrent.futures.Future`s."""
-
-    def __call__(
-        self,
-        fs: Iterable[StageFuture],
-        timeout: float | None = ...,
-        return_when: str = ...,
-    ) -> tuple[set[StageFuture], set[StageFuture]]: ...
 
 
 def extra_env_keys() -> list[str]:

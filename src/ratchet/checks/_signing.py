@@ -8,12 +8,11 @@ file holding it); it is never written to a receipt and never passed to a stage.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 from collections.abc import Mapping
 
 from ratchet._errors import ConfigError
+from ratchet.store._digest import hmac_sha256_hex, sha256_hex
 
 __all__ = [
     "CACHE_TOKEN_ENV",
@@ -67,5 +66,5 @@ def hash_value(value: str, key: bytes | None) -> str:
     the signing key when there is one, so a short secret cannot be guessed from it)."""
     data = value.encode("utf-8", "surrogateescape")
     if key is None:
-        return "sha256:" + hashlib.sha256(data).hexdigest()
-    return "hmac-sha256:" + hmac.new(key, data, hashlib.sha256).hexdigest()
+        return "sha256:" + sha256_hex(data)
+    return "hmac-sha256:" + hmac_sha256_hex(key, data)

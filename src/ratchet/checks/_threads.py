@@ -17,24 +17,19 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
 
-__all__ = ["FIRST_COMPLETED", "StageFuture", "Task", "Workers", "map_threads", "pool_for", "wait"]
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any, TypeVar
+
+    T = TypeVar("T")
+    R = TypeVar("R")
+
+__all__ = ["FIRST_COMPLETED", "Task", "Workers", "map_threads", "pool_for", "wait"]
 
 # The same strings as concurrent.futures' constants.
 FIRST_COMPLETED = "FIRST_COMPLETED"
 ALL_COMPLETED = "ALL_COMPLETED"
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-class StageFuture(Protocol):
-    """What the scheduler asks of a submitted call: a `Task` or a `concurrent.futures.Future`."""
-
-    def done(self) -> bool: ...
-
-    def exception(self, timeout: float | None = None) -> BaseException | None: ...
 
 
 class Task:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hashlib
-import hmac
 import itertools
 import json
 import operator
@@ -23,9 +21,8 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
-from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet.checks._errors import ProjectError
 from ratchet.checks._spawn import Child, output_of
 from ratchet.checks._threads import map_threads
@@ -35,6 +32,13 @@ from ratchet.store import (
     sha256_bytes,
     sha256_file,
 )
+from ratchet.store._digest import compare_digest, hmac_sha256_hex, sha256, sha256_hex
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ratchet._clock import Clock
 
 __all__ = [
     "WORKSPACE_REST",
@@ -152,7 +156,7 @@ def _entry(path: str, root: str | None = None) -> str:
             return "dir"
         if not stat.S_ISREG(st.st_mode):
             return f"special:{stat.S_IFMT(st.st_mode):o}"
-        digest = hashlib.sha256()
+        digest = sha256(size=st.st_size)
         size = st.st_size + 1
         while chunk := os.read(fd, size if size < (1 << 20) else (1 << 20)):
             digest.update(chunk)
@@ -402,7 +406,7 @@ def _stats_digest(sigs: Iterable[_Sig]) -> str | None:
         packed = b"".join(itertools.starmap(_SIG_PACK, sigs))
     except struct.error:  # a value out of range: never remembered, never matched
         return None
-    return hashlib.sha256(packed).hexdigest()
+    return sha256_hex(packed)
 
 
 def tree_stats(root: str, listing: bytes) -> str | None:
@@ -447,7 +451,7 @@ class TreeCache:
     def _path(self, root: str) -> Path | None:
         if self.folder is None:
             return None
-        name = hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        name = sha256_hex(root.encode("utf-8", "surrogateescape"))[:32]
         return self.folder / f"{name}.json"
 
     @staticmethod
@@ -481,11 +485,11 @@ class TreeCache:
         recorded = head.get("seal")
         if not isinstance(recorded, str):
             return None
-        if not hmac.compare_digest(recorded, _body_seal(body, signing_key())):
+        if not compare_digest(recorded, _body_seal(body, signing_key())):
             return None
         if record.get("version") != TREE_CACHE_VERSION or record.get("root") != _key(root):
             return None
-        if record.get("listing") != hashlib.sha256(listing).hexdigest():
+        if record.get("listing") != sha256_hex(listing):
             return None
         with self._turn:
             stats = tree_stats(root, listing)
@@ -517,7 +521,7 @@ class TreeCache:
             return
         from ratchet.checks._signing import signing_key
 
-        body = self._body(root, hashlib.sha256(listing).hexdigest(), stats, digest)
+        body = self._body(root, sha256_hex(listing), stats, digest)
         head = canonical_json({"seal": _body_seal(body, signing_key())})
         with contextlib.suppress(OSError, ValueError):
             atomic_write_bytes(path, head + b"\n" + body)
@@ -525,8 +529,8 @@ class TreeCache:
 
 def _body_seal(body: bytes, key: bytes | None) -> str:
     if key is None:
-        return "sha256:" + hashlib.sha256(body).hexdigest()
-    return "hmac-sha256:" + hmac.new(key, body, hashlib.sha256).hexdigest()
+        return "sha256:" + sha256_hex(body)
+    return "hmac-sha256:" + hmac_sha256_hex(key, body)
 
 
 def seal_stat_cache(entries: Mapping[str, str], key: bytes | None) -> bytes:
@@ -549,7 +553,7 @@ def open_stat_cache(data: bytes, key: bytes | None) -> dict[str, str] | None:
     if not isinstance(head, dict) or head.get("version") != STAT_CACHE_VERSION:
         return None
     recorded = head.get("seal")
-    if not isinstance(recorded, str) or not hmac.compare_digest(recorded, _body_seal(body, key)):
+    if not isinstance(recorded, str) or not compare_digest(recorded, _body_seal(body, key)):
         return None
     try:
         entries = json.loads(body)

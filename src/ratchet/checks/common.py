@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -12,11 +11,15 @@ import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from ratchet._errors import InvalidArgumentError
 from ratchet.store import atomic_write_bytes
 from ratchet.store import read_json as _store_read_json
+from ratchet.store._digest import sha256_hex
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "LOCK_DIR_ENV",
@@ -85,7 +88,7 @@ def state_root(workspace_root: str | os.PathLike[str]) -> Path:
         os.path.expanduser("~"), ".local", "state"
     )
     resolved = Path(workspace_root).resolve()
-    digest = hashlib.sha256(str(resolved).encode("utf-8")).hexdigest()[:16]
+    digest = sha256_hex(str(resolved).encode("utf-8"))[:16]
     label = _SAFE_NAME.sub("_", resolved.name) or "root"
     return Path(base) / "ratchet" / "checks" / f"{label}-{digest}"
 
@@ -126,7 +129,7 @@ def scope_lock_dir(lock_dir: str | os.PathLike[str], scope: str) -> Path:
     other on a resource name; unrelated projects on the machine do not."""
     if not scope or not isinstance(scope, str):
         raise InvalidArgumentError(f"lock scope must be a non-empty string, got {scope!r}")
-    digest = hashlib.sha256(scope.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    digest = sha256_hex(scope.encode("utf-8", "surrogateescape"))[:16]
     return Path(lock_dir) / f"{_SAFE_NAME.sub('_', scope)[:64]}-{digest}"
 
 
@@ -135,7 +138,7 @@ def _lock_file_name(name: str) -> str:
         raise InvalidArgumentError(f"resource name must be a non-empty string, got {name!r}")
     safe = _SAFE_NAME.sub("_", name)
     if safe != name:
-        safe = f"{safe}-{hashlib.sha256(name.encode('utf-8')).hexdigest()[:8]}"
+        safe = f"{safe}-{sha256_hex(name.encode('utf-8'))[:8]}"
     return f"{safe}.lock"
 
 

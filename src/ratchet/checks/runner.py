@@ -14,7 +14,6 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import wait
 from pathlib import Path
-from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet.checks import _recover, _run
@@ -28,6 +27,10 @@ from ratchet.checks._receipts import append_record, read_receipt, seal_receipt
 from ratchet.checks._recover import process_start
 from ratchet.checks._seams import Seams, environment_fingerprint
 from ratchet.checks.common import atomic_json
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "CHECKPOINT_VERSION",

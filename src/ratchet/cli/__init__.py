@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
 import threading
 
-from ratchet._argparse import Parser
 from ratchet._errors import EXIT_INTERRUPTED, EXIT_OK, RatchetError, exit_code_for
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from types import SimpleNamespace
 
 _GROUPS = {
     "checks": "run checks incrementally with sealed receipts",
@@ -27,6 +30,8 @@ def build_parser(
     checks group, so it imports nothing of the agent side. `rest`, the arguments after the
     command, lets `checks` build only the subcommand they name.
     """
+    from ratchet._argparse import Parser
+
     parser: argparse.ArgumentParser = Parser(
         prog="ratchet",
         description="Durable, event-driven agents and incremental, verified checks.",
@@ -131,11 +136,19 @@ def main(argv: list[str] | None = None) -> int:
         # functions, the parser); collecting them while they are made found nothing to free
         # and cost 5-6 ms. Freeze them once made, so later collections skip them too.
         gc.disable()
-    parser = build_parser(
-        command if command in ("run", "status", "inspect", "checks") else None,
-        None if at is None else argv[at + 1 :],
-    )
-    args = parser.parse_args(argv)
+    args: argparse.Namespace | SimpleNamespace | None = None
+    if at == 0 and command == "checks":
+        # A plain `ratchet checks run ...` is read without argparse (see `read_plain_run`);
+        # anything else, help and errors included, goes to the parser.
+        from ratchet.checks._cli import read_plain_run
+
+        args = read_plain_run(argv[1:])
+    if args is None:
+        parser = build_parser(
+            command if command in ("run", "status", "inspect", "checks") else None,
+            None if at is None else argv[at + 1 :],
+        )
+        args = parser.parse_args(argv)
     if fast_start:
         gc.freeze()
         gc.enable()

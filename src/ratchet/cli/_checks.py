@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
-from typing import Any
 
 from ratchet.checks import _cli
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
 
 def register(sub: Any, argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

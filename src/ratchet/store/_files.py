@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from ratchet._errors import CorruptDataError
+from ratchet.store._digest import compare_digest, hmac_sha256_hex, sha256, sha256_hex
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 SEAL_FIELD = "seal"
 SEAL_ALGORITHM = "sha256"
@@ -88,13 +90,13 @@ def read_json(path: str | os.PathLike[str]) -> Any:
 
 
 def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return sha256_hex(data)
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
     """Hash a file's bytes in chunks, so large logs do not load into memory."""
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
+        digest = sha256(size=os.fstat(handle.fileno()).st_size)  # a small log: no OpenSSL
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
@@ -109,8 +111,8 @@ def compute_seal(payload: dict[str, Any], key: bytes | None = None) -> str:
     body = {k: v for k, v in payload.items() if k != SEAL_FIELD}
     data = canonical_json(body)
     if key is None:
-        return f"{SEAL_ALGORITHM}:{hashlib.sha256(data).hexdigest()}"
-    return f"hmac-{SEAL_ALGORITHM}:{hmac.new(key, data, hashlib.sha256).hexdigest()}"
+        return f"{SEAL_ALGORITHM}:{sha256_hex(data)}"
+    return f"hmac-{SEAL_ALGORITHM}:{hmac_sha256_hex(key, data)}"
 
 
 def seal(payload: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
@@ -125,4 +127,4 @@ def verify_seal(payload: dict[str, Any], key: bytes | None = None) -> bool:
     recorded = payload.get(SEAL_FIELD)
     if not isinstance(recorded, str):
         return False
-    return hmac.compare_digest(recorded, compute_seal(payload, key))
+    return compare_digest(recorded, compute_seal(payload, key))

@@ -25,6 +25,7 @@ from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding
 from ratchet.agents._run import Job, _sink, _source, load_agent, run_owned
 from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._forking import start_method
 from ratchet.runtime._io import Source, job_identity
 from ratchet.runtime._multiproc import (
     Coordinator,
@@ -118,6 +119,8 @@ def run_sharded(
     is the engine's hook when the job runs in one process (workers == 1)."""
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}")
+    if workers > 1:
+        start_method()  # a bad $RATCHET_WORKER_START is refused before anything runs
     config = config or EngineConfig()
     config.validate()
     spec = agent_spec(agent)
@@ -172,9 +175,14 @@ def _coordinate(
         sink.open(job)
         source.open(job, checkpoint_interval=config.checkpoint_interval)
         coordinator = Coordinator(
-            spec, layout, sdir, source, sink, config, stop_at=stop_at, on_report=on_report
-        )
-        return asyncio.run(coordinator.run(handle_signals=handle_signals))
+            spec, layout, sdir, source, sink, config, stop_at=stop_at, on_report=on_report,
+            worker_main=worker_main,
+        )  # fmt: skip
+        try:
+            coordinator.fork_workers()  # before the loop and its threads, where safe
+            return asyncio.run(coordinator.run(handle_signals=handle_signals))
+        finally:
+            coordinator.end_workers()
     finally:
         source.close()
         sink.close()

@@ -1,0 +1,212 @@
+"""How `ratchet run --workers N` starts its shard workers: forked from the coordinator after
+its imports (the default, where safe) or as new interpreters (`RATCHET_WORKER_START=exec`,
+and whenever the coordinator runs another thread). Real processes, read through /proc.
+
+Claims checked, for both start methods:
+- a worker is a child of the coordinator in a session of its own;
+- it holds its own end of the pair (and its own loop's), none of the coordinator's files or
+  socket ends, nor another worker's (a held end would keep a peer from seeing EOF);
+- it dies when the coordinator is SIGKILLed, and the job then resumes with every output
+  exactly once;
+and that a thread in the coordinator (here: one the agent's module starts at import) makes
+it execute new interpreters, and that an unknown start method is refused without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ratchet.runtime._multiproc import PIDS_FILE
+from support.shard_state import workers_gone
+
+pytestmark = [
+    pytest.mark.kill,
+    pytest.mark.skipif(sys.platform != "linux", reason="reads /proc; fork start is Linux only"),
+]
+
+AGENT = f"{Path(__file__).with_name('kill_agent.py')}:KillAgent"
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+N_INPUTS = 200
+KEYS = 16
+
+THREADED_AGENT = """
+import threading
+
+from ratchet import Agent, InputEvent, OutputEvent, action
+
+_idle = threading.Event()
+threading.Thread(target=_idle.wait, name="agent-import-thread", daemon=True).start()
+
+
+class Echo(Agent):
+    @action(InputEvent)
+    def echo(self, event, ctx):
+        ctx.send_event(OutputEvent(output={"value": event.input}))
+"""
+
+
+def write_inputs(path: Path, n: int) -> None:
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"key": f"k{i % KEYS}", "id": i, "value": i % 101}) + "\n")
+
+
+def run_cmd(agent: str, tmp: Path, *extra: str) -> list[str]:
+    return [
+        *RATCHET, "-v", "run", agent, "--input", str(tmp / "in.jsonl"),
+        "--output", str(tmp / "out.jsonl"), "--state", str(tmp / "state"),
+        "--checkpoint-interval", "20", "--workers", "2", *extra,
+    ]  # fmt: skip
+
+
+def start(cmd: list[str], tmp: Path, method: str | None) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.pop("RATCHET_TEST_EXEC_LOG", None)
+    env.pop("RATCHET_WORKER_START", None)
+    if method is not None:
+        env["RATCHET_WORKER_START"] = method
+    with open(tmp / "stderr.log", "ab") as err:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def outputs(tmp: Path) -> list[dict[str, object]]:
+    out = tmp / "out.jsonl"
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for_outputs(proc: subprocess.Popen[bytes], tmp: Path, n: int) -> dict[str, int]:
+    """The workers' pids, once all `n` outputs are written (the workers are up and idle)."""
+    deadline = time.monotonic() + 60
+    while len(outputs(tmp)) < n:
+        assert proc.poll() is None, (tmp / "stderr.log").read_text()
+        assert time.monotonic() < deadline, "no outputs within 60 s"
+        time.sleep(0.02)
+    pids = json.loads((tmp / "state" / "shards" / PIDS_FILE).read_text())
+    assert pids["coordinator"] == proc.pid
+    return {shard: int(pid) for shard, pid in pids["workers"].items()}
+
+
+def fds(pid: int) -> dict[int, str]:
+    found = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            pass  # closed while listed
+    return found
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie not yet reaped by whoever adopted it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+@pytest.mark.parametrize("method", [None, "exec"], ids=["default-fork", "exec"])
+def test_worker_is_alone_in_its_session_holds_only_its_socket_and_dies_with_the_coordinator(
+    tmp_path: Path, method: str | None
+) -> None:
+    write_inputs(tmp_path / "in.jsonl", N_INPUTS)
+    proc = start(run_cmd(AGENT, tmp_path, "--follow"), tmp_path, method)
+    try:
+        pids = wait_for_outputs(proc, tmp_path, N_INPUTS)
+        coordinator = fds(proc.pid)
+        coordinator_ends = {link for fd, link in coordinator.items() if link.startswith("socket:")}
+        coordinator_files = {
+            link for fd, link in coordinator.items() if fd > 2 and link.startswith("/")
+        } - {os.devnull}
+        assert str(tmp_path / "state" / "ratchet.lock") in coordinator_files  # it owns the job
+        seen: set[str] = set()
+        for shard, pid in pids.items():
+            assert parent_of(pid) == proc.pid
+            assert os.getsid(pid) == pid, f"worker {shard} is not in a session of its own"
+            if method is None:  # forked: the coordinator's command line, not `-m ..._sharded`
+                assert cmdline(pid) == cmdline(proc.pid)
+            else:
+                assert "ratchet.agents._sharded" in cmdline(pid)
+            held = fds(pid)
+            # Its end of the pair and its own event loop's self-pipe (a pair of sockets).
+            ends = {link for link in held.values() if link.startswith("socket:")}
+            assert len(ends) == 3, f"worker {shard} holds sockets {ends}"
+            assert not ends & coordinator_ends, f"worker {shard} holds a coordinator end"
+            assert not ends & seen, f"worker {shard} holds another worker's socket"
+            seen |= ends
+            files = {link for fd, link in held.items() if fd > 2 and link.startswith("/")}
+            assert not files & coordinator_files, (
+                f"worker {shard} holds {files & coordinator_files}"
+            )
+            own = str(tmp_path / "state" / "shards")
+            assert all(f.startswith(own) for f in files - {os.devnull}), files
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        workers_gone(tmp_path / "state")
+        deadline = time.monotonic() + 30
+        while not all(gone(pid) for pid in pids.values()):
+            assert time.monotonic() < deadline, "a worker outlived its SIGKILLed coordinator"
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The job resumes from its checkpoints: more inputs, each output exactly once.
+    write_inputs(tmp_path / "in.jsonl", N_INPUTS * 2)
+    again = start(run_cmd(AGENT, tmp_path), tmp_path, method)
+    assert again.wait(timeout=120) == 0, (tmp_path / "stderr.log").read_text()
+    ids = [o["id"] for o in outputs(tmp_path)]
+    assert len(ids) == len(set(ids)) == N_INPUTS * 2
+
+
+def test_a_thread_started_at_the_agents_import_makes_workers_new_interpreters(
+    tmp_path: Path,
+) -> None:
+    agent = tmp_path / "threaded_agent.py"
+    agent.write_text(THREADED_AGENT)
+    write_inputs(tmp_path / "in.jsonl", N_INPUTS)
+    proc = start(run_cmd(f"{agent}:Echo", tmp_path, "--follow"), tmp_path, None)
+    try:
+        pids = wait_for_outputs(proc, tmp_path, N_INPUTS)
+        for pid in pids.values():
+            assert "ratchet.agents._sharded" in cmdline(pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "stderr.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = (tmp_path / "stderr.log").read_text()
+    assert "starting shard workers as new interpreters: the coordinator runs other threads" in err
+    assert "agent-import-thread" in err
+    ids = [o["id"] for o in outputs(tmp_path)]
+    assert len(ids) == len(set(ids)) == N_INPUTS
+
+
+def test_an_unknown_start_method_is_refused_without_a_traceback(tmp_path: Path) -> None:
+    write_inputs(tmp_path / "in.jsonl", 10)
+    proc = start(run_cmd(AGENT, tmp_path), tmp_path, "spawn")
+    assert proc.wait(timeout=60) != 0
+    err = (tmp_path / "stderr.log").read_text()
+    assert "RATCHET_WORKER_START='spawn' is not a worker start method" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out.jsonl").exists() or not outputs(tmp_path)

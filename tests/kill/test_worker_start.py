@@ -8,8 +8,10 @@ Claims checked, for both start methods:
   socket ends, nor another worker's (a held end would keep a peer from seeing EOF);
 - it dies when the coordinator is SIGKILLed, and the job then resumes with every output
   exactly once;
-and that a thread in the coordinator (here: one the agent's module starts at import) makes
-it execute new interpreters, and that an unknown start method is refused without a traceback.
+and that a thread in the coordinator, or a file its loading of the agent left open, makes it
+execute new interpreters; that an agent file is loaded once (its `register_type` calls run
+once) when workers are forked; and that an unknown start method is refused without a
+traceback.
 """
 
 from __future__ import annotations
@@ -37,20 +39,39 @@ RATCHET = [sys.executable, "-m", "ratchet.cli"]
 N_INPUTS = 200
 KEYS = 16
 
-THREADED_AGENT = """
-import threading
+ECHO = """
+import dataclasses
 
-from ratchet import Agent, InputEvent, OutputEvent, action
+from ratchet import Agent, InputEvent, OutputEvent, action, register_type
 
-_idle = threading.Event()
-threading.Thread(target=_idle.wait, name="agent-import-thread", daemon=True).start()
+
+@dataclasses.dataclass
+class Seen:
+    value: int
+
+
+register_type(Seen, name="worker_start.Seen")  # once: a forked worker does not load it again
 
 
 class Echo(Agent):
     @action(InputEvent)
     def echo(self, event, ctx):
-        ctx.send_event(OutputEvent(output={"value": event.input}))
+        ctx.short_term_memory.set("seen", Seen(event.input["value"]))
+        ctx.send_event(OutputEvent(output={"value": event.input["value"]}))
 """
+
+AT_IMPORT = {
+    "thread": (
+        "import threading\n"
+        "_idle = threading.Event()\n"
+        "threading.Thread(target=_idle.wait, name='agent-import-thread', daemon=True).start()\n",
+        "the coordinator runs other threads (agent-import-thread)",
+    ),
+    "file": (
+        "import os\n_log = open(os.path.join(os.path.dirname(__file__), 'agent.log'), 'a')\n",
+        "loading the agent opened ",
+    ),
+}
 
 
 def write_inputs(path: Path, n: int) -> None:
@@ -178,28 +199,41 @@ def test_worker_is_alone_in_its_session_holds_only_its_socket_and_dies_with_the_
     assert len(ids) == len(set(ids)) == N_INPUTS * 2
 
 
-def test_a_thread_started_at_the_agents_import_makes_workers_new_interpreters(
-    tmp_path: Path,
-) -> None:
-    agent = tmp_path / "threaded_agent.py"
-    agent.write_text(THREADED_AGENT)
-    write_inputs(tmp_path / "in.jsonl", N_INPUTS)
-    proc = start(run_cmd(f"{agent}:Echo", tmp_path, "--follow"), tmp_path, None)
+def run_echo(tmp: Path, head: str) -> tuple[list[list[str]], str]:
+    """Run the echo agent (`head` prepended to its file) with `--follow` until every input
+    is out: each worker's command line, then stop it with SIGTERM; and its stderr."""
+    agent = tmp / "echo_agent.py"
+    agent.write_text(head + ECHO)
+    write_inputs(tmp / "in.jsonl", N_INPUTS)
+    proc = start(run_cmd(f"{agent}:Echo", tmp, "--follow"), tmp, None)
     try:
-        pids = wait_for_outputs(proc, tmp_path, N_INPUTS)
-        for pid in pids.values():
-            assert "ratchet.agents._sharded" in cmdline(pid)
+        pids = wait_for_outputs(proc, tmp, N_INPUTS)
+        lines = [cmdline(pid) for pid in pids.values()]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, (tmp_path / "stderr.log").read_text()
+        assert proc.wait(timeout=60) == 0, (tmp / "stderr.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    err = (tmp_path / "stderr.log").read_text()
-    assert "starting shard workers as new interpreters: the coordinator runs other threads" in err
-    assert "agent-import-thread" in err
-    ids = [o["id"] for o in outputs(tmp_path)]
+    ids = [o["id"] for o in outputs(tmp)]
     assert len(ids) == len(set(ids)) == N_INPUTS
+    return lines, (tmp / "stderr.log").read_text()
+
+
+def test_an_agent_file_that_registers_a_type_runs_in_forked_workers(tmp_path: Path) -> None:
+    lines, err = run_echo(tmp_path, "")
+    assert all("ratchet.agents._sharded" not in line for line in lines)
+    assert "new interpreters" not in err
+
+
+@pytest.mark.parametrize("what", sorted(AT_IMPORT))
+def test_a_thread_or_a_file_opened_at_the_agents_import_makes_workers_new_interpreters(
+    tmp_path: Path, what: str
+) -> None:
+    head, why = AT_IMPORT[what]
+    lines, err = run_echo(tmp_path, head)
+    assert all("ratchet.agents._sharded" in line for line in lines)
+    assert f"starting shard workers as new interpreters: {why}" in err
 
 
 def test_an_unknown_start_method_is_refused_without_a_traceback(tmp_path: Path) -> None:

@@ -11,7 +11,9 @@ finalizers run in it.
 Fork is only safe while the coordinator has no other thread (a thread holding a lock at the
 fork leaves it held forever in the child), and only on Linux (where the parent-death signal
 exists); `fork_unsafe` says why not, and the coordinator then executes a new interpreter as
-before. `RATCHET_WORKER_START=exec` always does.
+before. `RATCHET_WORKER_START=exec` always does. The caller decides the rest (the agent's
+module is shared, so `ratchet.agents._sharded` forks only an agent it loaded itself, whose
+loading left no descriptor open). docs/operations.md, "How workers start", has the whole.
 """
 
 from __future__ import annotations

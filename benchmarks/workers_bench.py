@@ -29,10 +29,13 @@ AGENT = f"{HERE / 'peers' / 'ratchet_agents.py'}:ThreeSteps"
 
 
 # `ratchet run`, which also reports its own CPU seconds at exit (the workers' are the rest of
-# what its process tree used).
+# what its process tree used): at the interpreter's exit, or at `os._exit` (which `ratchet run`
+# takes when a thread is still alive at its end), in this process only (not a forked worker).
 RUN = (
-    "import atexit, sys, time; from ratchet.cli import main; "
-    "atexit.register(lambda: print('CPU', time.process_time(), file=sys.stderr)); "
+    "import atexit, os, sys, time; from ratchet.cli import main; me = os.getpid(); "
+    "cpu = lambda: os.getpid() == me and print('CPU', time.process_time(), file=sys.stderr, "
+    "flush=True); atexit.register(cpu); _exit = os._exit; "
+    "os._exit = lambda code: (cpu(), _exit(code)); "
     "sys.argv = ['ratchet', *sys.argv[1:]]; sys.exit(main())"
 )
 

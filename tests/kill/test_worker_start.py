@@ -105,16 +105,57 @@ def outputs(tmp: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in out.read_text().splitlines() if line.endswith("}")]
 
 
-def wait_for_outputs(proc: subprocess.Popen[bytes], tmp: Path, n: int) -> dict[str, int]:
-    """The workers' pids, once all `n` outputs are written (the workers are up and idle)."""
+def wait_for_outputs(
+    proc: subprocess.Popen[bytes], tmp: Path, n: int, coordinator: int | None = None
+) -> dict[str, int]:
+    """The workers' pids, once all `n` outputs are written (the workers are up and idle);
+    their coordinator is `proc` unless the job is supervised."""
     deadline = time.monotonic() + 60
     while len(outputs(tmp)) < n:
         assert proc.poll() is None, (tmp / "stderr.log").read_text()
         assert time.monotonic() < deadline, "no outputs within 60 s"
         time.sleep(0.02)
     pids = json.loads((tmp / "state" / "shards" / PIDS_FILE).read_text())
-    assert pids["coordinator"] == proc.pid
-    return {shard: int(pid) for shard, pid in pids["workers"].items()}
+    if coordinator is None:
+        assert pids["coordinator"] == proc.pid
+    else:
+        assert pids["coordinator"] != proc.pid
+    return {"coordinator": int(pids["coordinator"])} | {
+        shard: int(pid) for shard, pid in pids["workers"].items()
+    }
+
+
+def check_workers(tmp: Path, pids: dict[str, int], forked: bool) -> set[str]:
+    """Each worker: the coordinator's child, in a session of its own, started as `forked`
+    says, holding its own socket ends and shard files and nothing of the coordinator's (nor
+    another worker's). What the coordinator holds (beyond stdin, stdout and stderr)."""
+    pids = dict(pids)
+    coordinator = pids.pop("coordinator")
+    # Sockets and pipes by inode, files by path (an event loop's epoll is no one's to share).
+    held_there = {
+        link
+        for fd, link in fds(coordinator).items()
+        if fd > 2 and link.startswith(("socket:", "pipe:", "/"))
+    } - {os.devnull}
+    seen: set[str] = set()
+    for shard, pid in pids.items():
+        assert parent_of(pid) == coordinator
+        assert os.getsid(pid) == pid, f"worker {shard} is not in a session of its own"
+        if forked:  # the coordinator's command line, not `-m ratchet.agents._sharded`
+            assert cmdline(pid) == cmdline(coordinator)
+        else:
+            assert "ratchet.agents._sharded" in cmdline(pid)
+        held = {link for fd, link in fds(pid).items() if fd > 2} - {os.devnull}
+        # Its end of the pair and its own event loop's self-pipe (a pair of sockets).
+        ends = {link for link in held if link.startswith("socket:")}
+        assert len(ends) == 3, f"worker {shard} holds sockets {ends}"
+        assert not held & held_there, f"worker {shard} holds {held & held_there}"
+        assert not held & seen, f"worker {shard} holds another worker's {held & seen}"
+        seen |= held - {"anon_inode:[eventpoll]"}
+        own = str(tmp / "state" / "shards")
+        files = {link for link in held if link.startswith("/")}
+        assert all(f.startswith(own) for f in files), files
+    return held_there
 
 
 def fds(pid: int) -> dict[int, str]:
@@ -153,33 +194,10 @@ def test_worker_is_alone_in_its_session_holds_only_its_socket_and_dies_with_the_
     proc = start(run_cmd(AGENT, tmp_path, "--follow"), tmp_path, method)
     try:
         pids = wait_for_outputs(proc, tmp_path, N_INPUTS)
-        coordinator = fds(proc.pid)
-        coordinator_ends = {link for fd, link in coordinator.items() if link.startswith("socket:")}
-        coordinator_files = {
-            link for fd, link in coordinator.items() if fd > 2 and link.startswith("/")
-        } - {os.devnull}
-        assert str(tmp_path / "state" / "ratchet.lock") in coordinator_files  # it owns the job
-        seen: set[str] = set()
-        for shard, pid in pids.items():
-            assert parent_of(pid) == proc.pid
-            assert os.getsid(pid) == pid, f"worker {shard} is not in a session of its own"
-            if method is None:  # forked: the coordinator's command line, not `-m ..._sharded`
-                assert cmdline(pid) == cmdline(proc.pid)
-            else:
-                assert "ratchet.agents._sharded" in cmdline(pid)
-            held = fds(pid)
-            # Its end of the pair and its own event loop's self-pipe (a pair of sockets).
-            ends = {link for link in held.values() if link.startswith("socket:")}
-            assert len(ends) == 3, f"worker {shard} holds sockets {ends}"
-            assert not ends & coordinator_ends, f"worker {shard} holds a coordinator end"
-            assert not ends & seen, f"worker {shard} holds another worker's socket"
-            seen |= ends
-            files = {link for fd, link in held.items() if fd > 2 and link.startswith("/")}
-            assert not files & coordinator_files, (
-                f"worker {shard} holds {files & coordinator_files}"
-            )
-            own = str(tmp_path / "state" / "shards")
-            assert all(f.startswith(own) for f in files - {os.devnull}), files
+        held = check_workers(tmp_path, pids, forked=method is None)
+        assert str(tmp_path / "state" / "ratchet.lock") in held  # the coordinator owns the job
+        assert str(tmp_path / "in.jsonl") in held and str(tmp_path / "out.jsonl") in held
+        pids.pop("coordinator")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         workers_gone(tmp_path / "state")
@@ -199,6 +217,27 @@ def test_worker_is_alone_in_its_session_holds_only_its_socket_and_dies_with_the_
     assert len(ids) == len(set(ids)) == N_INPUTS * 2
 
 
+def test_workers_of_a_supervised_job_do_not_hold_the_supervisors_status_pipe(
+    tmp_path: Path,
+) -> None:
+    """The coordinator reports to its supervisor over a pipe; a worker holding its write end
+    would keep the supervisor from seeing the coordinator's end when it dies."""
+    write_inputs(tmp_path / "in.jsonl", N_INPUTS)
+    proc = start(run_cmd(AGENT, tmp_path, "--follow", "--supervise"), tmp_path, None)
+    try:
+        pids = wait_for_outputs(proc, tmp_path, N_INPUTS, coordinator=-1)
+        held = check_workers(tmp_path, pids, forked=True)
+        assert any(link.startswith("pipe:") for link in held), held  # the status pipe
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "stderr.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    ids = [o["id"] for o in outputs(tmp_path)]
+    assert len(ids) == len(set(ids)) == N_INPUTS
+
+
 def run_echo(tmp: Path, head: str) -> tuple[list[list[str]], str]:
     """Run the echo agent (`head` prepended to its file) with `--follow` until every input
     is out: each worker's command line, then stop it with SIGTERM; and its stderr."""
@@ -208,7 +247,7 @@ def run_echo(tmp: Path, head: str) -> tuple[list[list[str]], str]:
     proc = start(run_cmd(f"{agent}:Echo", tmp, "--follow"), tmp, None)
     try:
         pids = wait_for_outputs(proc, tmp, N_INPUTS)
-        lines = [cmdline(pid) for pid in pids.values()]
+        lines = [cmdline(pid) for shard, pid in pids.items() if shard != "coordinator"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, (tmp / "stderr.log").read_text()
     finally:

@@ -5,7 +5,9 @@ writes its sink; nothing else. It numbers each input by its place in the source 
 a single-process engine would give it), sends it to the worker of its key's shard, and writes
 to the sink the outputs workers release. Each worker is an ordinary embedded `Engine` on its
 own shard directory, whose source is the coordinator (`PipeSource`) and whose sink is the
-coordinator (`PipeSink`). docs/operations.md has the guarantees and why they hold.
+coordinator (`PipeSink`). docs/operations.md has the guarantees and why they hold. A shard's
+first worker is forked from the coordinator where that is safe (`fork_workers`, `_forking`);
+otherwise, and for every restart, it is a new `python -m ratchet.agents._sharded`.
 
 Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over a socket pair.
 coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's

@@ -15,12 +15,18 @@ from typing import Any
 from ratchet import Agent, Event, InputEvent, OutputEvent, action
 
 _LOG = os.environ.get("RATCHET_TEST_EXEC_LOG")
-_fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if _LOG else None
+# Opened on first use in each process, not at import: a module that holds a file open from its
+# import has its workers started as new interpreters rather than forked (docs/operations.md).
+_fds: dict[int, int] = {}
 
 
 def note(*parts: Any) -> None:
-    if _fd is not None:
-        os.write(_fd, (" ".join(str(p) for p in (os.getpid(), *parts)) + "\n").encode())
+    if _LOG:
+        pid = os.getpid()
+        fd = _fds.get(pid)
+        if fd is None:
+            fd = _fds[pid] = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(fd, (" ".join(str(p) for p in (pid, *parts)) + "\n").encode())
 
 
 class Counted(Event):

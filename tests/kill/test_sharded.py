@@ -189,6 +189,11 @@ def test_killed_worker_restarts_while_the_other_keeps_running(
         assert proc.poll() is None and time.monotonic() < deadline, "finished before the kill"
         time.sleep(0.005)
     pids = json.loads((state / "shards" / PIDS_FILE).read_text())["workers"]
+    # Both first workers were forked from the coordinator (its command line, not a new
+    # interpreter's); the restart below is a new interpreter.
+    own = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    for pid in pids.values():
+        assert Path(f"/proc/{pid}/cmdline").read_bytes() == own, "not a forked worker"
     os.kill(int(pids["0"]), signal.SIGKILL)
     # The other worker commits on meanwhile: what is done is read before the lines are
     # counted, so a line after the count that repeats it is a real re-run.

@@ -33,8 +33,11 @@ from ratchet.runtime._io import (
 from ratchet.store._sqlite import SqliteStore, StateLock
 
 
-def load_agent(spec: str) -> Agent:
-    """`package.module:Class` or `path/file.py:Class` to an agent instance."""
+def load_agent(spec: str, *, loaded: bool = False) -> Agent:
+    """`package.module:Class` or `path/file.py:Class` to an agent instance.
+
+    `loaded`: a file this process already loaded is not executed again (a worker forked from
+    a coordinator that loaded it: executing it twice would register its types twice)."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise ConfigError(
@@ -45,6 +48,9 @@ def load_agent(spec: str) -> Agent:
         if not path.exists():
             raise ConfigError(f"agent file {path} does not exist")
         mod_name = f"ratchet_user_{path.stem}"
+        had = sys.modules.get(mod_name)
+        if loaded and had is not None and _same_file(getattr(had, "__file__", None), path):
+            return _instance(spec, target, attr, had)
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         if module_spec is None or module_spec.loader is None:
             raise ConfigError(f"cannot load agent file {path}")
@@ -57,6 +63,14 @@ def load_agent(spec: str) -> Agent:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise ConfigError(f"cannot import agent module {target!r}: {exc}") from exc
+    return _instance(spec, target, attr, module)
+
+
+def _same_file(name: str | None, path: Path) -> bool:
+    return name is not None and Path(name).resolve() == path.resolve()
+
+
+def _instance(spec: str, target: str, attr: str, module: Any) -> Agent:
     obj = getattr(module, attr, None)
     if obj is None:
         raise ConfigError(f"{target} has no attribute {attr!r}")

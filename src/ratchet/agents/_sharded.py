@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import logging
 import os
 import socket
 import sys
@@ -25,6 +26,7 @@ from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding
 from ratchet.agents._run import Job, _sink, _source, load_agent, run_owned
 from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._forking import open_fds, start_method
 from ratchet.runtime._io import Source, job_identity
 from ratchet.runtime._multiproc import (
     Coordinator,
@@ -44,6 +46,8 @@ from ratchet.runtime._shards import (
     reshard,
 )
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+
+log = logging.getLogger("ratchet.shards")
 
 
 def agent_spec(agent: Agent | str) -> str:
@@ -118,10 +122,23 @@ def run_sharded(
     is the engine's hook when the job runs in one process (workers == 1)."""
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}")
+    if workers > 1:
+        start_method()  # a bad $RATCHET_WORKER_START is refused before anything runs
     config = config or EngineConfig()
     config.validate()
     spec = agent_spec(agent)
-    instance = load_agent(spec) if isinstance(agent, str) else agent
+    if isinstance(agent, str):
+        before = open_fds()
+        instance = load_agent(spec)
+        opened = {fd: name for fd, name in open_fds().items() if before.get(fd) != name}
+        # Forked workers share the module as loaded here: not when its import holds a file or
+        # a socket open (in a worker that would be /dev/null; a new interpreter opens its own).
+        no_fork = (
+            f"loading the agent opened {', '.join(sorted(opened.values()))}" if opened else None
+        )
+    else:  # the calling program's modules and state are not ratchet's to fork
+        instance = agent
+        no_fork = "the agent was passed as an object, not loaded by ratchet from its spec"
     binding = AgentBinding(instance)
     sdir = Path(state_dir)
     sdir.mkdir(parents=True, exist_ok=True)
@@ -133,6 +150,7 @@ def run_sharded(
             layout = _change_workers(
                 spec, instance, binding, layout, workers, sdir, lock,
                 inputs=inputs, output=output, key=key, config=config, append=append_output,
+                no_fork=no_fork,
             )  # fmt: skip
         if workers == 1:
             lock.release()
@@ -144,7 +162,7 @@ def run_sharded(
         return _coordinate(
             spec, layout, sdir, inputs=inputs, output=output, key=key, follow=follow,
             config=config, append=append_output, handle_signals=handle_signals,
-            on_report=on_report,
+            on_report=on_report, no_fork=no_fork,
         )  # fmt: skip
     finally:
         lock.release()
@@ -164,17 +182,26 @@ def _coordinate(
     handle_signals: bool,
     stop_at: int | None = None,
     on_report: Callable[[dict[str, Any]], None] | None = None,
+    no_fork: str | None = None,
 ) -> EngineResult:
+    """`no_fork`: why the workers must be new interpreters (None: forked where safe)."""
     source = _source(inputs, key, follow and stop_at is None)
     sink = _sink(output, append)
     try:
         job = job_identity(sdir, has_history=False)
         sink.open(job)
         source.open(job, checkpoint_interval=config.checkpoint_interval)
+        if no_fork is not None and start_method() == "fork":
+            log.info("starting shard workers as new interpreters: %s", no_fork)
         coordinator = Coordinator(
-            spec, layout, sdir, source, sink, config, stop_at=stop_at, on_report=on_report
-        )
-        return asyncio.run(coordinator.run(handle_signals=handle_signals))
+            spec, layout, sdir, source, sink, config, stop_at=stop_at, on_report=on_report,
+            worker_main=_forked_main if no_fork is None else None,
+        )  # fmt: skip
+        try:
+            coordinator.fork_workers()  # before the loop and its threads, where safe
+            return asyncio.run(coordinator.run(handle_signals=handle_signals))
+        finally:
+            coordinator.end_workers()
     finally:
         source.close()
         sink.close()
@@ -194,6 +221,7 @@ def _change_workers(
     key: str,
     config: EngineConfig,
     append: bool,
+    no_fork: str | None,
 ) -> Layout:
     """Bring every shard of `layout` to one input position with nothing in flight, then move
     the keys to `workers` shards (at that checkpoint, before any new input is admitted)."""
@@ -221,6 +249,7 @@ def _change_workers(
         _coordinate(
             spec, layout, sdir, inputs=inputs, output=output, key=key, follow=False,
             config=config, append=append, handle_signals=False, stop_at=furthest,
+            no_fork=no_fork,
         )  # fmt: skip
         spots = [read_position(d) for d in layout.dirs]
         aligned = {(n, f) for n, f, _at in spots}
@@ -238,7 +267,12 @@ def _change_workers(
                        binding.action_names, position=position)  # fmt: skip
 
 
-def worker_main(argv: list[str] | None = None) -> int:
+def _forked_main(argv: list[str]) -> int:
+    """A worker forked from the coordinator: it has the agent's module as loaded there."""
+    return worker_main(argv, forked=True)
+
+
+def worker_main(argv: list[str] | None = None, *, forked: bool = False) -> int:
     """One shard: an ordinary embedded engine fed and drained by the coordinator."""
     p = argparse.ArgumentParser(prog="ratchet-shard-worker")
     p.add_argument("--fd", type=int, required=True)
@@ -251,7 +285,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     die_with_parent()
     conn = WorkerConn(socket.socket(fileno=args.fd))
     try:
-        agent = load_agent(args.agent)
+        agent = load_agent(args.agent, loaded=forked)
         config = EngineConfig(**json.loads(args.config))
         source = PipeSource(conn)
         sink = PipeSink(conn, lines_for=args.lines_for)

@@ -5,7 +5,9 @@ writes its sink; nothing else. It numbers each input by its place in the source 
 a single-process engine would give it), sends it to the worker of its key's shard, and writes
 to the sink the outputs workers release. Each worker is an ordinary embedded `Engine` on its
 own shard directory, whose source is the coordinator (`PipeSource`) and whose sink is the
-coordinator (`PipeSink`). docs/operations.md has the guarantees and why they hold.
+coordinator (`PipeSink`). docs/operations.md has the guarantees and why they hold. A shard's
+first worker is forked from the coordinator where that is safe (`fork_workers`, `_forking`);
+otherwise, and for every restart, it is a new `python -m ratchet.agents._sharded`.
 
 Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over a socket pair.
 coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's
@@ -39,6 +41,7 @@ from ratchet import _errors
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import BadInputError, RatchetError, StateError
 from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._forking import ForkedWorker, fork_unsafe, fork_worker, start_method
 from ratchet.runtime._io import (
     JsonlSink,
     Record,
@@ -359,7 +362,8 @@ def merge_reports(
 class _Shard:
     index: int
     dir: Path
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedWorker | None = None
+    forked: socket.socket | None = None  # our end to a worker forked before the loop started
     writer: asyncio.StreamWriter | None = None
     ready: bool = False
     hello: asyncio.Future[None] | None = None
@@ -390,10 +394,14 @@ class Coordinator:
         *,
         stop_at: int | None = None,
         on_report: Callable[[dict[str, Any]], None] | None = None,
+        worker_main: Callable[[list[str]], int] | None = None,
     ) -> None:
         """`on_report`: called with the whole job's status (`merge_reports`) each time a
-        worker reports (after its restore and every checkpoint); workers report only then."""
+        worker reports (after its restore and every checkpoint); workers report only then.
+        `worker_main`: the worker's entry (`python -m ratchet.agents._sharded` runs it with
+        the same arguments), which `fork_workers` runs in forked children."""
         self.agent_spec = agent_spec
+        self.worker_main = worker_main
         self.on_report = on_report
         self.layout = layout
         self.state_dir = state_dir
@@ -423,31 +431,82 @@ class Coordinator:
         cfg["follow_poll"] = 1.0  # a worker is poked when input arrives; this is a backstop
         return json.dumps(cfg)
 
-    async def _spawn(self, shard: _Shard) -> None:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        argv = [
-            sys.executable, "-m", "ratchet.agents._sharded", "--fd", str(theirs.fileno()),
-            "--dir", str(shard.dir), "--agent", self.agent_spec, "--config", self._worker_config(),
+    def _worker_args(self, shard: _Shard, fd: int) -> list[str]:
+        """The worker's arguments, the same whether it is forked or executed."""
+        args = [
+            "--fd", str(fd), "--dir", str(shard.dir), "--agent", self.agent_spec,
+            "--config", self._worker_config(),
         ]  # fmt: skip
         if self.on_report is not None:
-            argv.append("--report")
+            args.append("--report")
         if type(self.sink) is JsonlSink:  # the workers render its lines
-            argv += ["--lines-for", self.sink.job_id or ""]
-        # Started from the loop's thread, which lives as long as the job: a worker's
-        # parent-death signal fires when the thread that started it ends.
-        # The worker imports the agent as this process did: with this process's sys.path.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        shard.proc = subprocess.Popen(  # noqa: ASYNC220 - a fork and exec, not a wait
-            argv, pass_fds=[theirs.fileno()], start_new_session=True, env=env
-        )
-        theirs.close()
+            args += ["--lines-for", self.sink.job_id or ""]
+        return args
+
+    def fork_workers(self) -> bool:
+        """Start every shard's first worker by forking this process, before the event loop
+        starts (no loop, no sink thread yet): a worker then costs a fork, not a new
+        interpreter's imports. Call from the thread that will run `run()`. False (nothing
+        started; `run()` executes new interpreters as before) when `$RATCHET_WORKER_START`
+        is `exec`, there is no `worker_main`, or forking is not safe now (`fork_unsafe`).
+        Restarts of killed workers always execute a new interpreter (threads exist by then)."""
+        if self.worker_main is None or start_method() != "fork":
+            return False
+        why = fork_unsafe()
+        if why is not None:
+            log.info("starting shard workers as new interpreters: %s", why)
+            return False
+        for shard in self.shards:
+            ours, theirs = socket.socketpair()
+            try:
+                shard.proc = fork_worker(
+                    self.worker_main, self._worker_args(shard, theirs.fileno()), theirs.fileno()
+                )
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            shard.forked = ours
+        log.debug("forked %d shard workers", len(self.shards))
+        return True
+
+    def end_workers(self) -> None:
+        """Kill and wait for every worker still running (the end of `run()`, or a job that
+        stops before it started its loop)."""
+        for s in self.shards:
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.kill()
+                s.proc.wait()
+            if s.forked is not None:
+                s.forked.close()
+                s.forked = None
+
+    async def _spawn(self, shard: _Shard) -> None:
+        loop = asyncio.get_running_loop()
+        if shard.forked is not None:  # started by fork_workers: only connect to it
+            ours, shard.forked = shard.forked, None
+        else:
+            ours, theirs = socket.socketpair()
+            argv = [
+                sys.executable, "-m", "ratchet.agents._sharded",
+                *self._worker_args(shard, theirs.fileno()),
+            ]  # fmt: skip
+            # Started from the loop's thread, which lives as long as the job: a worker's
+            # parent-death signal fires when the thread that started it ends.
+            # The worker imports the agent as this process did: with this process's sys.path.
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            shard.proc = subprocess.Popen(  # noqa: ASYNC220 - a fork and exec, not a wait
+                argv, pass_fds=[theirs.fileno()], start_new_session=True, env=env
+            )
+            theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         shard.writer = writer
         shard.ready = False
         if shard.hello is None:  # a restart before the first hello keeps the start waiting on it
             shard.hello = loop.create_future()
         self._write_pids()
+        assert shard.proc is not None
         self._start(self._read(shard, reader, shard.proc))
 
     def _start(self, coro: Any) -> None:
@@ -477,7 +536,10 @@ class Coordinator:
             shard.writer.write(_frame(msg))
 
     async def _read(
-        self, shard: _Shard, reader: asyncio.StreamReader, proc: subprocess.Popen[bytes]
+        self,
+        shard: _Shard,
+        reader: asyncio.StreamReader,
+        proc: subprocess.Popen[bytes] | ForkedWorker,
     ) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -801,10 +863,8 @@ class Coordinator:
             if handle_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)
+            self.end_workers()
             for s in self.shards:
-                if s.proc is not None and s.proc.poll() is None:
-                    s.proc.kill()
-                    s.proc.wait()
                 if s.writer is not None:
                     s.writer.close()
             for t in list(self._tasks):

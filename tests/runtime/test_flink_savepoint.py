@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ratchet._errors import ConfigError
-from ratchet.cli._flink import _restores_to_completion, execution_mode
+from ratchet.cli._flink import _restores_to_completion, _warn_unread_inputs, execution_mode
 from ratchet.runtime._flink_savepoint import (
     MARKER,
     MODE_ENV,
@@ -161,3 +161,23 @@ def test_only_a_savepoint_that_ended_a_run_to_completion_restores_to_completion(
         "input": "in", "execution_mode": "thread", "drained": False,
     }  # fmt: skip
     assert _restores_to_completion(restore_args(sp))
+
+
+def test_a_restored_bounded_cluster_job_warns_of_files_it_will_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.jsonl").write_text("{}\n")
+    sp = savepoint(tmp_path, f"file:{inputs / 'a.jsonl'}".encode() + b"\x00")
+    ns = restore_args(sp, input=str(inputs), jobmanager="jm:8081")
+    _warn_unread_inputs(ns)
+    assert capsys.readouterr().err == ""  # every file is named
+    (inputs / "b.jsonl").write_text("{}\n")
+    _warn_unread_inputs(ns)
+    err = capsys.readouterr().err
+    assert "b.jsonl not named in the savepoint" in err and "--follow" in err, err
+    for quiet in (restore_args(sp, input=str(inputs), jobmanager="jm:8081", follow=500),
+                  restore_args(sp, input=str(inputs))):  # fmt: skip
+        _warn_unread_inputs(quiet)  # watching, or a local run to completion (which reads it)
+        assert capsys.readouterr().err == ""

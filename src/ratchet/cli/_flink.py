@@ -251,6 +251,29 @@ def _restores_to_completion(args: argparse.Namespace) -> bool:
     return True
 
 
+def _warn_unread_inputs(args: argparse.Namespace) -> None:
+    """A bounded job restored from a savepoint on a cluster (or detached) reads only the files
+    its savepoint was still reading: Flink restores a bounded FileSource from its pending splits
+    alone. Files of --input that the savepoint does not name are either read to the end by the
+    job that took it or new; new ones would not be read, so say so (not refused: finishing the
+    savepoint's own input is what such a restore is for)."""
+    if not args.from_savepoint or args.follow is not None or not (args.jobmanager or args.detach):
+        return
+    from ratchet.runtime._flink_savepoint import unread_inputs
+
+    if not Path(args.input).exists():
+        return
+    unread = unread_inputs(args.from_savepoint, args.input)
+    if unread:
+        more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+        print(
+            f"ratchet flink: warning: {unread[0]}{more} not named in the savepoint: a bounded "
+            "job restored from a savepoint reads only the files its savepoint was still "
+            "reading, so a new file there will not be read; pass --follow MS to read new files",
+            file=sys.stderr,
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     try:
         import pyflink  # noqa: F401
@@ -276,6 +299,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
         args.execution_mode = execution_mode(args)
         restoring = _restores_to_completion(args)
+        _warn_unread_inputs(args)
         config = _config(args)
         config.validate()
         if config.call_journal:

@@ -348,7 +348,7 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
         _report_bad(args, bad)
         return code
     # A bounded input runs as a stream (the source keeps watching) until every input's run is
-    # done, then the job stops with a savepoint that drains it: keys keep running concurrently
+    # done, then the job stops with a savepoint (`_run_to_completion`): keys keep running concurrently
     # and checkpoints keep completing to the last input (a bounded source's end would make
     # the operator finish every key's work in one callback, with no checkpoint meanwhile).
     # Restored from such a run's savepoint (`_restores_to_completion`), it runs the same way,
@@ -436,7 +436,7 @@ def _run_to_completion(
     client: Any, args: argparse.Namespace, progress: str, inputs: int, restored: bool
 ) -> Any:
     """Wait until `inputs` runs are done for good (their progress lines are committed), printing
-    a progress line now and then, then stop the job with a draining savepoint; returns its
+    a progress line now and then, then stop the job with a savepoint; returns its
     path (None when the job ended by itself, which the caller then reports). `restored`: count
     only the runs of inputs this job admitted, once all `inputs` are admitted."""
     from ratchet.flink._job import count_admitted_progress, count_progress

@@ -506,7 +506,7 @@ def scan_input(path: Path, key_field: str, only: list[Path] | None = None) -> tu
     source reads: names starting with `.` or `_` are skipped; `only` some of them), as the
     embedded engine words them (`path:line: ...`), and how many non-blank lines it has."""
     from ratchet.flink._function import parse_line
-    from ratchet.runtime._flink_savepoint import input_files
+    from ratchet.runtime._flink_files import input_files
 
     bad: list[str] = []
     lines = 0

@@ -1,5 +1,6 @@
-"""What a Flink job of ratchet leaves in its folders, read without PyFlink: the committed
-output records of a file sink, and the memory side output (`--memory-output`)."""
+"""What a Flink job of ratchet reads and leaves in its folders, without PyFlink: the files a
+file source reads, the committed output records of a file sink, and the memory side output
+(`--memory-output`)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,32 @@ from typing import Any
 from ratchet.runtime._journal import decode_memory
 
 
+def input_files(path: Path) -> list[Path]:
+    """The files Flink's FileSource reads under `path`: the file itself, or every file below
+    the folder with no part of its path starting with '.' or '_' (Flink skips those as
+    hidden; a file sink's in-progress files and ratchet's `_bad-input` and `_progress` folders
+    are such)."""
+    if path.is_file():
+        return [path]
+    out = []
+    for f in sorted(path.rglob("*")):
+        rel = f.relative_to(path).parts
+        if f.is_file() and not any(part[:1] in (".", "_") for part in rel):
+            out.append(f)
+    return out
+
+
 def read_output_dir(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every committed output record in a file-sink directory (hidden in-progress files and
     folders starting with `_` or `.`, such as `_bad-input`, skipped)."""
     out: list[dict[str, Any]] = []
     root = Path(directory)
-    if not root.exists():
+    if not root.is_dir():
         return out
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).parts
-        if path.is_file() and not any(part[:1] in (".", "_") for part in rel):
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    out.append(json.loads(line))
+    for path in input_files(root):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                out.append(json.loads(line))
     return out
 
 

@@ -16,6 +16,8 @@ import struct
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from ratchet.runtime._flink_files import input_files
+
 MODES = ("process", "thread")
 MODE_ENV = "RATCHET_FLINK_EXECUTION_MODE"  # a default for a whole test suite or benchmark
 
@@ -53,15 +55,22 @@ def local_path(location: str) -> Path | None:
     return Path(unquote(url.path))
 
 
-def _contents(location: str) -> list[bytes] | None:
-    """All of `_metadata` (where small state is inline) and the head of every other file of the
-    savepoint at `location`; None if it is not a readable local folder (or its `_metadata`)."""
+def _folder(location: str) -> Path | None:
+    """The local folder of the savepoint at `location` (the folder itself, or its `_metadata`
+    file); None if it is not a local folder."""
     path = local_path(location)
     if path is None:
         return None
     if path.is_file():
         path = path.parent
-    if not path.is_dir():
+    return path if path.is_dir() else None
+
+
+def _contents(location: str) -> list[bytes] | None:
+    """All of `_metadata` (where small state is inline) and the head of every other file of the
+    savepoint at `location`; None if it is not a readable local folder (or its `_metadata`)."""
+    path = _folder(location)
+    if path is None:
         return None
     out = []
     for f in sorted(path.iterdir(), key=lambda p: p.name != "_metadata")[:_FILES]:
@@ -86,19 +95,6 @@ def savepoint_mode(location: str) -> str | None:
 
 
 MARKER = "ratchet-run.json"  # what `ratchet flink run` adds to the savepoint that ends a run
-
-
-def input_files(path: Path) -> list[Path]:
-    """The files Flink's FileSource reads under `path`: the file itself, or every file below
-    the folder whose name does not start with '.' or '_' (hidden, as Flink skips them)."""
-    if path.is_file():
-        return [path]
-    out = []
-    for f in sorted(path.rglob("*")):
-        rel = f.relative_to(path).parts
-        if f.is_file() and not any(part[:1] in (".", "_") for part in rel):
-            out.append(f)
-    return out
 
 
 def unread_inputs(location: str, input_path: str) -> list[Path]:
@@ -135,11 +131,9 @@ def read_marker(location: str) -> dict[str, object] | None:
     completion; None if there is none (or it cannot be read here)."""
     import json
 
-    path = local_path(location)
+    path = _folder(location)
     if path is None:
         return None
-    if path.is_file():
-        path = path.parent
     try:
         data = json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
@@ -152,6 +146,6 @@ def write_marker(location: str, info: dict[str, object]) -> None:
     names every input file its job read): a later run to completion may restore it."""
     import json
 
-    path = local_path(location)
-    if path is not None and path.is_dir():
+    path = _folder(location)
+    if path is not None:
         (path / MARKER).write_text(json.dumps(info))

@@ -75,6 +75,16 @@ def kill_pids(pids: list[int]) -> None:
             pass
 
 
+def end_tree(proc: subprocess.Popen[Any]) -> None:
+    """Kill a command and everything under it, whether it ended or not. The tree is read
+    before the kill: a JVM whose parent died is reparented, and would outlive the test."""
+    tree = descendants(proc.pid)
+    if proc.poll() is None:
+        proc.kill()
+    kill_pids(tree)
+    proc.wait()
+
+
 class Cluster:
     def __init__(self, base: Path, slots: int = 2) -> None:
         self.base = base

@@ -61,11 +61,16 @@ def run_cli(
 
 
 def kill_test_cmd(tmp: Path, agent: str, inputs: Path, *extra: str) -> list[str]:
-    """`ratchet flink run` as the Python-worker kill tests start it: outputs, checkpoints (every
-    100 ms) and Flink's temp files under `tmp`, a 200 ms restart delay; `extra` arguments
+    """`ratchet flink run` as the Python-worker kill tests start it: `kill_test_args`, and
+    Flink's temp files under `tmp`."""
+    return [*CLI, *kill_test_args(tmp, agent, inputs, *extra), "--tmp-dir", str(tmp / "flink-tmp")]
+
+
+def kill_test_args(tmp: Path, agent: str, inputs: Path, *extra: str) -> list[str]:
+    """The arguments of a job whose worker may be killed: outputs in `tmp/out`, checkpoints
+    every 100 ms in `tmp/checkpoints`, a 200 ms restart delay; `extra` arguments
     (`--follow MS`, `--memory-output DIR`) go before those."""
     return [
-        *CLI,
         f"{AGENTS}:{agent}",
         "--input",
         str(inputs),
@@ -78,8 +83,6 @@ def kill_test_cmd(tmp: Path, agent: str, inputs: Path, *extra: str) -> list[str]
         str(tmp / "checkpoints"),
         "--restart-delay",
         "200",
-        "--tmp-dir",
-        str(tmp / "flink-tmp"),
     ]
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .cluster import descendants, end_tree, wait_for  # noqa: E402
 from .support import (  # noqa: E402
     exec_log,
     flink_env,
@@ -80,9 +80,7 @@ def test_sigkill_in_a_continued_run_loses_and_duplicates_nothing(tmp_path: Path)
         os.kill(killed, signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        kill_pids(descendants(proc.pid))
+        end_tree(proc)
     assert proc.returncode == 0, err[-4000:]
     assert executed < len(second), f"every new run had executed ({executed}) before the kill"
     assert {ln[0] for ln in new_execs()} - {str(killed)}, "no worker ran after the kill"

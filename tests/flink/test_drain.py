@@ -18,7 +18,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .cluster import descendants, end_tree, wait_for  # noqa: E402
 from .support import (  # noqa: E402
     exec_log,
     flink_env,
@@ -66,9 +66,7 @@ def test_sigkill_while_the_last_runs_are_worked_off_loses_and_duplicates_nothing
         os.kill(killed, signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        kill_pids(descendants(proc.pid))
+        end_tree(proc)
     assert proc.returncode == 0, err[-4000:]
 
     log = exec_log(tmp_path)

@@ -20,7 +20,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .cluster import descendants, end_tree, wait_for  # noqa: E402
 from .support import exec_log, flink_env, kill_test_cmd, kills_a_python_worker, write_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
@@ -60,10 +60,7 @@ def test_every_key_runs_again_after_each_worker_kill_on_a_followed_input(tmp_pat
             every=0.5,
         )
     finally:
-        tree = descendants(proc.pid)  # before the kill: the JVM is reparented once its parent dies
-        proc.kill()
-        kill_pids(tree)
-        proc.wait()
+        end_tree(proc)
     pids = {ln[0] for ln in exec_log(tmp_path) if ln[1] == "exec"}
     assert set(killed) <= pids and len(pids) >= KILLS + 1, (killed, pids)
     outputs = read_output_dir(tmp_path / "out")

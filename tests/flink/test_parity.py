@@ -18,6 +18,7 @@ from .support import (  # noqa: E402
     embedded_memory,
     exec_log,
     flink_memory,
+    kill_test_args,
     kills_a_python_worker,
     per_key,
     run_cli,
@@ -47,21 +48,7 @@ def embedded(tmp: Path, monkeypatch: pytest.MonkeyPatch, inputs: Path) -> tuple[
 def flink(tmp: Path, inputs: Path, **env: str) -> tuple[dict, dict]:
     run_cli(
         tmp,
-        [
-            f"{AGENTS}:ScenarioAgent",
-            "--input",
-            str(inputs),
-            "--output",
-            str(tmp / "out"),
-            "--memory-output",
-            str(tmp / "mem"),
-            "--checkpoint-interval",
-            "100",
-            "--checkpoint-dir",
-            str(tmp / "checkpoints"),
-            "--restart-delay",
-            "200",
-        ],
+        kill_test_args(tmp, "ScenarioAgent", inputs, "--memory-output", str(tmp / "mem")),
         timeout=180,
         **env,
     )

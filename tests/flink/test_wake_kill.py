@@ -27,7 +27,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .cluster import descendants, end_tree, wait_for  # noqa: E402
 from .support import exec_log, flink_env, kill_test_cmd, kills_a_python_worker  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
@@ -96,10 +96,7 @@ def test_keys_starting_work_at_a_checkpoint_survive_worker_kills(tmp_path: Path)
         )
     finally:
         stop.set()
-        tree = descendants(proc.pid)
-        proc.kill()
-        kill_pids(tree)
-        proc.wait()
+        end_tree(proc)
     assert len(killed) >= 2, f"seed {seed}: only {len(killed)} kills landed"
     outputs = read_output_dir(tmp_path / "out")
     ids = Counter(r["id"] for r in outputs)

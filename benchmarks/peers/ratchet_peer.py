@@ -39,18 +39,24 @@ def main() -> None:
     wd: Path = a.workdir
     wd.mkdir(parents=True, exist_ok=True)
     cfg = MODES[a.mode]
+    workers = WORKERS.get(a.mode, 1)
     if a.workload in ("w1", "w2"):  # in this process; w3 and w4 exec the CLI, importing nothing
-        import ratchet_agents as agents
+        if workers == 1:  # with workers, ratchet loads the agent's file itself (below)
+            import ratchet_agents as agents
 
         from ratchet import EngineConfig, run
 
     if a.workload == "w1":
         n = a.n or c.W1_INPUTS
         inputs = c.w1_inputs(n)
+        # With workers, the agent goes by its spec: ratchet loads it (a few ms, timed) and forks
+        # the workers from this process, as `ratchet run --workers N` does.
+        spec = f"{Path(__file__).resolve().parent / 'ratchet_agents.py'}:ThreeSteps"
+        agent = agents.ThreeSteps() if workers == 1 else spec
         t = time.perf_counter()
         res = run(
-            agents.ThreeSteps(), inputs=inputs, output=wd / "out.jsonl", state_dir=wd / "state",
-            config=EngineConfig(**cfg), workers=WORKERS.get(a.mode, 1),
+            agent, inputs=inputs, output=wd / "out.jsonl", state_dir=wd / "state",
+            config=EngineConfig(**cfg), workers=workers,
         )  # fmt: skip
         wall = time.perf_counter() - t
         assert res.runs_completed == n, res

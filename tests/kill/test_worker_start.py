@@ -283,3 +283,45 @@ def test_an_unknown_start_method_is_refused_without_a_traceback(tmp_path: Path) 
     assert "RATCHET_WORKER_START='spawn' is not a worker start method" in err
     assert "Traceback" not in err
     assert not (tmp_path / "out.jsonl").exists() or not outputs(tmp_path)
+
+
+RUN_FROM_PYTHON = """
+import logging, sys
+from ratchet import run
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+agent, workers, tmp = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if agent == "object":  # the class, imported by this program, passed as an object
+    sys.path.insert(0, tmp)
+    from echo_agent import Echo
+    agent = Echo()
+inputs = [{"key": f"k{i % 7}", "value": i} for i in range(60)]
+res = run(agent, inputs=inputs, output=f"{tmp}/out.jsonl", state_dir=f"{tmp}/state",
+          workers=workers)
+print(res.runs_completed)
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ratchet_run_takes_an_agent_spec_and_forks_its_workers(
+    tmp_path: Path, workers: int
+) -> None:
+    """`ratchet.run("file.py:Class", workers=N)` loads the agent itself, so its workers are
+    forked (an object passed in makes them new interpreters, with the reason logged)."""
+    (tmp_path / "echo_agent.py").write_text(ECHO)
+    (tmp_path / "prog.py").write_text(RUN_FROM_PYTHON)
+    for agent, state in ((f"{tmp_path / 'echo_agent.py'}:Echo", "spec"), ("object", "obj")):
+        run_dir = tmp_path / state
+        run_dir.mkdir()
+        done = subprocess.run(
+            [sys.executable, str(tmp_path / "prog.py"), agent, str(workers), str(run_dir)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["60"]
+        lines = [json.loads(x) for x in (run_dir / "out.jsonl").read_text().splitlines()]
+        assert sorted(o["output"]["value"] for o in lines) == list(range(60))
+        object_reason = "the agent was passed as an object, not loaded by ratchet from its spec"
+        if workers == 2 and agent == "object":
+            assert f"starting shard workers as new interpreters: {object_reason}" in done.stderr
+        else:
+            assert "new interpreters" not in done.stderr

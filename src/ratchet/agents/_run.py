@@ -237,7 +237,7 @@ def run_owned(job: Job, handle_signals: bool = False) -> EngineResult:
 
 
 def run(
-    agent: Agent,
+    agent: Agent | str,
     *,
     inputs: Any,
     output: Any,
@@ -265,7 +265,9 @@ def run(
     where a new state's job id comes from (default: the operating system's randomness).
     `workers`: shard the keys over this many worker processes (docs/operations.md); the
     agent's class must be importable in a new process. A state written with another number
-    of workers has its keys moved first.
+    of workers has its keys moved first. `agent` may be the spec `ratchet run` takes
+    (`package.module:Class` or `path/file.py:Class`): ratchet then loads it, and workers can be
+    forked from this process instead of started as new interpreters.
     """
     from ratchet.runtime._shards import is_sharded
 
@@ -282,7 +284,7 @@ def run(
             follow=follow, config=config, append_output=append_output,
         )  # fmt: skip
     job = Job(
-        agent,
+        load_agent(agent) if isinstance(agent, str) else agent,
         inputs=inputs,
         output=output,
         state_dir=state_dir,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -394,10 +396,22 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
     pruner = None
     if journal is not None:
         pruner = _pruner(args, journal, f"http://127.0.0.1:{config.extra['rest.port']}", job_id)
+    stopped = False
     try:
-        if to_completion and progress_dir is not None:
-            savepoint = _run_to_completion(client, args, progress_dir, inputs - len(bad), restoring)
-        client.get_job_execution_result().result()
+        with _StopSignals() as stop:
+            if to_completion and progress_dir is not None:
+                savepoint = _run_to_completion(
+                    client, args, progress_dir, inputs - len(bad), restoring, stop.requested
+                )
+            if savepoint is not None:  # done, and stopped with its savepoint
+                client.get_job_execution_result().result()
+            else:
+                stopped = stop.requested.is_set() or _wait_or_stop(client, stop.requested)
+            if stopped:
+                # SIGINT or SIGTERM: the job stops with a savepoint (not drained, so it can be
+                # continued); what its runs committed is in it, nothing is lost.
+                print("ratchet flink: stopping with a savepoint ...", file=sys.stderr, flush=True)
+                savepoint = _stop_when_running(client, _savepoint_target(args))
     except Exception as exc:  # py4j's error, with the Java cause chain as text
         return _job_failed(job_id, exc, args)
     finally:
@@ -405,7 +419,7 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
             pruner.stop()
     summary: dict[str, Any] = {
         "job_id": job_id,
-        "status": "FINISHED",
+        "status": "STOPPED" if stopped else "FINISHED",
         "seconds": round(SYSTEM_CLOCK.monotonic() - started, 3),
         "execution_mode": config.execution_mode,
     }
@@ -420,6 +434,14 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
         summary["bad_inputs"] = bad
     print(json.dumps(summary), flush=True)
     _report_bad(args, bad)
+    if stopped:
+        follow = args.follow if args.follow is not None else 1000
+        print(
+            f"ratchet flink: stopped; continue with the same command and --from-savepoint "
+            f"{savepoint} --follow {follow} (a run that stopped before the end of its input "
+            "continues as a watching one)",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 
@@ -432,13 +454,79 @@ _POLL_S = 0.25
 _REPORT_S = 5.0
 
 
+class _StopSignals:
+    """SIGINT and SIGTERM during a local run: the command stops the job with a savepoint
+    (`requested` is set); a second signal ends the command at once, without one."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():  # where handlers can be set
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.requested.is_set():
+            print("ratchet flink: stopped without a savepoint", file=sys.stderr, flush=True)
+            os._exit(128 + signum)  # the mini-cluster's JVM ends with this process
+        self.requested.set()
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _wait_or_stop(client: Any, stop: threading.Event) -> bool:
+    """Wait for the job's end (its failure raised here); True when a stop was asked first.
+    The wait itself is a thread's: a signal handled during a call into the JVM would leave
+    the gateway's connection half read."""
+    ended = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.get_job_execution_result().result()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            failed.append(exc)
+        finally:
+            ended.set()
+
+    threading.Thread(target=wait, name="ratchet-flink-wait", daemon=True).start()
+    while not ended.is_set():
+        if stop.wait(_POLL_S):
+            return True
+    if failed:
+        raise failed[0]
+    return False
+
+
+def _savepoint_target(args: argparse.Namespace) -> str:
+    """Where a local run's savepoints go: beside its checkpoints, or in the output folder
+    (hidden from the outputs)."""
+    where = args.checkpoint_dir
+    if where and "://" in where:
+        return str(where).rstrip("/") + "/savepoints"
+    return os.path.abspath(
+        os.path.join(where, "savepoints") if where else os.path.join(args.output, "_savepoints")
+    )
+
+
 def _run_to_completion(
-    client: Any, args: argparse.Namespace, progress: str, inputs: int, restored: bool
+    client: Any,
+    args: argparse.Namespace,
+    progress: str,
+    inputs: int,
+    restored: bool,
+    stop: threading.Event,
 ) -> Any:
     """Wait until `inputs` runs are done for good (their progress lines are committed), printing
     a progress line now and then, then stop the job with a savepoint; returns its
-    path (None when the job ended by itself, which the caller then reports). `restored`: count
-    only the runs of inputs this job admitted, once all `inputs` are admitted."""
+    path (None when the job ended by itself, which the caller then reports, or when `stop` was
+    set first). `restored`: count only the runs of inputs this job admitted, once all `inputs`
+    are admitted."""
     from ratchet.flink._job import count_admitted_progress, count_progress
 
     terminal = {"FINISHED", "FAILED", "CANCELED"}
@@ -464,14 +552,9 @@ def _run_to_completion(
                 flush=True,
             )
             reported, last = done, now
-        SYSTEM_CLOCK.sleep_sync(_POLL_S)
-    where = args.checkpoint_dir
-    if where and "://" in where:
-        target = where.rstrip("/") + "/savepoints"
-    else:  # beside the checkpoints, or in the output folder (hidden from the outputs)
-        target = os.path.abspath(
-            os.path.join(where, "savepoints") if where else os.path.join(args.output, "_savepoints")
-        )
+        if stop.wait(_POLL_S):
+            return None
+    target = _savepoint_target(args)
     # Every input's run is done and committed: the stop only takes the savepoint. It drains
     # (the final watermark fires each key's end-of-input timer) only to write --memory-output;
     # a drained savepoint ends the job for good (Flink restores its finished source as
@@ -490,6 +573,23 @@ def _run_to_completion(
         },
     )
     return savepoint
+
+
+_NOT_RUNNING = "Not all required tasks are currently running"
+_STOP_WAIT_S = 120.0
+
+
+def _stop_when_running(client: Any, target: str) -> str:
+    """Stop with a savepoint, once the job's tasks run: Flink refuses one while any is still
+    starting (a stop asked during the job's start) or restarting."""
+    deadline = SYSTEM_CLOCK.monotonic() + _STOP_WAIT_S
+    while True:
+        try:
+            return _stop_with_savepoint(client, target, drain=False)
+        except Exception as exc:  # py4j's error: the Java cause chain as text
+            if _NOT_RUNNING not in str(exc) or SYSTEM_CLOCK.monotonic() > deadline:
+                raise
+        SYSTEM_CLOCK.sleep_sync(_POLL_S)
 
 
 def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:

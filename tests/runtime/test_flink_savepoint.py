@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ratchet._errors import ConfigError
-from ratchet.cli._flink import _restores_to_completion, _warn_unread_inputs, execution_mode
+from ratchet.cli._flink import (
+    _refuse_earlier_outputs,
+    _restores_to_completion,
+    _warn_unread_inputs,
+    execution_mode,
+)
 from ratchet.runtime._flink_savepoint import (
     MARKER,
     MODE_ENV,
     PROCESS_STATES,
     THREAD_STATES,
+    earlier_outputs,
     local_path,
+    newest_restore_point,
     read_marker,
     savepoint_mode,
     unread_inputs,
@@ -181,3 +189,50 @@ def test_a_restored_bounded_cluster_job_warns_of_files_it_will_not_read(
                   restore_args(sp, input=str(inputs))):  # fmt: skip
         _warn_unread_inputs(quiet)  # watching, or a local run to completion (which reads it)
         assert capsys.readouterr().err == ""
+
+
+def test_a_new_run_into_an_earlier_runs_outputs_is_refused_naming_what_continues_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    args = argparse.Namespace(
+        output=str(out), from_savepoint=None, checkpoint_dir=None, jobmanager=None
+    )
+    _refuse_earlier_outputs(args)  # no folder yet
+    out.mkdir()
+    (out / ".part-1.inprogress").write_text("{}\n")  # not committed: not an output
+    (out / "_progress").mkdir()
+    (out / "_progress" / "part-0").write_text("{}\n")
+    assert earlier_outputs(str(out)) == 0
+    _refuse_earlier_outputs(args)
+    (out / "part-0").write_text("{}\n")
+    assert earlier_outputs(out.as_uri()) == 1 and earlier_outputs("s3://b/out") == 0
+    with pytest.raises(ConfigError, match="no savepoint or retained checkpoint"):
+        _refuse_earlier_outputs(args)
+    # A kill left retained checkpoints (the newest is named), then a finished run a savepoint.
+    chk = out / "_checkpoints" / "0f3a"
+    for n in (3, 4):
+        (chk / f"chk-{n}").mkdir(parents=True)
+        (chk / f"chk-{n}" / "_metadata").write_bytes(b"m")
+        time.sleep(0.01)
+    (chk / "chk-5").mkdir()  # being written: no _metadata yet
+    with pytest.raises(ConfigError, match=f"--from-savepoint {chk / 'chk-4'} --follow MS"):
+        _refuse_earlier_outputs(args)
+    sp = out / "_savepoints" / "savepoint-0f3a-1"
+    sp.mkdir(parents=True)
+    (sp / "_metadata").write_bytes(b"m")
+    write_marker(str(sp), {"input": "in", "execution_mode": "thread", "drained": False})
+    assert newest_restore_point([str(out / "_savepoints"), str(out / "_checkpoints")]) == sp
+    with pytest.raises(ConfigError, match=f"--from-savepoint {sp}, or write to another"):
+        _refuse_earlier_outputs(args)
+    args.from_savepoint = str(sp)
+    _refuse_earlier_outputs(args)  # continuing it: allowed
+    # With --checkpoint-dir, its checkpoints are looked at (and its savepoints/ folder).
+    elsewhere = tmp_path / "ck"
+    (elsewhere / "9b" / "chk-9").mkdir(parents=True)
+    (elsewhere / "9b" / "chk-9" / "_metadata").write_bytes(b"m")
+    args = argparse.Namespace(
+        output=str(out), from_savepoint=None, checkpoint_dir=str(elsewhere), jobmanager=None
+    )
+    with pytest.raises(ConfigError, match=f"--from-savepoint {elsewhere / '9b' / 'chk-9'} "):
+        _refuse_earlier_outputs(args)

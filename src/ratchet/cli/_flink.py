@@ -138,7 +138,7 @@ def _config(args: argparse.Namespace) -> Any:
     return FlinkConfig(
         checkpoint_interval_ms=args.checkpoint_interval,
         state_backend=args.state_backend,
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=_checkpoint_dir(args),
         parallelism=args.parallelism,
         restart_strategy=args.restart_strategy,
         restart_attempts=args.restart_attempts,
@@ -224,6 +224,52 @@ def execution_mode(args: argparse.Namespace) -> str:
     return "process" if args.jobmanager else "thread"
 
 
+LOCAL_CHECKPOINTS = "_checkpoints"  # under the output folder, hidden from the outputs
+
+
+def _checkpoint_dir(args: argparse.Namespace) -> str | None:
+    """Where the job's checkpoints go: `--checkpoint-dir`; for a local run without it, the
+    output folder's `_checkpoints`, so that a run killed with its mini-cluster (kill -9 of this
+    command) can be continued from its last retained checkpoint. A cluster job without it
+    uses the cluster's own setting."""
+    if args.checkpoint_dir or args.jobmanager or "://" in args.output:
+        return args.checkpoint_dir  # type: ignore[no-any-return]
+    return os.path.join(os.path.abspath(args.output), LOCAL_CHECKPOINTS)
+
+
+def _refuse_earlier_outputs(args: argparse.Namespace) -> None:
+    """A new run (no --from-savepoint) into an output folder that holds an earlier run's
+    outputs would write them again: refused, naming what continues that run."""
+    from ratchet._errors import ConfigError
+    from ratchet.runtime._flink_savepoint import earlier_outputs, newest_restore_point, read_marker
+
+    if args.from_savepoint:
+        return
+    files = earlier_outputs(args.output)
+    if not files:
+        return
+    where = [_savepoint_target(args), *filter(None, [_checkpoint_dir(args)])]
+    newest = newest_restore_point(where)
+    if newest is None:
+        how = (
+            "no savepoint or retained checkpoint of it was found in "
+            f"{' or '.join(where)}: write to another --output, or empty this one to run "
+            "everything again"
+        )
+    else:
+        marker = read_marker(str(newest))
+        finished = marker is not None and not marker.get("drained")
+        how = (
+            f"continue it with the same command and --from-savepoint {newest}"
+            + ("" if finished else " --follow MS (it stopped before the end of its input)")
+            + ", or write to another --output"
+        )
+    raise ConfigError(
+        f"--output {args.output} holds {files} output file(s) of an earlier run, which a new "
+        f"run would write again; {how}"
+    )
+
+
 def _restores_to_completion(args: argparse.Namespace) -> bool:
     """Whether this is a local run of a bounded input from a savepoint, which runs to completion
     like a fresh one: its source watches --input, skips the files the savepoint names as read
@@ -300,6 +346,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
         args.execution_mode = execution_mode(args)
+        _refuse_earlier_outputs(args)
         restoring = _restores_to_completion(args)
         _warn_unread_inputs(args)
         config = _config(args)

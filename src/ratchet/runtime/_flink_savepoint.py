@@ -149,3 +149,29 @@ def write_marker(location: str, info: dict[str, object]) -> None:
     path = _folder(location)
     if path is not None:
         (path / MARKER).write_text(json.dumps(info))
+
+
+def newest_restore_point(folders: list[str]) -> Path | None:
+    """The newest savepoint or retained checkpoint under `folders` (savepoint folders, checkpoint
+    folders): a folder with a `_metadata` file, `savepoint-*` in a savepoint folder or
+    `<job id>/chk-N` in a checkpoint folder. None if there is none here."""
+    found: list[tuple[float, Path]] = []
+    for location in folders:
+        root = local_path(location)
+        if root is None or not root.is_dir():
+            continue
+        for meta in [*root.glob("savepoint-*/_metadata"), *root.glob("*/chk-*/_metadata")]:
+            try:
+                found.append((meta.stat().st_mtime, meta.parent))
+            except OSError:  # a checkpoint Flink was discarding meanwhile
+                continue
+    return max(found)[1] if found else None
+
+
+def earlier_outputs(output: str) -> int:
+    """How many committed output files a local `--output` folder holds (0 for another file
+    system, or a folder that does not exist)."""
+    path = local_path(output)
+    if path is None or not path.is_dir():
+        return 0
+    return len(input_files(path))

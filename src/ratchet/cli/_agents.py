@@ -277,6 +277,7 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
 
 def _supervise(args: argparse.Namespace) -> int:
     from ratchet.agents._run import load_agent
+    from ratchet.cli import end_startup
     from ratchet.runtime._supervisor import Supervisor
 
     load_agent(args.agent)  # a bad agent spec fails here, once, not in every worker
@@ -290,6 +291,7 @@ def _supervise(args: argparse.Namespace) -> int:
         rest_port=args.rest_port,
         rest_token=args.rest_token,
     )
+    end_startup()  # the supervisor's own: its worker is a `ratchet run` with a start-up of its own
     return sup.run()
 
 
@@ -300,7 +302,7 @@ def _die_with_supervisor() -> None:
     import os
     import signal
 
-    from ratchet.runtime._supervisor import SUPERVISOR_PID_ENV
+    from ratchet.runtime._supervisor_env import SUPERVISOR_PID_ENV
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -317,7 +319,7 @@ def _status_reporter(args: argparse.Namespace) -> Any:
     """In a supervised worker: one JSON line per restore/checkpoint to the supervisor's pipe."""
     import os
 
-    from ratchet.runtime._supervisor import RESOURCE_ID_ENV, STATUS_FD_ENV
+    from ratchet.runtime._supervisor_env import RESOURCE_ID_ENV, STATUS_FD_ENV
 
     fd = os.environ.get(STATUS_FD_ENV)
     if not fd:
@@ -347,7 +349,7 @@ def _job_reporter(args: argparse.Namespace) -> Any:
     merged) as one JSON line to the supervisor's pipe, shaped as one engine's report."""
     import os
 
-    from ratchet.runtime._supervisor import RESOURCE_ID_ENV, STATUS_FD_ENV
+    from ratchet.runtime._supervisor_env import RESOURCE_ID_ENV, STATUS_FD_ENV
 
     fd = os.environ.get(STATUS_FD_ENV)
     if not fd or args.workers == 1:
@@ -371,6 +373,7 @@ def _job_reporter(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import Job, load_agent, run_owned
+    from ratchet.cli import end_startup
     from ratchet.connectors import is_uri
     from ratchet.runtime._io import check_output_path
 
@@ -442,6 +445,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         append_output=args.append_output,
     )
     code = 0
+    end_startup()
     try:
         if live is not None:
             live.start()
@@ -492,7 +496,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_sharded(args: argparse.Namespace) -> int:
     """`run --workers N` (or any N on a state sharded before): a coordinator and N workers."""
     from ratchet.agents._sharded import run_sharded
+    from ratchet.cli import end_startup
 
+    end_startup()  # before the coordinator forks its workers (they freeze what they inherit)
     try:
         result = run_sharded(
             args.agent,

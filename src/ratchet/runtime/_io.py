@@ -1004,20 +1004,26 @@ class JsonlSink(Sink):
         file: at 10,000 lines, a line at a time was most of the sink's start); a block with
         any other line is read a line at a time."""
         found = _PLAIN_LINE.findall(lines)
-        if len(found) == lines.count(b"\n"):
+        if found and len(found) == lines.count(b"\n"):
             try:
-                pairs = [(i.decode("utf-8"), j.decode("ascii")) for i, j in found]
+                # One decode per block, not one per line (opening a 10,000-line file: 5.7 ->
+                # 5.2 ms): no id holds a newline (the pattern takes no control character),
+                # so joining them with one and splitting gives each back, and the joined
+                # bytes decode exactly when every id does.
+                ids = b"\n".join([i for i, _j in found]).decode("utf-8").split("\n")
+                jobs = b"\n".join([j for _i, j in found]).decode("ascii").split("\n")
             except UnicodeDecodeError:
                 pass  # the line-by-line reading below names the line's problem
             else:
                 if job is None:
-                    self._ids.update(i for i, _j in pairs)
-                    return len(pairs)
-                mine = [i for i, j in pairs if j == job.id]
+                    self._ids.update(ids)
+                    return len(ids)
+                mine = [i for i, j in zip(ids, jobs) if j == job.id]
                 self._ids.update(mine)
-                for _i, j in pairs:
-                    if j != job.id:
-                        others[j] = others.get(j, 0) + 1
+                if len(mine) < len(ids):
+                    for j in jobs:
+                        if j != job.id:
+                            others[j] = others.get(j, 0) + 1
                 return len(mine)
         mine_n = 0
         for raw in lines.split(b"\n")[:-1]:

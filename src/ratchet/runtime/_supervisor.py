@@ -34,14 +34,15 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import EXIT_FAILED, EXIT_NO_RESTART, EXIT_OK, ConfigError
+from ratchet.runtime._supervisor_env import (
+    RESOURCE_ID_ENV,
+    REST_TOKEN_ENV,
+    STATUS_FD_ENV,
+    SUPERVISOR_PID_ENV,
+)
 from ratchet.store._sqlite import StateLock
 
 log = logging.getLogger("ratchet.supervisor")
-
-STATUS_FD_ENV = "RATCHET_STATUS_FD"
-RESOURCE_ID_ENV = "RATCHET_RESOURCE_ID"
-SUPERVISOR_PID_ENV = "RATCHET_SUPERVISOR_PID"
-REST_TOKEN_ENV = "RATCHET_REST_TOKEN"
 
 # Counts of one worker (engine.status()), summed over workers for /metrics: name -> help.
 WORKER_COUNTS = {

@@ -148,8 +148,10 @@ def test_signals_are_delivered_once_in_order_sent_early_ones_kept() -> None:
     store.add_signal("b", "ok", "y")
     again = Drive(Approver(clock), rows, store.reopen())
     again.run()
-    assert sorted(again.outputs(), key=str) == sorted(
-        [{"got": [{"n": 1}, {"n": 2}], "at": 0.0}, {"got": ["x", "y"], "at": 0.0}], key=str
+    # "at" is left out: the fake clock moves on whenever the engine idles (a loaded machine
+    # makes it idle more often), and no wait here has a timeout to check against.
+    assert sorted((o["got"] for o in again.outputs()), key=str) == sorted(
+        [[{"n": 1}, {"n": 2}], ["x", "y"]], key=str
     )
     # The third signal of a waits for a later run of a; nothing was delivered twice.
     assert [(k, n) for _i, (k, n, _v, _t) in sorted(again.store.signals.items())] == [("a", "ok")]

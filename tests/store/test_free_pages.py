@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from ratchet.store import _sqlite
 from ratchet.store._base import CheckpointRows
 from ratchet.store._sqlite import DB_NAME, SqliteStore
 
@@ -17,8 +18,8 @@ def free_pages(state: Path) -> int:
 
 def test_a_stopped_store_keeps_no_free_pages(tmp_path: Path) -> None:
     store = SqliteStore.open(tmp_path, "agent", "fp", ["a"])
-    blob = b"x" * 3000
-    outbox = [(f"o{i}", i, blob) for i in range(200)]  # about 150 pages of outbox rows
+    blob = b"x" * (_sqlite.PAGE_SIZE * 3 // 4)
+    outbox = [(f"o{i}", i, blob) for i in range(200)]  # about 200 pages of outbox rows
     store.write_checkpoint(CheckpointRows(outbox=outbox), 1.0)
     store.write_checkpoint(CheckpointRows(released=[o[0] for o in outbox]), 2.0)
     free = store.conn.execute("PRAGMA freelist_count").fetchone()[0]
@@ -27,7 +28,8 @@ def test_a_stopped_store_keeps_no_free_pages(tmp_path: Path) -> None:
     store.close()
     assert free_pages(tmp_path) == 0
     with sqlite3.connect(tmp_path / DB_NAME) as db:
-        assert db.execute("PRAGMA page_count").fetchone()[0] == pages - free
+        # Every free page went (and a pointer-map page with them, if they filled one).
+        assert db.execute("PRAGMA page_count").fetchone()[0] <= pages - free
     reopened = SqliteStore.open(tmp_path, "agent", "fp", ["a"])  # and it opens as before
     assert reopened.load().outbox == []
     reopened.close()

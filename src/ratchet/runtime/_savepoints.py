@@ -63,7 +63,7 @@ _SIDECARS = ("-journal", "-wal", "-shm")
 # key inside their record. Tables in _WHOLE hold nothing per key and are copied whole. Any
 # other table with a key or seq column is refused: splitting state this code does not know
 # could leave a fork with rows of keys it does not have, or without rows it needs.
-_PER_KEY = ("keys", "inputs", "runs", "dead_letters")
+_PER_KEY = ("keys", "spilled", "inputs", "runs", "dead_letters")
 _PER_INPUT = ("calls",)
 _PER_KEY_TEXT = ("signals", "traces")  # rows that name their key by its text only
 _WHOLE = ("meta", "checkpoints", "agent_versions")

@@ -280,9 +280,7 @@ def reshard(
                 continue
             src = SqliteStore.open_readonly(d)
             try:
-                for k, text, nd, mem, version in src.conn.execute(
-                    "SELECT key, key_text, next_dispatch, memory, memory_version FROM keys"
-                ):
+                for k, text, nd, mem, version in src.key_rows():
                     key = codec.decode(bytes(k), unknown="generic")
                     texts[str(text)] = key
                     i = shard_of(key, workers)
@@ -292,6 +290,7 @@ def reshard(
         for store, rows in zip(stores, moved, strict=True):
             store.write_checkpoint(rows, 0.0)
         for i, store in enumerate(stores):
+            store.ensure_tables()  # a new shard makes traces on first use: they come now
             _copy_per_key_text(store.conn, old.dirs, _placer(texts, i, workers))
     finally:
         for store in stores:

@@ -4,8 +4,9 @@ It stores bytes and plain values only; what they mean belongs to the engine. Row
 naturally (key, input sequence, task id, call index) so a retried write is harmless.
 
 Schema versions: `_MIGRATIONS` is append-only; `_MIGRATIONS[i]` takes schema i to i + 1, so
-a new database applies all of them in order and an older one the ones it lacks, in one
-transaction, when a writer opens it. The version is recorded in meta `schema_version` (what
+a new database applies all of them in order (then drops the empty tables it makes on first
+use, `_LAZY_TABLES`) and an older one the ones it lacks, in one transaction, when a writer
+opens it. The version is recorded in meta `schema_version` (what
 ratchet reads) and in `PRAGMA user_version` (what `sqlite3 ratchet.db 'PRAGMA user_version'`
 shows). A database from a newer ratchet is refused, never guessed at.
 """
@@ -94,10 +95,65 @@ _MIGRATIONS: list[tuple[str, ...]] = [
             scope TEXT NOT NULL, id TEXT NOT NULL, text TEXT NOT NULL, metadata BLOB NOT NULL,
             vector BLOB NOT NULL, at REAL NOT NULL, PRIMARY KEY(scope, id))""",
     ),
+    (  # 8: a smaller file (issue 19, workload 5). keys and meta become WITHOUT ROWID tables
+        # (a row lives in its primary key's tree: the separate key index goes); a memory
+        # larger than 160 bytes moves to `spilled` (keys.memory NULL), a table with a rowid,
+        # where an update of a large value is written in place; keys are indexed by text only
+        # when they are not strings (a string key's text is the string: its primary key finds
+        # it; the WHERE is _KEY_IS_STR's). New databases get traces and ltm on first use.
+        """CREATE TABLE keys8(
+            key BLOB PRIMARY KEY, key_text TEXT NOT NULL, next_dispatch INTEGER NOT NULL,
+            memory BLOB, memory_version INTEGER NOT NULL DEFAULT 1) WITHOUT ROWID""",
+        "CREATE TABLE spilled(key BLOB PRIMARY KEY, memory BLOB NOT NULL)",
+        "INSERT INTO keys8(key, key_text, next_dispatch, memory, memory_version) SELECT key, "
+        "key_text, next_dispatch, CASE WHEN length(memory) > 160 THEN NULL ELSE memory END, "
+        "memory_version FROM keys",
+        "INSERT INTO spilled(key, memory) SELECT key, memory FROM keys WHERE length(memory) > 160",
+        "DROP TABLE keys",
+        "ALTER TABLE keys8 RENAME TO keys",
+        "CREATE INDEX keys_by_text ON keys(key_text) WHERE NOT (key >= x'a0' AND key < x'c0' "
+        "OR key >= x'd9' AND key < x'dc')",
+        # A memory that moves back into its row, or a key that goes, takes its spilled value
+        # with it (whoever writes: the store, `ratchet fork --key`, a plain sqlite3 shell).
+        "CREATE TRIGGER spilled_back AFTER UPDATE OF memory ON keys WHEN OLD.memory IS NULL "
+        "AND NEW.memory IS NOT NULL BEGIN DELETE FROM spilled WHERE key = OLD.key; END",
+        "CREATE TRIGGER spilled_gone AFTER DELETE ON keys WHEN OLD.memory IS NULL "
+        "BEGIN DELETE FROM spilled WHERE key = OLD.key; END",
+        "CREATE TABLE meta8(name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID",
+        "INSERT INTO meta8(name, value) SELECT name, value FROM meta",
+        "DROP TABLE meta",
+        "ALTER TABLE meta8 RENAME TO meta",
+    ),
 ]
+# Whether a stored key (its codec bytes) is a string: msgpack's str forms (fixstr a0-bf, str
+# 8/16/32 d9-db) and nothing else start with these bytes, and the codec writes only exact
+# `str` values so. Frozen: it is keys_by_text's WHERE, and SQLite uses a partial index only
+# for a query that repeats its WHERE.
+_KEY_IS_STR = "(key >= x'a0' AND key < x'c0' OR key >= x'd9' AND key < x'dc')"
+# Tables a new database creates when first written (an empty table still takes a page), with
+# the statements that created them in older databases.
+_LAZY_TABLES = {"traces": _MIGRATIONS[5], "ltm": _MIGRATIONS[6]}
+# A memory longer than this (encoded) is kept in `spilled`, not in its key's row.
+_INLINE_MEMORY = 160
+_UPSERT_KEY = (
+    "INSERT INTO keys(key, key_text, next_dispatch, memory, memory_version) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
+    "key_text = excluded.key_text, next_dispatch = excluded.next_dispatch, "
+    "memory = excluded.memory, memory_version = excluded.memory_version"
+)
 SCHEMA_VERSION = len(_MIGRATIONS)
+# The page size of a new database (SQLite's default is 4096). Every table and index takes at
+# least one page, and a job's state is mostly small rows: 1 KiB pages hold the same rows in
+# about a third of the bytes at this size (docs/benchmarks.md, workload 5). Databases made
+# with another page size keep theirs (it is fixed when the first table is created).
+PAGE_SIZE = 1024
 _KEEP_CHECKPOINT_ROWS = 100
-_VACUUM_FREE_PAGES = 256
+# In bytes, whatever the page size (these were 256 and SQLite's 1000 pages of 4 KiB): free
+# pages are given back once 1 MiB of them is free, and the WAL is copied into the database
+# once it holds 4 MiB (SQLite counts both in pages: with 1 KiB pages its default would copy
+# the WAL four times as often).
+_VACUUM_FREE_BYTES = 1 << 20
+_WAL_AUTOCHECKPOINT_BYTES = 4 << 20
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -147,6 +203,8 @@ class SqliteStore:
         self.clock = clock
         self._reader: sqlite3.Connection | None = None  # key_row's, opened on first use
         self._writable = False  # opened by open(): close() may vacuum
+        self._spilled = False  # known to have the `spilled` table (a writer's, migrated)
+        self._page_size = 4096  # a writer's is read when it opens
         self._reader_lock = threading.Lock()
 
     # -- opening ----------------------------------------------------------------------------
@@ -187,10 +245,13 @@ class SqliteStore:
         store = cls(conn, path, clock)
         store._writable = True
         conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        store._page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        conn.execute(f"PRAGMA wal_autocheckpoint={_WAL_AUTOCHECKPOINT_BYTES // store._page_size}")
         try:
             # Refuse a newer ratchet's state before changing anything.
             store._schema_version()
             store._migrate()
+            store._spilled = True
         except BaseException:
             conn.close()
             raise
@@ -307,15 +368,21 @@ class SqliteStore:
                 # pages back (only settable before the first table, and before WAL mode, which
                 # the first real open turns on). The rollback journal and synchronous=FULL make
                 # the commit durable before the rename.
+                conn.execute(f"PRAGMA page_size={int(PAGE_SIZE)}")
                 conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 conn.execute("PRAGMA synchronous=FULL")
                 conn.execute("BEGIN IMMEDIATE")
                 cls._apply(conn, 0, SCHEMA_VERSION)
+                # The same schema as an older database migrated, less the tables made on
+                # first use.
+                for name in _LAZY_TABLES:
+                    conn.execute(f"DROP TABLE {name}")
                 conn.executemany(
                     "INSERT INTO meta(name, value) VALUES (?, ?)",
                     [(k, codec.encode(v)) for k, v in meta.items()],
                 )
                 conn.execute("COMMIT")
+                conn.execute("VACUUM")  # the pages the migrations left free
             finally:
                 conn.close()
             # Journal files of the database being replaced describe what it held (nothing):
@@ -484,7 +551,7 @@ class SqliteStore:
         try:
             return Loaded(
                 keys=c.execute(
-                    "SELECT key, next_dispatch, memory, memory_version FROM keys"
+                    f"SELECT key, next_dispatch, {self._memory_sql()}, memory_version FROM keys"
                     f"{which} ORDER BY key"
                 ).fetchall(),
                 inputs=c.execute("SELECT seq, key, event FROM inputs ORDER BY seq").fetchall(),
@@ -520,8 +587,12 @@ class SqliteStore:
                         f"{self.path.resolve().as_uri()}?mode=ro",
                         uri=True, isolation_level=None, check_same_thread=False,
                     )  # fmt: skip
+                # The writer's memory SQL (it knows its schema: no query on `conn`, which the
+                # writer thread owns).
+                memory = self._memory_sql()
                 rows = self._reader.execute(
-                    "SELECT next_dispatch, memory, memory_version FROM keys WHERE key = ?", (key,)
+                    f"SELECT next_dispatch, {memory}, memory_version FROM keys WHERE key = ?",
+                    (key,),
                 ).fetchall()  # fetchall: no statement (and no read snapshot) is left open
         except sqlite3.DatabaseError as exc:
             raise StateError(
@@ -573,13 +644,73 @@ class SqliteStore:
         }
 
     def memories(self, key_text: str | None = None) -> list[tuple[bytes, bytes]]:
+        """(key, memory) of every key, in text order, or of the keys whose text is `key_text`
+        (the string key itself, and any other key that reads so, like the integer 42)."""
+        memory = self._memory_sql()
         if key_text is None:
-            return self.conn.execute("SELECT key, memory FROM keys ORDER BY key_text").fetchall()
+            return self.conn.execute(f"SELECT key, {memory} FROM keys ORDER BY key_text").fetchall()
+        # Two indexed reads: the string key by its primary key, any other by keys_by_text
+        # (from schema 8 it holds only keys that are not strings; before, every key).
         return self.conn.execute(
-            "SELECT key, memory FROM keys WHERE key_text = ?", (key_text,)
+            f"SELECT key, {memory} FROM keys WHERE key = ? AND key_text = ? UNION ALL SELECT "
+            f"key, {memory} FROM keys WHERE key_text = ? AND NOT {_KEY_IS_STR}",
+            (codec.encode(key_text), key_text, key_text),
+        ).fetchall()
+
+    def key_rows(self) -> list[tuple[bytes, str, int, bytes, int]]:
+        """Every key row as `CheckpointRows.keys` holds it (re-sharding moves them)."""
+        return self.conn.execute(
+            f"SELECT key, key_text, next_dispatch, {self._memory_sql()}, memory_version FROM keys"
         ).fetchall()
 
     # -- writing ----------------------------------------------------------------------------
+
+    def _has_table(self, name: str) -> bool:
+        row = self.conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+        ).fetchone()
+        return row is not None
+
+    def _ensure_table(self, name: str) -> None:
+        """Create a table new databases make on first use (inside the caller's transaction)."""
+        if not self._has_table(name):
+            for stmt in _LAZY_TABLES[name]:
+                self.conn.execute(stmt)
+
+    def ensure_tables(self) -> None:
+        """Create every table made on first use, for a writer that copies rows in with SQL
+        (re-sharding)."""
+        with self._transaction():
+            for name in _LAZY_TABLES:
+                self._ensure_table(name)
+
+    def _memory_sql(self) -> str:
+        """The SQL of a key row's memory: in the row, or in `spilled` (schema 8 on)."""
+        if self._spilled or self._has_table("spilled"):
+            return "COALESCE(memory, (SELECT s.memory FROM spilled s WHERE s.key = keys.key))"
+        return "memory"
+
+    def _put_keys(
+        self, c: sqlite3.Connection, rows: list[tuple[bytes, str, int, bytes, int]]
+    ) -> None:
+        """Upsert key rows; a memory larger than _INLINE_MEMORY goes to `spilled` (a memory
+        that fits again comes back into its row, and the trigger drops its spilled copy)."""
+        if all(len(r[3]) <= _INLINE_MEMORY for r in rows):
+            c.executemany(_UPSERT_KEY, rows)
+            return
+        last = {r[0]: r for r in rows}  # a key written twice: its last row, as upserts in turn
+        c.executemany(
+            "INSERT INTO spilled(key, memory) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+            "memory = excluded.memory",
+            [(k, r[3]) for k, r in last.items() if len(r[3]) > _INLINE_MEMORY],
+        )
+        c.executemany(
+            _UPSERT_KEY,
+            [
+                (k, t, nd, None if len(mem) > _INLINE_MEMORY else mem, v)
+                for k, (_, t, nd, mem, v) in last.items()
+            ],
+        )
 
     def _set_meta(self, name: str, value: Any) -> None:
         self.conn.execute(
@@ -594,13 +725,7 @@ class SqliteStore:
         with self._transaction() as c:
             checkpoint_id = self.meta("next_checkpoint_id")
             if rows.keys:
-                c.executemany(
-                    "INSERT INTO keys(key, key_text, next_dispatch, memory, memory_version) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET "
-                    "key_text = excluded.key_text, next_dispatch = excluded.next_dispatch, "
-                    "memory = excluded.memory, memory_version = excluded.memory_version",
-                    rows.keys,
-                )
+                self._put_keys(c, rows.keys)
             if rows.new_inputs:
                 c.executemany(
                     "INSERT OR REPLACE INTO inputs(seq, key, event) VALUES (?, ?, ?)",
@@ -637,6 +762,8 @@ class SqliteStore:
                     "UPDATE dead_letters SET redriven_as = ? WHERE id = ? AND redriven_as IS NULL",
                     [(seq, i) for i, seq in rows.redriven],
                 )
+            if rows.ltm_add or rows.ltm_delete:
+                self._ensure_table("ltm")
             if rows.ltm_add:
                 c.executemany(
                     "INSERT OR REPLACE INTO ltm(scope, id, text, metadata, vector, at) "
@@ -650,6 +777,7 @@ class SqliteStore:
             for name, value in rows.report.items():
                 self._set_meta(f"report.{name}", value)
             if rows.traces:
+                self._ensure_table("traces")
                 c.executemany(
                     "INSERT OR REPLACE INTO traces(key_text, seq, at, status, trace) "
                     "VALUES (?, ?, ?, ?, ?)",
@@ -692,7 +820,7 @@ class SqliteStore:
         happened as one that did not."""
         try:
             free = self.conn.execute("PRAGMA freelist_count").fetchone()[0]
-            if free >= _VACUUM_FREE_PAGES:
+            if free * self._page_size >= _VACUUM_FREE_BYTES:
                 # executescript steps the pragma to the end (execute() would free one page).
                 self.conn.executescript("PRAGMA incremental_vacuum;")
         except sqlite3.Error:
@@ -851,7 +979,7 @@ class SqliteStore:
     ) -> list[tuple[bytes, int, bytes, int]]:
         """Up to `limit` keys (in key order, after `after`) with memory older than `below`."""
         return self.conn.execute(
-            "SELECT key, next_dispatch, memory, memory_version FROM keys "
+            f"SELECT key, next_dispatch, {self._memory_sql()}, memory_version FROM keys "
             "WHERE memory_version < ? AND key > ? ORDER BY key LIMIT ?",
             (below, after if after is not None else b"", limit),
         ).fetchall()
@@ -860,11 +988,19 @@ class SqliteStore:
         """Write migrated memories (key, old version, memory, new version) in one transaction;
         a row whose version moved meanwhile is left alone."""
         with self._transaction() as c:
-            c.executemany(
-                "UPDATE keys SET memory = ?, memory_version = ? WHERE key = ? AND "
-                "memory_version = ?",
-                [(mem, new, key, old) for key, old, mem, new in rows],
-            )
+            for key, old, mem, new in rows:
+                inline = len(mem) <= _INLINE_MEMORY
+                updated = c.execute(
+                    "UPDATE keys SET memory = ?, memory_version = ? WHERE key = ? AND "
+                    "memory_version = ?",
+                    (mem if inline else None, new, key, old),
+                ).rowcount
+                if updated and not inline:
+                    c.execute(
+                        "INSERT INTO spilled(key, memory) VALUES (?, ?) ON CONFLICT(key) DO "
+                        "UPDATE SET memory = excluded.memory",
+                        (key, mem),
+                    )
 
     def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
         return self.conn.execute(
@@ -977,7 +1113,7 @@ class SqliteStore:
 
     def close(self) -> None:
         if self._writable:
-            # Give every free page back (the writer does it only past _VACUUM_FREE_PAGES): up
+            # Give every free page back (the writer does it only past _VACUUM_FREE_BYTES): up
             # to 1 MB of a stopped job's file was pages the outbox and inputs had left free.
             # Best effort, like _maybe_vacuum: the state is complete without it.
             with contextlib.suppress(sqlite3.Error):

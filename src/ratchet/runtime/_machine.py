@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet._errors import InternalError, InvalidArgumentError, NonDeterminismError
-from ratchet.runtime._memops import LTM_ADD, LTM_DELETE, apply_ops
+from ratchet.runtime._memops import EXPIRES, LTM_ADD, LTM_DELETE, apply_ops
 
 PENDING = 0
 FINISHED = 1
@@ -381,7 +381,11 @@ class Machine:
         task.result = result
         run = task.run
         run.pending -= 1
-        self._drain(run)
+        fifo = run.fifo
+        while fifo and fifo[0].state == FINISHED:  # what _drain does, without its call
+            self._commit(fifo.popleft())
+        if not fifo and not run.timers:
+            self._complete(run)
         # (A run that is not parked and has a task running outside a wait stays as it is.)
         if (run.pending or run.timers) and (run.parked or run.pending == run.waiting):
             self._settle_parking(run)
@@ -482,7 +486,10 @@ class Machine:
                     self.outputs.append(out)
                     self._delta.outputs[out.id] = out
                 continue
-            self._deliver(run, f"{task.task_id}.{index}", event)
+            if run.fires:
+                self._deliver(run, f"{task.task_id}.{index}", event)
+            else:  # what _deliver does when no delayed event waits for an index
+                self._dispatch_event(run, f"{task.task_id}.{index}", event)
 
     def _schedule(self, run: Run, event_id: str, due: float, event: Any) -> None:
         note = run.notes.pop(f"{FIRE_NOTE}{event_id}", None)
@@ -578,7 +585,11 @@ class Machine:
             notes = {e.task_id: e for e in journal if e.task_id[:1] == "!"}
             started = notes.pop(START_NOTE, None)
             run.notes = notes
-        if self._expire is not None and self._now is not None:
+        if (
+            self._expire is not None
+            and self._now is not None
+            and (started is not None or memory.get(EXPIRES))
+        ):
             # Memory that expired before the run started is gone for it. The time is recorded
             # (when anything could expire) so a replay drops exactly what the run did not see.
             now = started.events[0] if started is not None else self._now()

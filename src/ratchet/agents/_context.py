@@ -113,18 +113,19 @@ class RunnerContext:
         self._calls_made = calls
         self._make_calls = make_calls
         self._waits_of = calls.waits if calls is not None else waits
-        # The memories are made when an action first touches them (most touch one or none).
-        self._stm_buf: MemoryBuffer | None = None
-        self._sensory_buf: MemoryBuffer | None = None
-        self._stm_view: MemoryObject | None = None
-        self._sensory_view: MemoryObject | None = None
         self.events: list[Emitted] = []
-        # Made when first used (most tasks make no durable call and note nothing):
-        self._trace_calls: list[dict[str, Any]] | None = None  # durable calls, for the trace
-        self._notes: list[dict[str, Any]] | None = None
-        self._ltm: Any = None
-        self._ltm_texts_made: dict[tuple[str, str], int] | None = None
         self.config = config
+
+    # Made when an action first needs them (most tasks touch one memory or none, make no
+    # durable call and note nothing); until then the class's None is read.
+    _stm_buf: MemoryBuffer | None = None
+    _sensory_buf: MemoryBuffer | None = None
+    _stm_view: MemoryObject | None = None
+    _sensory_view: MemoryObject | None = None
+    _trace_calls: list[dict[str, Any]] | None = None  # durable calls, for the trace
+    _notes: list[dict[str, Any]] | None = None
+    _ltm: Any = None
+    _ltm_texts_made: dict[tuple[str, str], int] | None = None
 
     @property
     def _calls(self) -> TaskCalls:

@@ -14,11 +14,12 @@ import contextvars
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._clock import SYSTEM_CLOCK, Clock, SystemClock
 from ratchet._errors import (
     UPGRADE_FIXES,
     BadInputError,
@@ -389,8 +390,10 @@ class _EngineWaits:
         self.signals: dict[tuple[str, str], collections.deque[tuple[int, bytes, float]]] = {}
         self.waiters: dict[tuple[str, str], collections.deque[_SignalWait]] = {}
         self.breakers: dict[str, _Breaker] = {}  # resources unavailable now
-        # The engine's clock read directly (every task reads it twice, for its trace).
-        self.now: Callable[[], float] = engine.clock.now
+        # The engine's clock read directly (every task reads it twice, for its trace): the
+        # system clock's `now` is `time.time`, called without its wrapper.
+        clock = engine.clock
+        self.now: Callable[[], float] = time.time if type(clock) is SystemClock else clock.now
 
     def sleep_sync(self, seconds: float) -> None:
         self.engine.clock.sleep_sync(seconds)

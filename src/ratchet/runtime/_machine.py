@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet._errors import InternalError, InvalidArgumentError, NonDeterminismError
-from ratchet.runtime._memops import EXPIRES, LTM_ADD, LTM_DELETE, apply_ops
+from ratchet.runtime._memops import EXPIRES, LTM_ADD, LTM_DELETE, apply_op
 
 PENDING = 0
 FINISHED = 1
@@ -467,11 +467,13 @@ class Machine:
         assert res is not None
         if res.stm_ops:
             stm = dict(run.stm)
-            apply_ops(stm, res.stm_ops)
+            for op in res.stm_ops:
+                apply_op(stm, op)
             run.stm = stm
         if res.sensory_ops:
             sensory = dict(run.sensory)
-            apply_ops(sensory, res.sensory_ops)
+            for op in res.sensory_ops:
+                apply_op(sensory, op)
             run.sensory = sensory
         task.state = COMMITTED
         events = res.events

@@ -29,7 +29,8 @@ from ratchet.agents._run import Job, run_owned
 from ratchet.store._sqlite import DB_NAME
 from ratchet.store._traces import unpack_trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kill"))  # `import crash_equiv`
+# `import crash_equiv` (appended: nothing of tests/kill shadows another test folder's modules)
+sys.path.append(str(Path(__file__).resolve().parent.parent / "kill"))
 
 from crash_equiv import Case, Features, cases, render_agent, render_inputs  # noqa: E402
 from crash_equiv.oracle import compare_outputs, read_outputs  # noqa: E402

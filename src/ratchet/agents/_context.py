@@ -8,6 +8,7 @@ import datetime
 import inspect
 import logging
 import math
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
 
@@ -96,23 +97,47 @@ class RunnerContext:
     """
 
     def __init__(
-        self, task: Task, calls: TaskCalls, config: dict[str, Any], metrics: Metrics | None = None
+        self,
+        task: Task,
+        calls: TaskCalls | None,
+        config: dict[str, Any],
+        metrics: Metrics | None = None,
+        waits: Waits | None = None,
+        make_calls: Callable[[Task], TaskCalls] | None = None,
     ) -> None:
         self._task = task
         self._metrics = metrics or Metrics()
-        self._calls = calls
-        # The memories are made when an action first touches them (most touch one or none).
-        self._stm_buf: MemoryBuffer | None = None
-        self._sensory_buf: MemoryBuffer | None = None
-        self._stm_view: MemoryObject | None = None
-        self._sensory_view: MemoryObject | None = None
+        # The task's durable-call journal; without one (the fused inline path: a task with no
+        # records from before a restart) `make_calls(task)` makes it when first needed, and
+        # `waits` is the engine's (what the journal would carry).
+        self._calls_made = calls
+        self._make_calls = make_calls
+        self._waits_of = calls.waits if calls is not None else waits
         self.events: list[Emitted] = []
-        # Made when first used (most tasks make no durable call and note nothing):
-        self._trace_calls: list[dict[str, Any]] | None = None  # durable calls, for the trace
-        self._notes: list[dict[str, Any]] | None = None
-        self._ltm: Any = None
-        self._ltm_texts_made: dict[tuple[str, str], int] | None = None
         self.config = config
+
+    # Made when an action first needs them (most tasks touch one memory or none, make no
+    # durable call and note nothing); until then the class's None is read.
+    _stm_buf: MemoryBuffer | None = None
+    _sensory_buf: MemoryBuffer | None = None
+    _stm_view: MemoryObject | None = None
+    _sensory_view: MemoryObject | None = None
+    _trace_calls: list[dict[str, Any]] | None = None  # durable calls, for the trace
+    _notes: list[dict[str, Any]] | None = None
+    _ltm: Any = None
+    _ltm_texts_made: dict[tuple[str, str], int] | None = None
+
+    @property
+    def _calls(self) -> TaskCalls:
+        calls = self._calls_made
+        if calls is None:
+            with _MAKING_CALLS:  # threads an inline action starts may make calls at once
+                calls = self._calls_made
+                if calls is None:
+                    if self._make_calls is None:
+                        raise InternalError("a RunnerContext has no durable-call journal")
+                    calls = self._calls_made = self._make_calls(self._task)
+        return calls
 
     @property
     def _ltm_texts(self) -> dict[tuple[str, str], int]:
@@ -125,7 +150,7 @@ class RunnerContext:
     def _stm(self) -> MemoryBuffer:
         buf = self._stm_buf
         if buf is None:
-            waits = self._calls.waits
+            waits = self._waits_of
             buf = self._stm_buf = MemoryBuffer(
                 self._task.stm, "short_term", waits.now if waits is not None else None
             )
@@ -241,7 +266,7 @@ class RunnerContext:
     # -- durable waits ------------------------------------------------------------------------
 
     def _waits(self, what: str) -> Waits:
-        waits = self._calls.waits
+        waits = self._waits_of
         if waits is None:
             raise ConfigError(
                 f"{what} needs an engine with durable timers and signals: the embedded engine "
@@ -352,7 +377,7 @@ class RunnerContext:
         return until, codec.encode(state)
 
     def _now(self) -> float:
-        waits = self._calls.waits
+        waits = self._waits_of
         return waits.now() if waits is not None else SYSTEM_CLOCK.now()
 
     def trace_note(self, kind: str, **fields: Any) -> None:
@@ -481,7 +506,7 @@ class RunnerContext:
         call waits for the resource to come back) instead of failing the action."""
         if resource is not None and not isinstance(resource, Resource):
             raise InvalidTypeError(f"resource= takes a ratchet.Resource, got {resource!r}")
-        if resource is not None and self._calls.waits is None:
+        if resource is not None and self._waits_of is None:
             # An engine with no durable waits (the Flink engine) cannot pause on an outage:
             # the call is a plain durable call there, and a failure the action's error.
             resource = None
@@ -565,7 +590,8 @@ class RunnerContext:
         return result
 
     def _result(self) -> TaskResult:
-        left = self._calls.unclaimed() if self._calls.replayed else None
+        made = self._calls_made
+        left = made.unclaimed() if made is not None and made.replayed else None
         if left:
             calls = ", ".join(f"#{r.idx} {r.fn} (argument digest {r.digest[:12]})" for r in left)
             raise IncompatibleChangeError(
@@ -599,12 +625,16 @@ def _call_sync(fn: Callable[[Event, RunnerContext], Any], task: Task, ctx: Runne
     """Run a sync action; one that returned an awaitable was declared wrong (closed, refused)."""
     out = fn(task.event.thaw(), ctx)
     if out is not None and inspect.isawaitable(out):
-        close = getattr(out, "close", None)
-        if close is not None:
-            close()
-        raise InvalidTypeError(
-            f"sync action {task.action} returned an awaitable; declare it `async def`"
-        )
+        _refuse_awaitable(out, task)
+
+
+def _refuse_awaitable(out: Any, task: Task) -> None:
+    close = getattr(out, "close", None)
+    if close is not None:
+        close()
+    raise InvalidTypeError(
+        f"sync action {task.action} returned an awaitable; declare it `async def`"
+    )
 
 
 def _timed(
@@ -652,6 +682,8 @@ def _timed_out(key: Any, name: str, record: Any) -> SignalTimeout:
     )
     return SignalTimeout(f"no signal {name!r} for key {key!r} before the timeout{when}")
 
+
+_MAKING_CALLS = threading.Lock()
 
 # Per thread / asyncio task, so concurrent calls of one action do not overwrite each other.
 _last_replayed: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -934,6 +966,49 @@ class AgentBinding:
         result.started = started
         result.duration = now() - started
         return result
+
+    def inline_runner(
+        self,
+        action: str,
+        waits: Waits | None,
+        make_calls: Callable[[Task], TaskCalls],
+    ) -> Callable[[Task], TaskResult] | None:
+        """The fused path's runner of an inline action without a retry policy, or None.
+
+        It does what `run_sync` does for a first execution (`_run_once`), for a task that
+        has no durable-call records from before a restart: the engine calls it at dispatch
+        and commits its result at once. Its journal (`make_calls(task)`) is made only if the
+        action makes a durable call or a wait; its clock is `waits`'s (the system's without).
+        """
+        spec = self._by_name[action]
+        if self._modes[action] != "inline" or spec.retry is not None:
+            return None
+        fn = spec.fn
+        config, metrics, error_result = self.config, self.metrics, self._error_result
+        now = waits.now if waits is not None else SYSTEM_CLOCK.now
+        set_current, reset_current = _current.set, _current.reset
+
+        def run(task: Task) -> TaskResult:
+            started = now()
+            ctx = RunnerContext(task, None, config, metrics, waits, make_calls)
+            token = set_current(ctx)
+            try:
+                out = fn(task.event.thaw(), ctx)
+                if out is not None and inspect.isawaitable(out):
+                    _refuse_awaitable(out, task)
+            except ENGINE_FAULTS:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+                result = error_result(task, exc)
+            else:
+                result = ctx._result()
+            finally:
+                reset_current(token)
+            result.started = started
+            result.duration = now() - started
+            return result
+
+        return run
 
     async def run_async(self, task: Task, calls: TaskCalls) -> TaskResult:
         spec = self._by_name[task.action]

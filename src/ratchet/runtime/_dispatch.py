@@ -326,6 +326,10 @@ class CallJournal:
             calls.replayed = True
         return calls
 
+    def has_records(self) -> bool:
+        """Whether any task is still to be handed records (after a restart, until taken)."""
+        return bool(self._by_task or self._attempts)
+
     def clear(self) -> None:
         self._by_task.clear()
         self._attempts.clear()
@@ -356,7 +360,8 @@ def _all(futures: list[concurrent.futures.Future[None]]) -> concurrent.futures.F
     return joined
 
 
-def _broken(task: Task, exc: BaseException) -> InternalError:
+def broken(task: Task, exc: BaseException) -> InternalError:
+    """What a binding that raised something other than a RatchetError is taken as."""
     return InternalError(f"task {task.task_id} could not be run: {exc!r}")
 
 
@@ -367,7 +372,7 @@ def run_task(binding: Binding, task: Task, calls: TaskCalls) -> Outcome:
     except RatchetError as exc:
         return exc
     except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
-        return _broken(task, exc)
+        return broken(task, exc)
 
 
 async def run_task_async(binding: Binding, task: Task, calls: TaskCalls) -> Outcome:
@@ -379,7 +384,7 @@ async def run_task_async(binding: Binding, task: Task, calls: TaskCalls) -> Outc
     except RatchetError as exc:
         return exc
     except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
-        return _broken(task, exc)
+        return broken(task, exc)
 
 
 def take_all(q: queue.SimpleQueue[_T]) -> list[_T]:
@@ -460,7 +465,7 @@ class Dispatcher:
             except RatchetError as exc:
                 return exc
             except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal
-                return _broken(task, exc)
+                return broken(task, exc)
         if mode == ASYNC:
             self._spawn(self._run_async(task, calls))
         else:

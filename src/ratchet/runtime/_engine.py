@@ -14,11 +14,12 @@ import contextvars
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ratchet._clock import SYSTEM_CLOCK, Clock
+from ratchet._clock import SYSTEM_CLOCK, Clock, SystemClock
 from ratchet._errors import (
     UPGRADE_FIXES,
     BadInputError,
@@ -36,6 +37,7 @@ from ratchet.runtime._dispatch import (
     Dispatcher,
     Outcome,
     TaskCalls,
+    broken,
     take_all,
 )
 from ratchet.runtime._io import Sink, Source, writable
@@ -67,6 +69,7 @@ from ratchet.store._traces import pack_rows, pack_trace
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
 
 log = logging.getLogger("ratchet.engine")
+_UNKNOWN: Any = object()
 
 
 @dataclass
@@ -387,8 +390,10 @@ class _EngineWaits:
         self.signals: dict[tuple[str, str], collections.deque[tuple[int, bytes, float]]] = {}
         self.waiters: dict[tuple[str, str], collections.deque[_SignalWait]] = {}
         self.breakers: dict[str, _Breaker] = {}  # resources unavailable now
-        # The engine's clock read directly (every task reads it twice, for its trace).
-        self.now: Callable[[], float] = engine.clock.now
+        # The engine's clock read directly (every task reads it twice, for its trace): the
+        # system clock's `now` is `time.time`, called without its wrapper.
+        clock = engine.clock
+        self.now: Callable[[], float] = time.time if type(clock) is SystemClock else clock.now
 
     def sleep_sync(self, seconds: float) -> None:
         self.engine.clock.sleep_sync(seconds)
@@ -714,6 +719,7 @@ class Engine:
             sync_workers=self.config.sync_workers,
             sync_batch=self.config.sync_batch,
         )
+        self._fused: dict[str, Callable[[Task], Any] | None] = {}  # action -> fused runner
         self._checkpoint_lock: asyncio.Lock | None = None
         self._cp_idle = False  # the checkpoint loop waits for an output (see _checkpoint_loop)
         self._outputs_waiting = False  # outputs emitted since the loop's last checkpoint
@@ -983,7 +989,12 @@ class Engine:
         if m.timers:
             for run, event_id, due in m.take_timers():
                 self._spawn(self._waits.deliver_at(run, event_id, due))
-        calls_for, writer, waits, ltm = self._calls.calls_for, self._writer, self._waits, self._ltm
+        journal = self._calls
+        calls_for, writer, waits, ltm = journal.calls_for, self._writer, self._waits, self._ltm
+        # The fused path: an inline action without a retry policy, in a task with no durable-call
+        # records to be handed (none left from before a restart), runs here and commits at once,
+        # its call journal made only if it makes a call (`_inline_runner`).
+        fused = self._fused if not journal.has_records() else None
         while True:
             dispatched, outputs, completed = m.take_effects()
             if outputs:
@@ -1004,12 +1015,45 @@ class Engine:
             if not dispatched:
                 return
             for task in dispatched:
+                if fused is not None:
+                    runner = fused.get(task.action, _UNKNOWN)
+                    if runner is _UNKNOWN:
+                        runner = self._inline_runner(task.action)
+                    if runner is not None:
+                        dispatcher.executed += 1
+                        try:
+                            result = runner(task)
+                        except RatchetError:
+                            raise
+                        except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal
+                            raise broken(task, exc) from exc
+                        m.finish(task, result)
+                        continue
                 outcome = dispatcher.dispatch(task, calls_for(task, writer, waits, ltm))
                 if outcome is None:
                     continue
                 if isinstance(outcome, RatchetError):
                     raise outcome
                 m.finish(task, outcome)
+
+    def _inline_runner(self, action: str) -> Callable[[Task], Any] | None:
+        """The binding's fused-path runner of `action` (None: dispatch it), asked once."""
+        make = getattr(self.binding, "inline_runner", None)
+        runner = None
+        if make is not None:
+            calls_for, writer, waits, ltm = (
+                self._calls.calls_for,
+                self._writer,
+                self._waits,
+                self._ltm,
+            )
+
+            def make_calls(task: Task) -> TaskCalls:
+                return calls_for(task, writer, waits, ltm)
+
+            runner = make(action, waits, make_calls)
+        self._fused[action] = runner
+        return runner
 
     def _redrive(self, rows: list[tuple[int, bytes, bytes]], pump: bool = True) -> None:
         """Admit dead letters asked to be redriven, each once: the checkpoint that holds the

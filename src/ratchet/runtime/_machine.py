@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet._errors import InternalError, InvalidArgumentError, NonDeterminismError
-from ratchet.runtime._memops import LTM_ADD, LTM_DELETE, apply_ops
+from ratchet.runtime._memops import EXPIRES, LTM_ADD, LTM_DELETE, apply_op
 
 PENDING = 0
 FINISHED = 1
@@ -85,39 +85,63 @@ class Task:
         return self.run.seq
 
 
-@dataclass(slots=True, eq=False)
 class Run:
-    key: Any
-    seq: int
-    input_event: Any
-    base_dispatch: int
-    next_dispatch: int
-    stm: dict[str, Any]
-    sensory: dict[str, Any] = field(default_factory=dict)
-    journal: list[JournalEntry] = field(default_factory=list)
-    replay: dict[str, JournalEntry] | None = None
-    # A run that started under an earlier agent version keeps that version's dispatch
-    # (None: the machine's own); see `RestoredRun.listeners`.
-    listeners: Callable[[Any], Sequence[str]] | None = None
-    is_output: Callable[[Any], bool] | None = None
-    fifo: deque[Task] = field(default_factory=deque)
-    executed: int = 0
-    skipped: int = 0
-    dropped: int = 0  # dispatches refused once the run used up its task budget
-    retired: int = 0  # dispatches to actions the agent no longer has (a pinned run's)
-    memory_version: int = 1  # the layout of the memory this run reads and writes
-    started_at: float | None = None  # the time the run observed at its start (memory TTLs)
-    pending: int = 0  # tasks dispatched to execute and not finished
-    waiting: int = 0  # of those, tasks parked in a durable wait (sleep, signal)
-    parked: bool = False  # holds no run slot: everything left of it is waiting on time/signals
-    # delayed events not delivered yet: event id -> (due time, event)
-    timers: dict[str, tuple[float, Any]] = field(default_factory=dict)
-    # replay: delayed events delivered at a recorded dispatch index, index -> (event id, event)
-    fires: dict[int, tuple[str, Any]] = field(default_factory=dict)
-    notes: dict[str, JournalEntry] = field(default_factory=dict)  # replayed annotations
-    errors: list[Any] = field(default_factory=list)  # error outputs: the run failed
-    # committed tasks, as they ran: (task id, action, dispatch index, event, replayed, result)
-    trace: list[TraceStep] = field(default_factory=list)
+    """One input's processing for its key (see the module docstring), as the machine keeps it.
+
+    A plain slotted class rather than a dataclass: one is made per input, and the dataclass's
+    default factories made it cost about ten times a `Task`."""
+
+    __slots__ = (
+        "key", "seq", "input_event", "base_dispatch", "next_dispatch", "stm", "sensory",
+        "journal", "replay", "listeners", "is_output", "fifo", "executed", "skipped",
+        "dropped", "retired", "memory_version", "started_at", "pending", "waiting", "parked",
+        "timers", "fires", "notes", "errors", "trace",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        key: Any,
+        seq: int,
+        input_event: Any,
+        base_dispatch: int,
+        next_dispatch: int,
+        stm: dict[str, Any],
+    ) -> None:
+        self.key = key
+        self.seq = seq
+        self.input_event = input_event
+        self.base_dispatch = base_dispatch
+        self.next_dispatch = next_dispatch
+        self.stm = stm
+        self.sensory: dict[str, Any] = {}
+        self.journal: list[JournalEntry] = []
+        self.replay: dict[str, JournalEntry] | None = None
+        # A run that started under an earlier agent version keeps that version's dispatch
+        # (None: the machine's own); see `RestoredRun.listeners`.
+        self.listeners: Callable[[Any], Sequence[str]] | None = None
+        self.is_output: Callable[[Any], bool] | None = None
+        self.fifo: deque[Task] = deque()
+        self.executed = 0
+        self.skipped = 0
+        self.dropped = 0  # dispatches refused once the run used up its task budget
+        self.retired = 0  # dispatches to actions the agent no longer has (a pinned run's)
+        self.memory_version = 1  # the layout of the memory this run reads and writes
+        self.started_at: float | None = None  # the time the run observed at its start (TTLs)
+        self.pending = 0  # tasks dispatched to execute and not finished
+        self.waiting = 0  # of those, tasks parked in a durable wait (sleep, signal)
+        # holds no run slot: everything left of it is waiting on time/signals
+        self.parked = False
+        # delayed events not delivered yet: event id -> (due time, event)
+        self.timers: dict[str, tuple[float, Any]] = {}
+        # replay: delayed events delivered at a recorded dispatch index, index -> (event id, event)
+        self.fires: dict[int, tuple[str, Any]] = {}
+        self.notes: dict[str, JournalEntry] = {}  # replayed annotations
+        self.errors: list[Any] = []  # error outputs: the run failed
+        # committed tasks, as they ran: (task id, action, dispatch index, event, replayed, result)
+        self.trace: list[TraceStep] = []
+
+    def __repr__(self) -> str:
+        return f"Run(key={self.key!r}, seq={self.seq}, pending={self.pending})"
 
 
 # One committed task in a run's trace, as the machine keeps it until the run completes:
@@ -381,7 +405,11 @@ class Machine:
         task.result = result
         run = task.run
         run.pending -= 1
-        self._drain(run)
+        fifo = run.fifo
+        while fifo and fifo[0].state == FINISHED:  # what _drain does, without its call
+            self._commit(fifo.popleft())
+        if not fifo and not run.timers:
+            self._complete(run)
         # (A run that is not parked and has a task running outside a wait stays as it is.)
         if (run.pending or run.timers) and (run.parked or run.pending == run.waiting):
             self._settle_parking(run)
@@ -439,11 +467,13 @@ class Machine:
         assert res is not None
         if res.stm_ops:
             stm = dict(run.stm)
-            apply_ops(stm, res.stm_ops)
+            for op in res.stm_ops:
+                apply_op(stm, op)
             run.stm = stm
         if res.sensory_ops:
             sensory = dict(run.sensory)
-            apply_ops(sensory, res.sensory_ops)
+            for op in res.sensory_ops:
+                apply_op(sensory, op)
             run.sensory = sensory
         task.state = COMMITTED
         events = res.events
@@ -482,7 +512,10 @@ class Machine:
                     self.outputs.append(out)
                     self._delta.outputs[out.id] = out
                 continue
-            self._deliver(run, f"{task.task_id}.{index}", event)
+            if run.fires:
+                self._deliver(run, f"{task.task_id}.{index}", event)
+            else:  # what _deliver does when no delayed event waits for an index
+                self._dispatch_event(run, f"{task.task_id}.{index}", event)
 
     def _schedule(self, run: Run, event_id: str, due: float, event: Any) -> None:
         note = run.notes.pop(f"{FIRE_NOTE}{event_id}", None)
@@ -578,7 +611,11 @@ class Machine:
             notes = {e.task_id: e for e in journal if e.task_id[:1] == "!"}
             started = notes.pop(START_NOTE, None)
             run.notes = notes
-        if self._expire is not None and self._now is not None:
+        if (
+            self._expire is not None
+            and self._now is not None
+            and (started is not None or memory.get(EXPIRES))
+        ):
             # Memory that expired before the run started is gone for it. The time is recorded
             # (when anything could expire) so a replay drops exactly what the run did not see.
             now = started.events[0] if started is not None else self._now()

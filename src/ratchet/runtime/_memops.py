@@ -62,7 +62,7 @@ def apply_op(data: dict[str, Any], op: tuple[Any, ...]) -> None:
     if EXPIRES in data:
         _forget_expiry(data, path)
     if kind == SET or kind == NEW_OBJECT:
-        for parent in parents(path):
+        for parent in parents(path) if "." in path else ():
             if data.get(parent) is not OBJECT:
                 data[parent] = OBJECT
         if kind == NEW_OBJECT or data.get(path) is OBJECT:

@@ -18,8 +18,13 @@ demo: $(STAMP)
 	@echo "=== support triage: a chat agent with tools (scripted model, no network) ==="
 	$(BIN)/python examples/support_triage/run.py
 
+# A run that ends without pytest finishing its session (a test that ended the process, which
+# exits 0 with every later test unrun) fails: tests/conftest.py writes FINISHED at its end.
+FINISHED = $(VENV)/.pytest-finished
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	@rm -f $(FINISHED)
+	RATCHET_TEST_FINISHED=$(FINISHED) $(BIN)/python -m pytest -q
+	@test -f $(FINISHED) || { echo "pytest ended before its session did: a test ended the process"; exit 1; }
 
 # Every kill test also with `--workers 2` (make test runs tests/kill/test_sharded.py and a few
 # sharded crash-equivalence cases; this adds the longer variants, a few minutes).

@@ -161,3 +161,30 @@ def test_main_with_argv_leaves_the_callers_collector_alone(tmp_path: Path) -> No
     assert main(again) == 0
     assert gc.isenabled()
     assert gc.get_freeze_count() == frozen
+
+
+CALLER_WITH_A_THREAD = """
+import sys, threading
+from ratchet.cli import main
+
+release = threading.Event()
+threading.Thread(target=release.wait, daemon=True).start()  # the caller's own thread
+code = main(sys.argv[1:])
+print("returned", code, flush=True)
+release.set()
+sys.exit(3)
+"""
+
+
+def test_main_with_argv_returns_to_a_caller_that_has_threads(tmp_path: Path) -> None:
+    """As the program, `ratchet run` leaves with `os._exit` when a thread is still alive (a
+    user's call may block the interpreter's exit); called as a function it returns. It ended
+    pytest's own process once (exit 0, the rest of the suite unrun): so in a subprocess."""
+    _, args = _job(tmp_path, n=2)
+    (tmp_path / "caller.py").write_text(CALLER_WITH_A_THREAD)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "caller.py"), *args],
+        capture_output=True, text=True, timeout=120, env=_env(), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.strip() == "returned 0", proc.stdout

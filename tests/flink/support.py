@@ -140,3 +140,18 @@ def exec_log(tmp: Path) -> list[list[str]]:
     if not log.exists():
         return []
     return [line.split() for line in log.read_text().splitlines() if line]
+
+
+def assert_once_counted(
+    outputs: list[dict[str, Any]], rows: list[dict[str, Any]], keys: list[str], per_key: int
+) -> None:
+    """The Slow agent's outputs after kills or stops: every input's output exactly once, and
+    each key's counter going 1..per_key in input order (memory went on: no gap, no repeat)."""
+    from collections import Counter
+
+    ids = Counter(r["id"] for r in outputs)
+    assert all(n == 1 for n in ids.values()), f"duplicated outputs: {ids.most_common(3)}"
+    assert sorted(r["output"]["v"] for r in outputs) == sorted(r["v"] for r in rows)
+    for key in keys:
+        mine = sorted((r for r in outputs if r["key"] == key), key=lambda r: r["seq"])
+        assert [r["output"]["n"] for r in mine] == list(range(1, per_key + 1)), key

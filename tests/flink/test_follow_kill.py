@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,14 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import descendants, end_tree, wait_for  # noqa: E402
-from .support import exec_log, flink_env, kill_test_cmd, kills_a_python_worker, write_inputs  # noqa: E402
+from .support import (  # noqa: E402
+    assert_once_counted,
+    exec_log,
+    flink_env,
+    kill_test_cmd,
+    kills_a_python_worker,
+    write_inputs,
+)
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
 
@@ -64,9 +70,4 @@ def test_every_key_runs_again_after_each_worker_kill_on_a_followed_input(tmp_pat
     pids = {ln[0] for ln in exec_log(tmp_path) if ln[1] == "exec"}
     assert set(killed) <= pids and len(pids) >= KILLS + 1, (killed, pids)
     outputs = read_output_dir(tmp_path / "out")
-    ids = Counter(r["id"] for r in outputs)
-    assert all(n == 1 for n in ids.values()), f"duplicated outputs: {ids.most_common(3)}"
-    assert sorted(r["output"]["v"] for r in outputs) == sorted(r["v"] for r in rows)
-    for k in range(KEYS):
-        mine = sorted((r for r in outputs if r["key"] == f"f{k}"), key=lambda r: r["seq"])
-        assert [r["output"]["n"] for r in mine] == list(range(1, PER_KEY + 1))
+    assert_once_counted(outputs, rows, [f"f{k}" for k in range(KEYS)], PER_KEY)

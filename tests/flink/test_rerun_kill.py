@@ -24,7 +24,15 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import end_tree, wait_for  # noqa: E402
-from .support import AGENTS, CLI, exec_log, flink_env, run_cli, write_inputs  # noqa: E402
+from .support import (  # noqa: E402
+    AGENTS,
+    CLI,
+    assert_once_counted,
+    exec_log,
+    flink_env,
+    run_cli,
+    write_inputs,
+)
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
 
@@ -112,12 +120,7 @@ def test_sigkill_of_the_command_then_the_same_command_continues_from_its_checkpo
     assert json.loads(out.splitlines()[-1])["status"] == "STOPPED"
 
     outputs: list[dict[str, Any]] = read_output_dir(tmp_path / "out")
-    ids = Counter(r["id"] for r in outputs)
-    assert all(n == 1 for n in ids.values()), f"duplicated outputs: {ids.most_common(3)}"
-    assert sorted(r["output"]["v"] for r in outputs) == sorted(r["v"] for r in rows)
-    for k in range(KEYS):
-        mine = sorted((r for r in outputs if r["key"] == f"s{k}"), key=lambda r: r["seq"])
-        assert [r["output"]["n"] for r in mine] == list(range(1, PER_KEY + 1))
+    assert_once_counted(outputs, rows, [f"s{k}" for k in range(KEYS)], PER_KEY)
     after = Counter(tuple(ln[2:]) for ln in exec_log(tmp_path)[log_mark:] if ln[1] == "exec")
     for r in committed:
         assert after[(r["key"], str(r["seq"]), "r>handle")] == 0, (r, after)

@@ -24,7 +24,13 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import end_tree, wait_for  # noqa: E402
-from .support import exec_log, flink_env, kill_test_cmd, write_inputs  # noqa: E402
+from .support import (  # noqa: E402
+    assert_once_counted,
+    exec_log,
+    flink_env,
+    kill_test_cmd,
+    write_inputs,
+)
 
 pytestmark = [pytest.mark.flink]
 
@@ -86,12 +92,7 @@ def test_a_signal_stops_the_job_with_a_savepoint_that_a_watching_run_continues(
     assert summary["savepoint"] != savepoint
 
     outputs: list[dict[str, Any]] = read_output_dir(tmp_path / "out")
-    ids = Counter(r["id"] for r in outputs)
-    assert all(n == 1 for n in ids.values()), f"duplicated outputs: {ids.most_common(3)}"
-    assert sorted(r["output"]["v"] for r in outputs) == sorted(r["v"] for r in every)
-    for k in range(KEYS):  # each key's memory went on across the stop: no gap, no repeat
-        mine = sorted((r for r in outputs if r["key"] == f"s{k}"), key=lambda r: r["seq"])
-        assert [r["output"]["n"] for r in mine] == list(range(1, FIRST + SECOND + 1))
+    assert_once_counted(outputs, every, [f"s{k}" for k in range(KEYS)], FIRST + SECOND)
     # A run whose output was committed before the stop did not execute after it.
     after = Counter(tuple(ln[2:]) for ln in exec_log(tmp_path)[log_mark:] if ln[1] == "exec")
     for r in committed:

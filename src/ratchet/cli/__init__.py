@@ -205,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_OK
     finally:
         end_startup()  # a command that ended before its start-up was over
-    if args.command == "run" and threading.active_count() > 1:
+    if as_program and args.command == "run" and threading.active_count() > 1:
         # A thread still blocked in a user's call would hold the interpreter's exit; the job's
-        # state is already committed, so leave without waiting for it.
+        # state is already committed, so leave without waiting for it. Only as the program:
+        # called as a function, `main` returns to its caller (a test run would end silently).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

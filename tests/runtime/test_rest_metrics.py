@@ -421,3 +421,21 @@ def test_loopback_needs_no_token(tmp_path: Path) -> None:
         assert "ratchet_worker_up 1.0" in request(port, "GET", "/metrics")[1].decode()
     finally:
         stop(proc)
+
+
+def test_an_unknown_query_parameter_is_refused_not_ignored(tmp_path: Path) -> None:
+    write_job(tmp_path, [{"key": "a"}, {"key": "b"}])
+    port = free_port()
+    proc = start(tmp_path, "Echo", "--rest-port", str(port))
+    try:
+        assert poll("a first report", lambda: get_json(port, "/v1/job/checkpoints"))
+        assert get_json(port, "/v1/keys?limit=1")["keys"] == ["a"]
+        status, body, _ = request(port, "GET", "/v1/keys?limt=1&contains=a")  # misspelt
+        assert status == 422, body
+        assert json.loads(body)["detail"] == [
+            {"loc": ["query", "limt"], "msg": "unknown query parameter", "type": "extra_forbidden"}
+        ]
+        assert request(port, "GET", "/v1/job?verbose=1")[0] == 422  # an endpoint with none
+        assert request(port, "GET", "/openapi.json?x=1")[0] == 200  # not an API endpoint
+    finally:
+        stop(proc)

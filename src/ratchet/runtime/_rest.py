@@ -168,6 +168,19 @@ class Unavailable(BaseModel):
     detail: str
 
 
+class InvalidPart(BaseModel):
+    loc: list[str | int] = Field(description="where: ['query', name] for a query parameter")
+    msg: str
+    type: str
+
+
+class Invalid(BaseModel):
+    """A 422 answer: FastAPI's for a value out of range, ratchet's for an unknown query
+    parameter (both carry more fields at times)."""
+
+    detail: list[InvalidPart]
+
+
 class HistorySample(BaseModel):
     t: float = Field(
         description="when the supervisor received the report (seconds since the epoch)"
@@ -295,7 +308,35 @@ def create_app(
         description="Status of a supervised `ratchet run`: the job, its checkpoints, its config, "
         "its metrics (JSON and Prometheus); signals and dead-letter redrive.",
         dependencies=dependencies,
+        # Every endpoint: a query parameter it does not take (`known_query_parameters`); the
+        # endpoints with parameters also for a value out of range (FastAPI's own answer).
+        responses={
+            422: {
+                "model": Invalid,
+                "description": "an unknown query parameter, or an invalid value",
+            }
+        },
     )
+
+    @app.middleware("http")
+    async def known_query_parameters(request: Any, call_next: Any) -> Any:
+        """A query parameter the endpoint does not take is refused, not ignored: a misspelt
+        one (`?limt=5`) would otherwise answer as if it had not been given."""
+        if request.query_params:
+            unknown = _unknown_query_parameters(app, request.scope, request.query_params)
+            if unknown:
+                return JSONResponse(
+                    {
+                        "detail": [
+                            {"loc": ["query", name], "msg": "unknown query parameter",
+                             "type": "extra_forbidden"}
+                            for name in unknown
+                        ]
+                    },
+                    status_code=422,
+                )  # fmt: skip
+        return await call_next(request)
+
     if token is not None:
         secret = token
         open_paths = {
@@ -606,3 +647,21 @@ def _state_endpoints(
     )
     def get_approvals() -> Any:
         return read(lambda s: s.approvals())
+
+
+def _unknown_query_parameters(app: Any, scope: Any, given: Any) -> list[str]:
+    """The query parameters of a request that the API endpoint it reaches does not declare
+    (none for a path that is not an API endpoint: documents, the dashboard)."""
+    from fastapi.routing import APIRoute
+    from starlette.routing import Match
+
+    def declared(dependant: Any) -> set[str]:  # its own and its dependencies' query parameters
+        names = {p.alias for p in dependant.query_params}
+        for sub in dependant.dependencies:
+            names |= declared(sub)
+        return names
+
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.matches(scope)[0] == Match.FULL:
+            return sorted(set(given.keys()) - declared(route.dependant))
+    return []

@@ -110,11 +110,6 @@ def _drop_children(data: dict[str, Any], path: str) -> None:
         del data[k]
 
 
-def apply_ops(data: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
-    for op in ops:
-        apply_op(data, op)
-
-
 def to_wire(data: dict[str, Any]) -> dict[str, Any]:
     """A codec-admissible form of a flat map (object markers listed apart)."""
     values = {k: v for k, v in data.items() if v is not OBJECT}

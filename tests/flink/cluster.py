@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 0.2) -> Any:
+def wait_for(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float,
+    every: float = 0.2,
+    explain: Callable[[], str] | None = None,
+) -> Any:
+    """Poll `check` until it is truthy; on a timeout, `explain` says what the cluster was doing."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -43,7 +51,15 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float =
             if last:
                 return last
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    detail = ""
+    if explain is not None:
+        try:
+            detail = "\n" + explain()
+        except Exception as exc:  # noqa: BLE001 - the explanation must not hide the timeout
+            detail = f"\n(no explanation: {exc!r})"
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r}){detail}"
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -209,6 +225,78 @@ class Cluster:
     def job_status(self, job_id: str) -> str:
         return str(self.rest(f"/jobs/{job_id}")["state"])
 
+    def ready(self, timeout: float = 120) -> None:
+        """Wait until a live TaskManager is registered and every slot is free: a test starts
+        on a cluster no earlier job still holds. A timeout says what the cluster was doing."""
+
+        def idle() -> bool:
+            tms = self.rest("/taskmanagers")["taskmanagers"]
+            running = [j for j in self.rest("/jobs")["jobs"] if j["status"] not in _ENDED]
+            # A killed TaskManager stays registered until its heartbeat times out, its slots
+            # shown free: a job scheduled there fails. Wait until only live ones are listed.
+            return bool(
+                self.taskmanager_pids()
+                and len(tms) == len(self.taskmanager_pids())
+                and not running
+                and all(t["freeSlots"] == t["slotsNumber"] for t in tms)
+            )
+
+        if not self.taskmanager_pids():
+            # No TaskManager process left (an earlier test killed it without a replacement, or
+            # the machine ended it: the OOM killer, say). The tests' subject is ratchet on a
+            # cluster, not that process: start another, and say so in the test report.
+            said = self.explain()
+            self.start_taskmanager()
+            warnings.warn(
+                f"the standalone cluster had no live TaskManager; started another\n{said}",
+                stacklevel=2,
+            )
+        wait_for("an idle cluster", idle, timeout, every=0.5, explain=self.explain)
+
+    def explain(self, job_id: str | None = None) -> str:
+        """What the cluster knows of a job that made no progress: its state, its tasks' states,
+        the TaskManagers and their free slots, the job's exceptions, the logs' last errors."""
+        parts: list[str] = []
+
+        def add(label: str, get: Callable[[], Any]) -> None:
+            try:
+                parts.append(f"{label}: {get()}")
+            except Exception as exc:  # noqa: BLE001 - report what could not be read
+                parts.append(f"{label}: unreadable ({exc!r})")
+
+        if job_id is not None:
+            add("job state", lambda: self.job_status(job_id))
+            add(
+                "tasks",
+                lambda: [
+                    (v["name"][:40], v["status"], v.get("tasks"))
+                    for v in self.rest(f"/jobs/{job_id}")["vertices"]
+                ],
+            )
+        add(
+            "taskmanagers",
+            lambda: [
+                (t["id"][-12:], t["slotsNumber"], t["freeSlots"])
+                for t in self.rest("/taskmanagers")["taskmanagers"]
+            ],
+        )
+        add("jobs", lambda: [(j["id"], j["status"]) for j in self.rest("/jobs")["jobs"]])
+        if job_id is not None:
+            add("checkpoints", lambda: self.checkpoints(job_id)["counts"])
+            add(
+                "root exception",
+                lambda: (self.rest(f"/jobs/{job_id}/exceptions").get("root-exception") or "")[
+                    :3000
+                ],
+            )
+        add("taskmanager pids alive", self.taskmanager_pids)
+        for log in sorted(self.log.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            bad = [ln for ln in lines if " ERROR " in ln or " WARN " in ln or "Exception" in ln]
+            parts.append(f"--- {log.name}: {len(lines)} lines, last problems:")
+            parts.extend(ln[:400] for ln in bad[-15:])
+        return "\n".join(parts)
+
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self.rest(f"/jobs/{job_id}/checkpoints")  # type: ignore[no-any-return]
 
@@ -246,6 +334,9 @@ class Cluster:
         for p in list(pids):
             pids += descendants(p)
         kill_pids(pids)
+
+
+_ENDED = ("FINISHED", "CANCELED", "FAILED")
 
 
 def _java_opts() -> str:

@@ -16,8 +16,17 @@ HAVE_PYFLINK = importlib.util.find_spec("pyflink") is not None
 os.environ.setdefault("RATCHET_FLINK_EXECUTION_MODE", "process")
 
 
+@pytest.fixture
+def cluster(standalone_cluster: Any) -> Any:
+    """The suite's standalone cluster, idle: a live TaskManager, every slot free. A test that
+    would otherwise wait for outputs on a cluster an earlier test left unusable fails here,
+    saying what the cluster was doing."""
+    standalone_cluster.ready()
+    return standalone_cluster
+
+
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One standalone cluster (JobManager + TaskManager, 2 slots) for the whole Flink suite."""
     if not HAVE_PYFLINK:
         pytest.skip("PyFlink is not installed")

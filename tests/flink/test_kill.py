@@ -87,6 +87,7 @@ def test_taskmanager_sigkill_restores_parked_run_exactly_once(cluster, tmp_path:
                 )
             ),
             120,
+            explain=lambda: cluster.explain(job),
         )
         before = read_output_dir(out)
         assert {r["output"]["v"] for r in before} == set(range(12)), before
@@ -129,6 +130,7 @@ def test_taskmanager_sigkill_restores_parked_run_exactly_once(cluster, tmp_path:
             lambda: cluster.rest(f"/jobs/{job}/checkpoints")["counts"]["restored"] >= 1,
             300,
             every=0.1,
+            explain=lambda: cluster.explain(job),
         )
         phases["restored"] = time.monotonic() - killed_at
         first = wait_for(
@@ -138,8 +140,14 @@ def test_taskmanager_sigkill_restores_parked_run_exactly_once(cluster, tmp_path:
             # once took over 120 s to restart the TaskManager's Python workers).
             300,
             every=0.1,
+            explain=lambda: cluster.explain(job),
         )
-        wait_for("all 15 outputs", lambda: len(read_output_dir(out)) >= 15, 90)
+        wait_for(
+            "all 15 outputs",
+            lambda: len(read_output_dir(out)) >= 15,
+            90,
+            explain=lambda: cluster.explain(job),
+        )
         stats = cluster.checkpoints(job)
     finally:
         cluster.cancel(job)

@@ -62,7 +62,12 @@ def test_status_savepoint_stop_resume_and_inspect(cluster: Any, tmp_path: Path) 
     write_inputs(inputs / "a.jsonl", first)
     job = _submit(cluster, tmp_path, inputs, out)
     try:
-        wait_for("30 outputs", lambda: len(read_output_dir(out)) >= 30, 180)
+        wait_for(
+            "30 outputs",
+            lambda: len(read_output_dir(out)) >= 30,
+            180,
+            explain=lambda: cluster.explain(job),
+        )
 
         listed = json.loads(
             _ratchet(tmp_path, "flink", "status", "--jobmanager", jm, "--json").stdout
@@ -110,7 +115,12 @@ def test_status_savepoint_stop_resume_and_inspect(cluster: Any, tmp_path: Path) 
     write_inputs(inputs / "b.jsonl", second)
     job = _submit(cluster, tmp_path, inputs, out, "--from-savepoint", stopped["savepoint"])
     try:
-        wait_for("45 outputs", lambda: len(read_output_dir(out)) >= 45, 180)
+        wait_for(
+            "45 outputs",
+            lambda: len(read_output_dir(out)) >= 45,
+            180,
+            explain=lambda: cluster.explain(job),
+        )
         _ratchet(
             tmp_path, "flink", "stop", job, "--drain", "--target", str(tmp_path / "sp"),
             "--jobmanager", jm,

@@ -27,7 +27,12 @@ def test_savepoint_at_parallelism_1_restores_at_parallelism_2(cluster, tmp_path:
     out = tmp_path / "out"
     job = submit(cluster, tmp_path, "BlobAgent", inputs, out, "--parallelism", "1")
     try:
-        wait_for("16 outputs at parallelism 1", lambda: len(read_output_dir(out)) >= 16, 120)
+        wait_for(
+            "16 outputs at parallelism 1",
+            lambda: len(read_output_dir(out)) >= 16,
+            120,
+            explain=lambda: cluster.explain(job),
+        )
         savepoint = cluster.stop_with_savepoint(job, tmp_path / "savepoints")
     except BaseException:
         cluster.cancel(job)
@@ -46,7 +51,12 @@ def test_savepoint_at_parallelism_1_restores_at_parallelism_2(cluster, tmp_path:
     )
     try:
         assert cluster.rest(f"/jobs/{job2}")["vertices"][-1]["parallelism"] == 2
-        wait_for("8 more outputs at parallelism 2", lambda: len(read_output_dir(out)) >= 24, 120)
+        wait_for(
+            "8 more outputs at parallelism 2",
+            lambda: len(read_output_dir(out)) >= 24,
+            120,
+            explain=lambda: cluster.explain(job2),
+        )
     finally:
         cluster.cancel(job2)
     by_key = defaultdict(list)

@@ -1,6 +1,6 @@
 """The fused path for inline actions (issue 19) gives what the generic path gives.
 
-The embedded engine runs an inline action without a retry policy at dispatch and commits it
+The embedded engine (and the Flink core, below) runs an inline action without a retry policy at dispatch and commits it
 at once, making the task's durable-call journal only if the action makes a call. Here the
 crash-equivalence suite's generator draws agents (inline, threaded and async actions, chains
 and fan-out, durable calls, failures and error handlers, memory writes of every admitted
@@ -36,6 +36,8 @@ from crash_equiv import Case, Features, cases, render_agent, render_inputs  # no
 from crash_equiv.oracle import compare_outputs, read_outputs  # noqa: E402
 from crash_equiv.render import AGENT_CLASS  # noqa: E402
 from crash_equiv.run import TASK_BUDGET  # noqa: E402
+
+from support.engines import FlinkSim  # noqa: E402
 
 # Timings differ between any two runs; everything else of a trace is the run's own.
 _TIMINGS = frozenset(("started", "duration", "at"))
@@ -124,3 +126,45 @@ def test_the_fused_path_stores_what_the_generic_path_stores(
         # One run at a time, all inline: the two paths write the very same lines.
         assert got_out == ref_out
     assert json.dumps(ref_state["left"]) == json.dumps({"inputs": 0, "runs": 0, "outbox": 0})
+
+
+def _flink(agent_cls: Any, case: Case, fused: bool) -> tuple[list[Any], dict[Any, Any], Any]:
+    """The case through the Flink core (as the PyFlink operator drives it), fused or not."""
+    sim = FlinkSim(agent_cls())
+    if not fused:
+        sim.core.binding.inline_runner = None  # type: ignore[attr-defined]  # the generic path
+    try:
+        for key, v in case.inputs:
+            sim.element(key, {"key": key, "v": v})
+            sim.poll()
+        sim.end()
+        slots = {k: dataclasses.astuple(sim.state._slots[k]) for k in sim.state.keys()}
+        return sim.outputs, sim.memory(), slots
+    finally:
+        sim.close()
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=cases(features=Features(), max_inputs=6, max_kills=0), sync_inline=st.booleans())
+def test_the_flink_cores_fused_path_gives_what_its_generic_path_gives(
+    case: Case, sync_inline: bool
+) -> None:
+    """The Flink core takes the same fused path: the same outputs (each run's in the same
+    order), memories and keyed-state bytes as its generic path."""
+    if sync_inline:
+        actions = tuple(
+            dataclasses.replace(a, mode="inline") if a.mode == "thread" else a for a in case.actions
+        )
+        case = dataclasses.replace(case, actions=actions)
+    agent_cls = _agent(case)
+    ref_out, ref_mem, ref_slots = _flink(agent_cls, case, fused=False)
+    got_out, got_mem, got_slots = _flink(agent_cls, case, fused=True)
+    diffs = compare_outputs(ref_out, got_out, ordered=True)
+    assert not diffs, f"{diffs}\n{render_agent(case)}"
+    assert got_mem == ref_mem, render_agent(case)
+    assert got_slots == ref_slots, render_agent(case)
+    assert len(ref_out) == len(got_out)

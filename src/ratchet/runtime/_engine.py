@@ -37,7 +37,6 @@ from ratchet.runtime._dispatch import (
     Dispatcher,
     Outcome,
     TaskCalls,
-    broken,
     take_all,
 )
 from ratchet.runtime._io import Sink, Source, writable
@@ -719,7 +718,6 @@ class Engine:
             sync_workers=self.config.sync_workers,
             sync_batch=self.config.sync_batch,
         )
-        self._fused: dict[str, Callable[[Task], Any] | None] = {}  # action -> fused runner
         self._checkpoint_lock: asyncio.Lock | None = None
         self._cp_idle = False  # the checkpoint loop waits for an output (see _checkpoint_loop)
         self._outputs_waiting = False  # outputs emitted since the loop's last checkpoint
@@ -993,8 +991,8 @@ class Engine:
         calls_for, writer, waits, ltm = journal.calls_for, self._writer, self._waits, self._ltm
         # The fused path: an inline action without a retry policy, in a task with no durable-call
         # records to be handed (none left from before a restart), runs here and commits at once,
-        # its call journal made only if it makes a call (`_inline_runner`).
-        fused = self._fused if not journal.has_records() else None
+        # its call journal made only if it makes a call (`Dispatcher.fused_runner`).
+        fused = dispatcher._fused if not journal.has_records() else None
         while True:
             dispatched, outputs, completed = m.take_effects()
             if outputs:
@@ -1018,16 +1016,9 @@ class Engine:
                 if fused is not None:
                     runner = fused.get(task.action, _UNKNOWN)
                     if runner is _UNKNOWN:
-                        runner = self._inline_runner(task.action)
+                        runner = dispatcher.fused_runner(task.action, waits, self._make_calls)
                     if runner is not None:
-                        dispatcher.executed += 1
-                        try:
-                            result = runner(task)
-                        except RatchetError:
-                            raise
-                        except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal
-                            raise broken(task, exc) from exc
-                        m.finish(task, result)
+                        m.finish(task, runner(task))
                         continue
                 outcome = dispatcher.dispatch(task, calls_for(task, writer, waits, ltm))
                 if outcome is None:
@@ -1036,24 +1027,9 @@ class Engine:
                     raise outcome
                 m.finish(task, outcome)
 
-    def _inline_runner(self, action: str) -> Callable[[Task], Any] | None:
-        """The binding's fused-path runner of `action` (None: dispatch it), asked once."""
-        make = getattr(self.binding, "inline_runner", None)
-        runner = None
-        if make is not None:
-            calls_for, writer, waits, ltm = (
-                self._calls.calls_for,
-                self._writer,
-                self._waits,
-                self._ltm,
-            )
-
-            def make_calls(task: Task) -> TaskCalls:
-                return calls_for(task, writer, waits, ltm)
-
-            runner = make(action, waits, make_calls)
-        self._fused[action] = runner
-        return runner
+    def _make_calls(self, task: Task) -> TaskCalls:
+        """A fused task's call journal, made when its action makes a call."""
+        return self._calls.calls_for(task, self._writer, self._waits, self._ltm)
 
     def _redrive(self, rows: list[tuple[int, bytes, bytes]], pump: bool = True) -> None:
         """Admit dead letters asked to be redriven, each once: the checkpoint that holds the

@@ -25,7 +25,14 @@ from typing import Any, Protocol
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import CheckpointError, ConfigError, InternalError, RatchetError
 from ratchet.agents._context import install_task_factory
-from ratchet.runtime._dispatch import Binding, CallJournal, Dispatcher, Outcome, take_all
+from ratchet.runtime._dispatch import (
+    Binding,
+    CallJournal,
+    Dispatcher,
+    Outcome,
+    TaskCalls,
+    take_all,
+)
 from ratchet.runtime._io import json_line_or_error
 from ratchet.runtime._journal import (
     decode_call,
@@ -56,6 +63,7 @@ _UNBOUNDED = 1 << 62
 # are on the embedded engine. A string key is its own Flink key (savepoints of string-keyed jobs
 # keep their layout); a string key that starts with NUL is refused (it could collide).
 _INT_KEY = "\x00i:"
+_UNKNOWN: Any = object()
 
 
 def flink_key(key: Any) -> str:
@@ -653,6 +661,14 @@ class AgentCore:
         held = self._held.pop(key, None)
         if held:
             m.dispatched[:0] = held
+        dispatcher = self._dispatcher
+        # The fused path (as on the embedded engine): an inline action without a retry policy,
+        # in a task with no durable-call records to be handed, runs here and its result is
+        # applied at once; its call journal is made only if it makes a call. Not with an
+        # external call journal, whose records a run's first task takes (`_input_fp`).
+        fused = (
+            dispatcher._fused if self.journal is None and not info.recorded.has_records() else None
+        )
         while True:
             dispatched, outputs, completed = m.take_effects()
             for out in outputs:
@@ -679,15 +695,26 @@ class AgentCore:
                     # tasks wait for that key's own callback (it polls meanwhile).
                     self._held.setdefault(task.key, []).append(task)
                     continue
+                if fused is not None:
+                    runner = fused.get(task.action, _UNKNOWN)
+                    if runner is _UNKNOWN:
+                        runner = dispatcher.fused_runner(task.action, None, self._make_calls)
+                    if runner is not None:
+                        m.finish(task, runner(task))
+                        continue
                 writer = _KeyWriter(self, key, self._input_fp(info, task))
                 calls = info.recorded.calls_for(task, writer)
-                outcome = self._dispatcher.dispatch(task, calls)
+                outcome = dispatcher.dispatch(task, calls)
                 if outcome is None:
                     info.executing += 1
                 elif isinstance(outcome, RatchetError):
                     raise outcome
                 else:
                     m.finish(task, outcome)
+
+    def _make_calls(self, task: Task) -> TaskCalls:
+        """A fused task's call journal (no external journal), made when it makes a call."""
+        return self._keys[task.key].recorded.calls_for(task, _KeyWriter(self, task.key, None))
 
     def _input_fp(self, info: _Key, task: Task) -> str | None:
         """The fingerprint of the task's run input (with a journal only); the first task of a

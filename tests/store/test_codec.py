@@ -703,7 +703,7 @@ def test_encode_built_falls_back_for_what_msgpack_refuses() -> None:
     assert codec.encode_built({"after": "a fallback"}) == encode({"after": "a fallback"})
 
 
-# --- encode's shortcut for plain dicts: the bytes lowering would give -------------------------
+# --- encode's shortcut for plain dicts and lists: the bytes lowering would give ---------------
 
 
 @PROPERTY
@@ -725,6 +725,29 @@ def test_encode_of_a_dict_gives_the_bytes_of_its_lowered_form(value: Any) -> Non
 def test_encode_of_plain_data_gives_the_bytes_of_its_lowered_form(value: Any) -> None:
     wrapped = {"v": value}
     assert encode(wrapped) == codec._pack(codec._lower_top(wrapped, "", False))
+
+
+@PROPERTY
+@given(st.lists(values, max_size=4))
+def test_encode_of_a_list_gives_the_bytes_of_its_lowered_form(value: Any) -> None:
+    try:
+        lowered = codec._pack(codec._lower_top(value, "", False))
+    except codec.CodecError:
+        with pytest.raises(codec.CodecError):
+            encode(value)
+        return
+    assert encode(value) == lowered
+    assert encode([value, {"v": value}]) == codec._pack(
+        codec._lower_top([value, {"v": value}], "", False)
+    )
+
+
+def test_encode_of_a_list_nested_past_the_limit_is_refused_as_before() -> None:
+    deep: Any = []
+    for _ in range(codec.MAX_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(codec.CodecError, match="nested"):
+        encode(deep)
 
 
 def test_encode_of_a_dict_nested_past_the_limit_is_refused_as_before() -> None:

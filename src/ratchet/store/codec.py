@@ -773,7 +773,8 @@ def encode(value: Any) -> bytes:
     Dicts keep their insertion order. Raises CodecError naming the path of the first
     inadmissible part.
     """
-    if type(value) is dict and _plain(value, 0):
+    t = type(value)
+    if (t is dict or t is list) and _plain(value, 0):
         return _pack(value)  # lowering would give it back as it is
     return _pack(_lower_top(value, "", False))
 

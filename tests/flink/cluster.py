@@ -83,6 +83,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def kill_pids(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -208,7 +216,8 @@ class Cluster:
         return int(pid)
 
     def taskmanager_pids(self) -> list[int]:
-        return [p for p in self._pids("taskexecutor") if Path(f"/proc/{p}").exists()]
+        """The TaskManagers still running (a killed one nobody reaped yet is not)."""
+        return [p for p in self._pids("taskexecutor") if _running(p)]
 
     def rest(self, path: str, method: str = "GET", body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None

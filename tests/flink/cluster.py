@@ -83,7 +83,8 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, ended and not reaped yet, is not)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -217,7 +218,7 @@ class Cluster:
 
     def taskmanager_pids(self) -> list[int]:
         """The TaskManagers still running (a killed one nobody reaped yet is not)."""
-        return [p for p in self._pids("taskexecutor") if _running(p)]
+        return [p for p in self._pids("taskexecutor") if running(p)]
 
     def rest(self, path: str, method: str = "GET", body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None

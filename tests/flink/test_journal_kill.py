@@ -24,7 +24,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .cluster import descendants, kill_pids, running, wait_for  # noqa: E402
 from .support import AGENTS, CLI, exec_log, flink_env, write_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
@@ -64,11 +64,7 @@ def _made(log: list[list[str]]) -> Counter[tuple[str, str]]:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+    return not running(pid)
 
 
 def test_no_returned_call_is_made_again_after_a_kill_or_a_savepoint(

@@ -24,7 +24,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .cluster import descendants, kill_pids, running, wait_for  # noqa: E402
 from .support import AGENTS, CLI, THREAD_MODE, exec_log, flink_env, write_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
@@ -181,11 +181,7 @@ def test_taskmanager_sigkill_restores_parked_run_exactly_once(cluster, tmp_path:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    return not running(pid)
 
 
 def _cmdline(pid: int) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink uses .venv-flink)")
 
-from .cluster import descendants, kill_pids, wait_for  # noqa: E402
+from .cluster import descendants, kill_pids, running, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.flink, pytest.mark.kill]
 
@@ -25,14 +25,6 @@ assert jvm_ancestor() is not None, "no java ancestor"
 print("watching" if start_parent_watchdog(interval=0.2) else "none", flush=True)
 time.sleep(600)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_worker_whose_jvm_is_sigkilled_ends_on_its_own(tmp_path: Path) -> None:
@@ -53,11 +45,11 @@ def test_a_worker_whose_jvm_is_sigkilled_ends_on_its_own(tmp_path: Path) -> None
         jvm.wait(timeout=10)
         wait_for(
             "the orphaned worker and its watcher to end",
-            lambda: not any(_alive(p) for p in workers),
+            lambda: not any(running(p) for p in workers),
             30,
         )
     finally:
-        kill_pids([p for p in workers if _alive(p)] + descendants(jvm.pid))
+        kill_pids([p for p in workers if running(p)] + descendants(jvm.pid))
         if jvm.poll() is None:
             jvm.kill()
         jvm.wait(timeout=10)

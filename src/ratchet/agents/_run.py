@@ -6,13 +6,14 @@ import asyncio
 import concurrent.futures
 import importlib
 import importlib.util
+import logging
 import os
 import random
 import signal
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError, StateError
@@ -31,6 +32,8 @@ from ratchet.runtime._io import (
     job_identity,
 )
 from ratchet.store._sqlite import SqliteStore, StateLock
+
+log = logging.getLogger("ratchet.agents")
 
 
 def load_agent(spec: str, *, loaded: bool = False) -> Agent:
@@ -249,7 +252,7 @@ def run(
     clock: Clock = SYSTEM_CLOCK,
     append_output: bool = False,
     rng: random.Random | None = None,
-    workers: int = 1,
+    workers: int | Literal["auto"] = 1,
 ) -> EngineResult:
     """Run `agent` over `inputs` into `output`, durably in `state_dir`; resumes if it has state.
 
@@ -265,11 +268,22 @@ def run(
     where a new state's job id comes from (default: the operating system's randomness).
     `workers`: shard the keys over this many worker processes (docs/operations.md); the
     agent's class must be importable in a new process. A state written with another number
-    of workers has its keys moved first. `agent` may be the spec `ratchet run` takes
+    of workers has its keys moved first; `"auto"` lets ratchet choose (docs/operations.md,
+    "How many workers"). `agent` may be the spec `ratchet run` takes
     (`package.module:Class` or `path/file.py:Class`): ratchet then loads it, and workers can be
     forked from this process instead of started as new interpreters.
     """
     from ratchet.runtime._shards import is_sharded
+
+    if workers == "auto":
+        from ratchet.runtime._auto_workers import auto_workers
+
+        workers, why = auto_workers(
+            state_dir, os.fspath(inputs) if isinstance(inputs, str | os.PathLike) else None, follow
+        )
+        log.info("workers=auto: %d (%s)", workers, why)
+    elif isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be a number >= 1 or 'auto', not {workers!r}")
 
     if workers != 1 or is_sharded(state_dir):
         if agent_config is not None or clock is not SYSTEM_CLOCK or rng is not None:

@@ -119,11 +119,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     run.add_argument(
         "--workers",
-        type=int,
+        type=_workers_arg,
         default=1,
-        metavar="N",
+        metavar="N|auto",
         help="shard the keys over N worker processes (default 1: one process); a state "
-        "written with another N has its keys moved first (docs/operations.md)",
+        "written with another N has its keys moved first; auto: one per usable core (at most "
+        "4), one for a small input, and an existing state's own number (docs/operations.md)",
     )
     run.add_argument("--json", action="store_true", help="print the run's summary as JSON")
     sup = run.add_argument_group("supervision")
@@ -240,6 +241,18 @@ def _summary(result: Any) -> dict[str, Any]:
         "stopped_by": result.stopped_by,
         "checkpoints": result.checkpoints,
     }
+
+
+def _workers_arg(text: str) -> int | str:
+    """`--workers`: a number, or `auto` (resolved when the command runs)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of workers: give N >= 1, or auto"
+        ) from None
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
@@ -390,8 +403,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"ratchet: restored savepoint {args.from_savepoint} into {args.state}",
             file=sys.stderr,
         )
+    if args.workers == "auto":
+        from ratchet.runtime._auto_workers import auto_workers
+
+        args.workers, why = auto_workers(args.state, args.input, args.follow)
+        print(f"ratchet: --workers auto: {args.workers} ({why})", file=sys.stderr)
     if args.workers < 1:
-        raise ConfigError(f"--workers must be >= 1, not {args.workers}")
+        raise ConfigError(f"--workers must be >= 1 or auto, not {args.workers}")
     if args.supervise:
         if args.rest_port is not None:
             from ratchet.runtime._supervisor import require_rest_server

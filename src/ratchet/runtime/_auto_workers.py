@@ -1,0 +1,90 @@
+"""`--workers auto`: how many worker processes a job gets when its user lets ratchet choose.
+
+The rules, from the measurements in docs/benchmarks.md ("How many workers `auto` picks"):
+
+- a state that exists keeps the number it was written with (auto never moves keys on its
+  own: a re-sharding is the user's call, and a sharded state refuses `savepoint`, `fork` and
+  `checkpoints`);
+- a new job whose input is a bounded file set smaller than `SMALL_INPUT_BYTES` gets one
+  process: below it, a second worker's start costs more than it saves;
+- otherwise one worker per usable core (the process's CPU affinity, and a cgroup's CPU quota
+  where one is set), at most `MAX_AUTO_WORKERS`: the one coordinator reads, parses and routes
+  every input, which bounds what more workers can add.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import stat
+from pathlib import Path
+
+# A bounded input smaller than this runs in one process: workload 1's break-even between one
+# process and two workers was about 1,000 inputs (45 KB) here (docs/benchmarks.md).
+SMALL_INPUT_BYTES = 64 << 10
+# The coordinator costs 21-24 us of CPU per input and a worker running workload 1 about 80:
+# past about four workers the coordinator is the bound.
+MAX_AUTO_WORKERS = 4
+_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, lowered by a cgroup v2 CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = _CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def input_bytes(spec: str) -> int | None:
+    """The size of the files an `--input` names (a file, a directory, a glob pattern); None
+    when it is not files (a connector's URI) or names none."""
+    if "://" in spec:
+        return None
+    path = Path(spec)
+    if path.is_file():
+        names = [spec]
+    else:
+        names = glob.glob(str(path / "*") if path.is_dir() else spec)
+    total, found = 0, False
+    for name in names:
+        try:
+            st = os.stat(name)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+            found = True
+    return total if found else None
+
+
+def auto_workers(
+    state_dir: str | os.PathLike[str], inputs: str | None, follow: bool
+) -> tuple[int, str]:
+    """(workers, why) for `--workers auto`."""
+    from ratchet.runtime._shards import is_sharded, read_layout
+    from ratchet.store._sqlite import DB_NAME
+
+    state = Path(state_dir)
+    if is_sharded(state):
+        n = read_layout(state).workers
+        return n, f"the state was written with {n} workers"
+    if (state / DB_NAME).exists():
+        return 1, "the state was written by one process"
+    cores = usable_cores()
+    if cores == 1:
+        return 1, "one usable core"
+    size = input_bytes(inputs) if inputs is not None and not follow else None
+    if size is not None and size < SMALL_INPUT_BYTES:
+        return 1, f"a small bounded input ({size:,} bytes < {SMALL_INPUT_BYTES:,})"
+    n = min(cores, MAX_AUTO_WORKERS)
+    capped = f", at most {MAX_AUTO_WORKERS}" if cores > MAX_AUTO_WORKERS else ""
+    return n, f"{cores} usable cores{capped}"

@@ -1,0 +1,186 @@
+"""`--workers auto`: the rules it picks a number by, and a SIGKILLed auto job that resumes with
+the workers its state was written with, every output exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ratchet
+from ratchet.runtime import _auto_workers as aw
+from ratchet.runtime._auto_workers import (
+    MAX_AUTO_WORKERS,
+    SMALL_INPUT_BYTES,
+    auto_workers,
+    input_bytes,
+    usable_cores,
+)
+from ratchet.runtime._shards import is_sharded, read_layout
+from support.shard_state import workers_gone
+
+AGENT = f"{Path(__file__).with_name('kill_agent.py')}:KillAgent"
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+
+
+def _lines(path: Path, n: int, keys: int = 16) -> None:
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"key": f"k{i % keys}", "id": i, "value": i % 101}) + "\n")
+
+
+# -- the rules ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(cores=st.integers(1, 64), size=st.integers(0, 4 * SMALL_INPUT_BYTES), follow=st.booleans())
+def test_a_new_job_gets_one_worker_per_core_up_to_the_cap_unless_its_input_is_small(
+    cores: int, size: int, follow: bool, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    tmp = tmp_path_factory.mktemp("auto")
+    data = tmp / "in.jsonl"
+    data.write_bytes(b"x" * size)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aw, "usable_cores", lambda: cores)
+        n, why = auto_workers(tmp / "state", str(data), follow)
+    if cores == 1:
+        assert (n, why) == (1, "one usable core")
+    elif size < SMALL_INPUT_BYTES and not follow:
+        assert n == 1 and "small bounded input" in why
+    else:
+        # A followed input grows: its size now says nothing of the job's.
+        assert n == min(cores, MAX_AUTO_WORKERS), why
+        assert f"{cores} usable cores" in why
+
+
+def test_an_existing_state_keeps_its_number_of_workers(tmp_path: Path) -> None:
+    """Auto never moves keys: one process's state stays one process, a sharded one keeps N."""
+    big = tmp_path / "big.jsonl"
+    _lines(big, 3000)
+    assert big.stat().st_size > SMALL_INPUT_BYTES
+    out = tmp_path / "out.jsonl"
+    ratchet.run(AGENT, inputs=str(big), output=str(out), state_dir=tmp_path / "one", workers=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aw, "usable_cores", lambda: 8)
+        assert auto_workers(tmp_path / "one", str(big), False) == (
+            1,
+            "the state was written by one process",
+        )
+        ratchet.run(
+            AGENT,
+            inputs=str(big),
+            output=str(tmp_path / "out3.jsonl"),
+            state_dir=tmp_path / "three",
+            workers=3,
+        )
+        assert auto_workers(tmp_path / "three", str(big), False) == (
+            3,
+            "the state was written with 3 workers",
+        )
+
+
+def test_input_bytes_counts_the_files_an_input_names(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_bytes(b"1" * 10)
+    (tmp_path / "d" / "b.jsonl").write_bytes(b"2" * 5)
+    (tmp_path / "d" / "sub").mkdir()  # not a file: not counted
+    assert input_bytes(str(tmp_path / "d" / "a.jsonl")) == 10
+    assert input_bytes(str(tmp_path / "d")) == 15
+    assert input_bytes(str(tmp_path / "d" / "*.jsonl")) == 15
+    assert input_bytes(str(tmp_path / "none*.jsonl")) is None
+    assert input_bytes("postgresql://u@127.0.0.1/db?table=t") is None
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "affinity", "want"),
+    [("max 100000", 8, 8), ("200000 100000", 8, 2), ("150000 100000", 8, 2), ("50000 100000", 8, 1),
+     ("400000 100000", 2, 2), ("garbage", 3, 3)],
+)  # fmt: skip
+def test_usable_cores_take_a_cgroup_quota_into_account(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_max: str, affinity: int, want: int
+) -> None:
+    quota = tmp_path / "cpu.max"
+    quota.write_text(cpu_max + "\n")
+    monkeypatch.setattr(aw, "_CGROUP_CPU_MAX", quota)
+    monkeypatch.setattr(aw.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
+    assert usable_cores() == want
+
+
+def test_a_bad_number_of_workers_is_refused_by_name(tmp_path: Path) -> None:
+    _lines(tmp_path / "in.jsonl", 3)
+    for bad in ("two", "0", "-1"):
+        proc = subprocess.run(
+            [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output",
+             str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "s"), "--workers", bad],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2, (bad, proc.stderr)
+        assert "--workers" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    with pytest.raises(ratchet.ConfigError, match="auto"):
+        ratchet.run(AGENT, inputs=str(tmp_path / "in.jsonl"), output=str(tmp_path / "o.jsonl"),
+                    state_dir=tmp_path / "s", workers="many")  # type: ignore[arg-type]  # fmt: skip
+
+
+# -- a real job --------------------------------------------------------------------------------
+
+
+def _run(tmp: Path, *extra: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp / "exec.log"))
+    with open(tmp / "stderr.log", "ab") as err:  # the child keeps its own copy
+        return subprocess.Popen(
+            [*RATCHET, "run", AGENT, "--input", str(tmp / "in.jsonl"), "--output",
+             str(tmp / "out.jsonl"), "--state", str(tmp / "state"), "--checkpoint-interval",
+             "20", "--workers", "auto", *extra],
+            env=env, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+
+
+def _outputs(tmp: Path) -> list[dict[str, object]]:
+    out = tmp / "out.jsonl"
+    if not out.exists():
+        return []
+    return [json.loads(x) for x in out.read_text().splitlines() if x.endswith("}")]
+
+
+@pytest.mark.kill
+@pytest.mark.skipif(sys.platform != "linux", reason="the kill is of a coordinator and its workers")
+def test_a_sigkilled_auto_job_resumes_with_the_workers_it_was_written_with(
+    tmp_path: Path,
+) -> None:
+    n_inputs = 2000
+    _lines(tmp_path / "in.jsonl", n_inputs)
+    assert (tmp_path / "in.jsonl").stat().st_size >= SMALL_INPUT_BYTES
+    want = min(usable_cores(), MAX_AUTO_WORKERS)
+    proc = _run(tmp_path)
+    deadline = time.monotonic() + 120
+    while len(_outputs(tmp_path)) < n_inputs // 4:
+        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()
+        assert time.monotonic() < deadline, "no outputs within 120 s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    said = (tmp_path / "stderr.log").read_text()
+    assert f"--workers auto: {want} (" in said, said
+    assert is_sharded(tmp_path / "state") == (want > 1)
+    if want > 1:
+        assert read_layout(tmp_path / "state").workers == want
+    workers_gone(tmp_path / "state")  # they die with their coordinator: wait until they have
+    before = len(_outputs(tmp_path))
+    assert before < n_inputs, "the kill came after the end: nothing left to resume"
+    (tmp_path / "stderr.log").unlink()
+    again = _run(tmp_path)
+    assert again.wait(timeout=300) == 0, (tmp_path / "stderr.log").read_text()
+    said = (tmp_path / "stderr.log").read_text()
+    why = "the state was written with" if want > 1 else "the state was written by one process"
+    assert f"--workers auto: {want} ({why}" in said, said
+    ids = Counter(str(o["id"]) for o in _outputs(tmp_path))
+    assert len(ids) == n_inputs and set(ids.values()) == {1}, ids.most_common(3)

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from ratchet._errors import ConfigError
 from ratchet.cli._flink import (
+    _checkpoint_dir,
     _refuse_earlier_outputs,
     _restores_to_completion,
+    _savepoint_target,
     _warn_unread_inputs,
     execution_mode,
 )
@@ -29,6 +31,8 @@ from ratchet.runtime._flink_savepoint import (
     earlier_outputs,
     local_path,
     newest_restore_point,
+    note_job,
+    output_jobs,
     read_marker,
     savepoint_mode,
     unread_inputs,
@@ -236,3 +240,118 @@ def test_a_new_run_into_an_earlier_runs_outputs_is_refused_naming_what_continues
     )
     with pytest.raises(ConfigError, match=f"--from-savepoint {elsewhere / '9b' / 'chk-9'} "):
         _refuse_earlier_outputs(args)
+
+
+def _args(out: Path | str, checkpoint_dir: Path | None = None) -> argparse.Namespace:
+    return argparse.Namespace(
+        output=str(out),
+        from_savepoint=None,
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+        jobmanager=None,
+    )
+
+
+def _point(path: Path, marker: dict[str, object] | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "_metadata").write_bytes(b"m")
+    if marker is not None:
+        write_marker(str(path), marker)
+    return path
+
+
+def test_a_drained_savepoint_is_not_offered_as_a_way_to_continue(tmp_path: Path) -> None:
+    """A `--memory-output` run's savepoint ended its job for good: it reads nothing new."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-0").write_text("{}\n")
+    sp = _point(out / "_savepoints" / "savepoint-0f3a00-1", {"input": "in", "drained": True})
+    with pytest.raises(ConfigError, match="ended that job for good") as info:
+        _refuse_earlier_outputs(_args(out))
+    assert f"--from-savepoint {sp}" not in str(info.value)
+
+
+def test_only_the_restore_points_of_the_jobs_that_wrote_the_folder_are_named(
+    tmp_path: Path,
+) -> None:
+    """Two runs share a --checkpoint-dir: each folder's refusal names its own job's."""
+    ck = tmp_path / "ck"
+    mine, theirs = "aaaaaa" + "0" * 26, "bbbbbb" + "1" * 26
+    out = tmp_path / "out1"
+    note_job(str(out), mine)
+    (out / "part-0").write_text("{}\n")
+    own_chk = _point(ck / mine / "chk-3")
+    time.sleep(0.01)
+    _point(ck / theirs / "chk-7")
+    _point(ck / "savepoints" / f"savepoint-{theirs[:6]}-1", {"input": "in"})
+    assert output_jobs(str(out)) == {mine}
+    with pytest.raises(ConfigError, match=f"--from-savepoint {own_chk} --follow MS"):
+        _refuse_earlier_outputs(_args(out, ck))
+    own_sp = _point(ck / "savepoints" / f"savepoint-{mine[:6]}-2", {"input": "in"})
+    with pytest.raises(ConfigError, match=f"--from-savepoint {own_sp}, or write"):
+        _refuse_earlier_outputs(_args(out, ck))
+
+
+def test_an_earlier_run_given_other_flags_is_still_found(tmp_path: Path) -> None:
+    """The earlier run kept its savepoint in the output folder; this command adds
+    --checkpoint-dir (and the other way round): both places are looked at."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-0").write_text("{}\n")
+    sp = _point(out / "_savepoints" / "savepoint-cc0000-1", {"input": "in"})
+    with pytest.raises(ConfigError, match=f"--from-savepoint {sp}, or write"):
+        _refuse_earlier_outputs(_args(out, tmp_path / "ck"))
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    (out2 / "part-0").write_text("{}\n")
+    with pytest.raises(ConfigError, match="another --checkpoint-dir keeps them there"):
+        _refuse_earlier_outputs(_args(out2))
+
+
+def test_a_file_uri_output_is_its_local_folder(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-0").write_text("{}\n")
+    sp = _point(out / "_savepoints" / "savepoint-dd0000-1", {"input": "in"})
+    with pytest.raises(ConfigError, match=f"--from-savepoint {sp}, or write"):
+        _refuse_earlier_outputs(_args(out.as_uri()))
+    args = _args(out.as_uri())
+    assert _checkpoint_dir(args) == str(out / "_checkpoints")
+    assert _savepoint_target(args) == str(out / "_savepoints")
+    assert _checkpoint_dir(_args("s3://bucket/out")) is None
+
+
+def test_equal_times_order_checkpoints_by_number_and_prefer_a_savepoint(tmp_path: Path) -> None:
+    import os
+
+    ck = tmp_path / "ck"
+    points = [_point(ck / "job" / f"chk-{n}") for n in (9, 10, 2)]
+    for p in points:
+        os.utime(p / "_metadata", (1_000_000, 1_000_000))
+    assert newest_restore_point([str(ck)]) == ck / "job" / "chk-10"
+    sp = _point(tmp_path / "sp" / "savepoint-000000-1")
+    os.utime(sp / "_metadata", (1_000_000, 1_000_000))
+    assert newest_restore_point([str(ck), str(tmp_path / "sp")]) == sp
+
+
+def test_counting_outputs_skips_hidden_folders_and_what_vanishes_or_cannot_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    out = tmp_path / "out"
+    (out / "a" / "b").mkdir(parents=True)
+    (out / "a" / "b" / "part-1").write_text("{}\n")
+    (out / "part-0").write_text("{}\n")
+    (out / "_checkpoints" / "job" / "chk-1").mkdir(parents=True)
+    (out / "_checkpoints" / "job" / "chk-1" / "x").write_text("state")
+    real_walk = os.walk
+    entered: list[str] = []
+
+    def walk(top: object, *a: object, **k: object) -> object:
+        for here, dirs, files in real_walk(top, *a, **k):  # type: ignore[call-overload]
+            entered.append(str(here))
+            yield here, dirs, [*files, "vanished-part"]  # listed, gone before it is looked at
+
+    monkeypatch.setattr(os, "walk", walk)
+    assert earlier_outputs(str(out)) == 2
+    assert not any("_checkpoints" in e for e in entered), entered

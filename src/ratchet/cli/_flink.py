@@ -232,38 +232,66 @@ def _checkpoint_dir(args: argparse.Namespace) -> str | None:
     output folder's `_checkpoints`, so that a run killed with its mini-cluster (kill -9 of this
     command) can be continued from its last retained checkpoint. A cluster job without it
     uses the cluster's own setting."""
-    if args.checkpoint_dir or args.jobmanager or "://" in args.output:
+    if args.checkpoint_dir or args.jobmanager:
         return args.checkpoint_dir  # type: ignore[no-any-return]
-    return os.path.join(os.path.abspath(args.output), LOCAL_CHECKPOINTS)
+    out = _local_output(args)
+    return None if out is None else os.path.join(out, LOCAL_CHECKPOINTS)
+
+
+def _local_output(args: argparse.Namespace) -> str | None:
+    """The output folder as an absolute local path (a `file:` URI's path); None for another
+    file system."""
+    from ratchet.runtime._flink_savepoint import local_path
+
+    path = local_path(args.output)
+    return None if path is None else os.path.abspath(path)
 
 
 def _refuse_earlier_outputs(args: argparse.Namespace) -> None:
     """A new run (no --from-savepoint) into an output folder that holds an earlier run's
     outputs would write them again: refused, naming what continues that run."""
     from ratchet._errors import ConfigError
-    from ratchet.runtime._flink_savepoint import earlier_outputs, newest_restore_point, read_marker
+    from ratchet.runtime._flink_savepoint import (
+        earlier_outputs,
+        newest_restore_point,
+        output_jobs,
+        read_marker,
+    )
 
     if args.from_savepoint:
         return
     files = earlier_outputs(args.output)
     if not files:
         return
+    # Where this command keeps them, and where it would without --checkpoint-dir (the earlier
+    # run may have been given other flags); only the jobs that wrote this folder, if it says.
     where = [_savepoint_target(args), *filter(None, [_checkpoint_dir(args)])]
-    newest = newest_restore_point(where)
+    out = _local_output(args)
+    if out is not None:
+        where += [os.path.join(out, "_savepoints"), os.path.join(out, LOCAL_CHECKPOINTS)]
+    where = list(dict.fromkeys(where))
+    newest = newest_restore_point(where, output_jobs(args.output))
     if newest is None:
         how = (
             "no savepoint or retained checkpoint of it was found in "
-            f"{' or '.join(where)}: write to another --output, or empty this one to run "
-            "everything again"
+            f"{' or '.join(where)} (an earlier run given another --checkpoint-dir keeps them "
+            "there): write to another --output, or empty this one to run everything again"
         )
     else:
         marker = read_marker(str(newest))
-        finished = marker is not None and not marker.get("drained")
-        how = (
-            f"continue it with the same command and --from-savepoint {newest}"
-            + ("" if finished else " --follow MS (it stopped before the end of its input)")
-            + ", or write to another --output"
-        )
+        if marker is not None and marker.get("drained"):
+            how = (
+                f"its savepoint {newest} ended that job for good (--memory-output drains it), "
+                "so it reads no new input: write to another --output, or empty this one to "
+                "run everything again"
+            )
+        else:
+            finished = marker is not None
+            how = (
+                f"continue it with the same command and --from-savepoint {newest}"
+                + ("" if finished else " --follow MS (it stopped before the end of its input)")
+                + ", or write to another --output"
+            )
     raise ConfigError(
         f"--output {args.output} holds {files} output file(s) of an earlier run, which a new "
         f"run would write again; {how}"
@@ -365,7 +393,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -> int:
     from ratchet.flink import build_job, environment
-    from ratchet.runtime._flink_savepoint import unread_inputs
+    from ratchet.runtime._flink_savepoint import note_job, unread_inputs
 
     bad: list[str] = []
     inputs = 0
@@ -413,39 +441,43 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
     progress_dir = None
     if to_completion or args.from_savepoint:
         progress_dir = os.path.join(args.output, PROGRESS_DIR, uuid.uuid4().hex)
-    env = environment(config)
-    build_job(
-        env,
-        agent,
-        args.input,
-        args.output,
-        key_field=args.key,
-        config=config,
-        follow_ms=(_RESTORED_WATCH_MS if restoring else _WATCH_MS)
-        if to_completion
-        else args.follow,
-        memory_dir=args.memory_output,
-        on_bad_input=args.on_bad_input,
-        progress_dir=progress_dir,
-        emit_progress=to_completion,
-        progress_admissions=restoring,
-    )
-    started = SYSTEM_CLOCK.monotonic()
-    try:
-        client = env.execute_async(name)
-    except Exception as exc:  # the job did not start: a savepoint it cannot restore, say
-        return _job_failed("(not started)", exc, args)
-    job_id = str(client.get_job_id())
-    print(json.dumps({"job_id": job_id, "name": name}), flush=True)
-    if args.detach:
-        return EXIT_OK
-    savepoint = None
-    pruner = None
-    if journal is not None:
-        pruner = _pruner(args, journal, f"http://127.0.0.1:{config.extra['rest.port']}", job_id)
-    stopped = False
-    try:
-        with _StopSignals() as stop:
+    # The handlers are in place before the mini-cluster starts: a signal from here on stops
+    # the job with a savepoint once its tasks run (a detached run's command ends at once).
+    with _StopSignals(enabled=not args.detach) as stop:
+        env = environment(config)
+        build_job(
+            env,
+            agent,
+            args.input,
+            args.output,
+            key_field=args.key,
+            config=config,
+            follow_ms=(_RESTORED_WATCH_MS if restoring else _WATCH_MS)
+            if to_completion
+            else args.follow,
+            memory_dir=args.memory_output,
+            on_bad_input=args.on_bad_input,
+            progress_dir=progress_dir,
+            emit_progress=to_completion,
+            progress_admissions=restoring,
+        )
+        started = SYSTEM_CLOCK.monotonic()
+        try:
+            client = env.execute_async(name)
+        except Exception as exc:  # the job did not start: a savepoint it cannot restore, say
+            return _job_failed("(not started)", exc, args)
+        job_id = str(client.get_job_id())
+        note_job(args.output, job_id)
+        print(json.dumps({"job_id": job_id, "name": name}), flush=True)
+        if args.detach:
+            return EXIT_OK
+        savepoint = None
+        pruner = None
+        stopped = False
+        try:
+            if journal is not None:
+                rest = f"http://127.0.0.1:{config.extra['rest.port']}"
+                pruner = _pruner(args, journal, rest, job_id)
             if to_completion and progress_dir is not None:
                 savepoint = _run_to_completion(
                     client, args, progress_dir, inputs - len(bad), restoring, stop.requested
@@ -459,11 +491,11 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
                 # continued); what its runs committed is in it, nothing is lost.
                 print("ratchet flink: stopping with a savepoint ...", file=sys.stderr, flush=True)
                 savepoint = _stop_when_running(client, _savepoint_target(args))
-    except Exception as exc:  # py4j's error, with the Java cause chain as text
-        return _job_failed(job_id, exc, args)
-    finally:
-        if pruner is not None:
-            pruner.stop()
+        except Exception as exc:  # py4j's error, with the Java cause chain as text
+            return _job_failed(job_id, exc, args)
+        finally:
+            if pruner is not None:
+                pruner.stop()
     summary: dict[str, Any] = {
         "job_id": job_id,
         "status": "STOPPED" if stopped else "FINISHED",
@@ -505,12 +537,14 @@ class _StopSignals:
     """SIGINT and SIGTERM during a local run: the command stops the job with a savepoint
     (`requested` is set); a second signal ends the command at once, without one."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self.requested = threading.Event()
+        self._enabled = enabled
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():  # where handlers can be set
+        # Only the main thread can set handlers.
+        if self._enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._on_signal)
         return self
@@ -556,9 +590,12 @@ def _savepoint_target(args: argparse.Namespace) -> str:
     where = args.checkpoint_dir
     if where and "://" in where:
         return str(where).rstrip("/") + "/savepoints"
-    return os.path.abspath(
-        os.path.join(where, "savepoints") if where else os.path.join(args.output, "_savepoints")
-    )
+    if where:
+        return os.path.abspath(os.path.join(where, "savepoints"))
+    out = _local_output(args)
+    if out is None:  # an output on another file system, and no --checkpoint-dir
+        return str(args.output).rstrip("/") + "/_savepoints"
+    return os.path.join(out, "_savepoints")
 
 
 def _run_to_completion(

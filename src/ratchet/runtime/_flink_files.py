@@ -21,11 +21,16 @@ def input_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     out = []
-    for f in sorted(path.rglob("*")):
-        rel = f.relative_to(path).parts
-        if f.is_file() and not any(part[:1] in (".", "_") for part in rel):
-            out.append(f)
-    return out
+    # Hidden folders are not entered (a run's `_checkpoints` can be large, and Flink deletes
+    # subsumed checkpoints while this walks); what vanishes or cannot be read meanwhile is
+    # not an output.
+    for top, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if d[:1] not in (".", "_")]
+        for name in files:
+            f = Path(top, name)
+            if name[:1] not in (".", "_") and f.is_file():
+                out.append(f)
+    return sorted(out)
 
 
 def read_output_dir(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -11,12 +11,16 @@ otherwise; PyFlink's process mode prefixes the names with ``python-state-``. No 
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from ratchet._errors import ConfigError
 from ratchet.runtime._flink_files import input_files
+
+log = logging.getLogger("ratchet.flink")
 
 MODES = ("process", "thread")
 MODE_ENV = "RATCHET_FLINK_EXECUTION_MODE"  # a default for a whole test suite or benchmark
@@ -151,21 +155,67 @@ def write_marker(location: str, info: dict[str, object]) -> None:
         (path / MARKER).write_text(json.dumps(info))
 
 
-def newest_restore_point(folders: list[str]) -> Path | None:
+JOBS_FILE = "_jobs"  # in a local output folder: the id of each job that wrote into it
+
+
+def note_job(output: str, job_id: str) -> None:
+    """Record in a local output folder that job `job_id` writes into it: its savepoints and
+    checkpoints are the ones that continue this folder's run (`newest_restore_point`)."""
+    folder = local_path(output)
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / JOBS_FILE, "a", encoding="utf-8") as fh:
+            fh.write(job_id + "\n")
+    except OSError as exc:
+        log.warning("could not note job %s in %s: %s", job_id, folder, exc)
+
+
+def output_jobs(output: str) -> set[str] | None:
+    """The ids of the jobs that wrote into a local output folder (None: not recorded, as in
+    folders written before ratchet recorded them)."""
+    folder = local_path(output)
+    try:
+        text = (folder / JOBS_FILE).read_text(encoding="utf-8") if folder else None
+    except OSError:
+        return None
+    return None if text is None else {line.strip() for line in text.splitlines() if line.strip()}
+
+
+_CHECKPOINT_NUMBER = re.compile(r"chk-(\d+)$")
+
+
+def newest_restore_point(folders: list[str], jobs: set[str] | None = None) -> Path | None:
     """The newest savepoint or retained checkpoint under `folders` (savepoint folders, checkpoint
     folders): a folder with a `_metadata` file, `savepoint-*` in a savepoint folder or
-    `<job id>/chk-N` in a checkpoint folder. None if there is none here."""
-    found: list[tuple[float, Path]] = []
+    `<job id>/chk-N` in a checkpoint folder; with `jobs`, only those of these jobs (a shared
+    `--checkpoint-dir` holds other runs' too). Newest by time; on equal times, a savepoint
+    before a checkpoint, and the checkpoint with the higher N. None if there is none here."""
+    found: list[tuple[float, int, int, Path]] = []
+    seen: set[Path] = set()
     for location in folders:
         root = local_path(location)
-        if root is None or not root.is_dir():
+        if root is None or not root.is_dir() or root.resolve() in seen:
             continue
+        seen.add(root.resolve())
         for meta in [*root.glob("savepoint-*/_metadata"), *root.glob("*/chk-*/_metadata")]:
+            point = meta.parent
+            number = _CHECKPOINT_NUMBER.search(point.name)
+            if jobs is not None:
+                if number is not None:
+                    mine = point.parent.name in jobs
+                else:  # savepoint-<first 6 characters of the job id>-<random>
+                    mine = any(point.name.startswith(f"savepoint-{j[:6]}-") for j in jobs)
+                if not mine:
+                    continue
             try:
-                found.append((meta.stat().st_mtime, meta.parent))
+                at = meta.stat().st_mtime
             except OSError:  # a checkpoint Flink was discarding meanwhile
                 continue
-    return max(found)[1] if found else None
+            kind = 0 if number is not None else 1  # a savepoint wins a tie
+            found.append((at, kind, int(number.group(1)) if number else 0, point))
+    return max(found)[3] if found else None
 
 
 def earlier_outputs(output: str) -> int:
@@ -174,4 +224,7 @@ def earlier_outputs(output: str) -> int:
     path = local_path(output)
     if path is None or not path.is_dir():
         return 0
-    return len(input_files(path))
+    try:
+        return len(input_files(path))
+    except OSError as exc:
+        raise ConfigError(f"--output {output} cannot be read ({exc}); fix its permissions") from exc

@@ -273,3 +273,62 @@ def test_a_schema_7_state_resumes_its_job_and_migrates(tmp_path: Path) -> None:
         assert after.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         after.close()
+
+
+def test_a_row_replaced_outside_the_store_takes_its_spilled_memory_with_it(
+    tmp_path: Path,
+) -> None:
+    """INSERT OR REPLACE (a sqlite3 shell, say) deletes the old row without firing delete
+    triggers: the row it inserts with its memory in it drops the spilled copy itself."""
+    store = SqliteStore.open(tmp_path / "s", *OWNER)
+    key = codec.encode("a")
+    store.write_checkpoint(CheckpointRows(keys=[(key, "a", 1, b"x" * (LIMIT + 50), 1)]), 1.0)
+    store.close()
+    db = sqlite3.connect(tmp_path / "s" / DB_NAME, isolation_level=None)
+    try:
+        assert db.execute("SELECT COUNT(*) FROM spilled").fetchone() == (1,)
+        db.execute(
+            "INSERT OR REPLACE INTO keys(key, key_text, next_dispatch, memory, memory_version) "
+            "VALUES (?, 'a', 2, ?, 1)",
+            (key, b"small"),
+        )
+        assert db.execute("SELECT COUNT(*) FROM spilled").fetchone() == (0,)
+        db.execute("DELETE FROM keys WHERE key = ?", (key,))
+        assert db.execute("SELECT COUNT(*) FROM spilled").fetchone() == (0,)
+    finally:
+        db.close()
+
+
+def test_a_reader_sees_one_schema_while_a_job_migrates_the_file(tmp_path: Path) -> None:
+    """`ratchet inspect` reads which layout the file has, then the memories by it: a job that
+    migrates the file in between (schema 7 -> 8 moves large memories out of their rows) must
+    not make the reader see the new rows through the old layout (a None memory)."""
+    state = tmp_path / "s"
+    schema_7_store(state)
+    big = b"m" * (LIMIT + 100)
+    conn = sqlite3.connect(state / DB_NAME, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")  # as every store has kept its file since schema 1
+    conn.execute(
+        "INSERT INTO keys(key, key_text, next_dispatch, memory, memory_version) "
+        "VALUES (?, 'big', 1, ?, 1)",
+        (codec.encode("big"), big),
+    )
+    conn.close()
+    reader = SqliteStore.open_readonly(state)
+    migrated: list[int] = []
+
+    def between(sql: str) -> None:
+        # After the reader asked for the layout and before it reads the rows: a job starts.
+        if "FROM keys" in sql and not migrated:
+            migrated.append(1)
+            SqliteStore.open(state, *OWNER).close()
+
+    reader.conn.set_trace_callback(between)
+    try:
+        assert reader.memories() == [(codec.encode("big"), big)]
+        assert reader.key_rows()[0][3] == big
+    finally:
+        reader.conn.set_trace_callback(None)
+    assert migrated
+    assert reader.memories() == [(codec.encode("big"), big)]  # the new layout, read as such
+    reader.close()

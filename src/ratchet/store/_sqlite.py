@@ -119,6 +119,10 @@ _MIGRATIONS: list[tuple[str, ...]] = [
         "AND NEW.memory IS NOT NULL BEGIN DELETE FROM spilled WHERE key = OLD.key; END",
         "CREATE TRIGGER spilled_gone AFTER DELETE ON keys WHEN OLD.memory IS NULL "
         "BEGIN DELETE FROM spilled WHERE key = OLD.key; END",
+        # An INSERT OR REPLACE deletes the old row without firing delete triggers (unless
+        # recursive_triggers): a row inserted with its memory in it drops any spilled copy.
+        "CREATE TRIGGER spilled_replaced AFTER INSERT ON keys WHEN NEW.memory IS NOT NULL "
+        "BEGIN DELETE FROM spilled WHERE key = NEW.key; END",
         "CREATE TABLE meta8(name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID",
         "INSERT INTO meta8(name, value) SELECT name, value FROM meta",
         "DROP TABLE meta",
@@ -643,25 +647,43 @@ class SqliteStore:
             "upgrades": self._meta_or("upgrades", []),
         }
 
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        """Reads that see one committed state: a reader (`ratchet inspect`) asks which schema
+        the file has, then reads by it, while a job may migrate the file in between."""
+        c = self.conn
+        if c.in_transaction:
+            yield c
+            return
+        c.execute("BEGIN")
+        try:
+            yield c
+        finally:
+            if c.in_transaction:
+                c.execute("COMMIT")  # nothing written: it only ends the snapshot
+
     def memories(self, key_text: str | None = None) -> list[tuple[bytes, bytes]]:
         """(key, memory) of every key, in text order, or of the keys whose text is `key_text`
         (the string key itself, and any other key that reads so, like the integer 42)."""
-        memory = self._memory_sql()
-        if key_text is None:
-            return self.conn.execute(f"SELECT key, {memory} FROM keys ORDER BY key_text").fetchall()
-        # Two indexed reads: the string key by its primary key, any other by keys_by_text
-        # (from schema 8 it holds only keys that are not strings; before, every key).
-        return self.conn.execute(
-            f"SELECT key, {memory} FROM keys WHERE key = ? AND key_text = ? UNION ALL SELECT "
-            f"key, {memory} FROM keys WHERE key_text = ? AND NOT {_KEY_IS_STR}",
-            (codec.encode(key_text), key_text, key_text),
-        ).fetchall()
+        with self._snapshot() as c:
+            memory = self._memory_sql()
+            if key_text is None:
+                return c.execute(f"SELECT key, {memory} FROM keys ORDER BY key_text").fetchall()
+            # Two indexed reads: the string key by its primary key, any other by keys_by_text
+            # (from schema 8 it holds only keys that are not strings; before, every key).
+            return c.execute(
+                f"SELECT key, {memory} FROM keys WHERE key = ? AND key_text = ? UNION ALL "
+                f"SELECT key, {memory} FROM keys WHERE key_text = ? AND NOT {_KEY_IS_STR}",
+                (codec.encode(key_text), key_text, key_text),
+            ).fetchall()
 
     def key_rows(self) -> list[tuple[bytes, str, int, bytes, int]]:
         """Every key row as `CheckpointRows.keys` holds it (re-sharding moves them)."""
-        return self.conn.execute(
-            f"SELECT key, key_text, next_dispatch, {self._memory_sql()}, memory_version FROM keys"
-        ).fetchall()
+        with self._snapshot() as c:
+            return c.execute(
+                f"SELECT key, key_text, next_dispatch, {self._memory_sql()}, memory_version "
+                "FROM keys"
+            ).fetchall()
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -978,11 +1000,12 @@ class SqliteStore:
         self, below: int, after: bytes | None, limit: int
     ) -> list[tuple[bytes, int, bytes, int]]:
         """Up to `limit` keys (in key order, after `after`) with memory older than `below`."""
-        return self.conn.execute(
-            f"SELECT key, next_dispatch, {self._memory_sql()}, memory_version FROM keys "
-            "WHERE memory_version < ? AND key > ? ORDER BY key LIMIT ?",
-            (below, after if after is not None else b"", limit),
-        ).fetchall()
+        with self._snapshot() as c:
+            return c.execute(
+                f"SELECT key, next_dispatch, {self._memory_sql()}, memory_version FROM keys "
+                "WHERE memory_version < ? AND key > ? ORDER BY key LIMIT ?",
+                (below, after if after is not None else b"", limit),
+            ).fetchall()
 
     def put_migrated(self, rows: list[tuple[bytes, int, bytes, int]]) -> None:
         """Write migrated memories (key, old version, memory, new version) in one transaction;

@@ -355,3 +355,41 @@ def test_counting_outputs_skips_hidden_folders_and_what_vanishes_or_cannot_be_re
     monkeypatch.setattr(os, "walk", walk)
     assert earlier_outputs(str(out)) == 2
     assert not any("_checkpoints" in e for e in entered), entered
+
+
+def test_a_second_local_run_into_a_folder_being_written_is_refused(tmp_path: Path) -> None:
+    """The run writing into a folder holds it while it runs; a second one meanwhile is refused
+    naming it, and once the first is gone (SIGKILL too) the folder is free again."""
+    import signal
+    import subprocess
+    import sys
+
+    from ratchet.cli import _flink
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time, argparse; from ratchet.cli._flink import _hold_output; "
+         f"_hold_output(argparse.Namespace(output={str(out)!r}, jobmanager=None, detach=False));"
+         " print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        args = argparse.Namespace(output=str(out), jobmanager=None, detach=False)
+        with pytest.raises(ConfigError, match=f"another ratchet flink run \\(pid {holder.pid}\\)"):
+            _flink._hold_output(args)
+        # A cluster or detached job outlives its command: nothing is held for it.
+        _flink._hold_output(argparse.Namespace(output=str(out), jobmanager="h:1", detach=False))
+        _flink._hold_output(argparse.Namespace(output=str(out), jobmanager=None, detach=True))
+        assert not _flink._held
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    _flink._hold_output(args)  # the killed run let go
+    assert earlier_outputs(str(out)) == 0  # the lock file is not an output
+    _flink._let_go()
+    _flink._hold_output(args)  # and this process let go of its own
+    _flink._let_go()

@@ -247,6 +247,35 @@ def _local_output(args: argparse.Namespace) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
+OUTPUT_LOCK = "_lock"  # in a local output folder, held by the run writing into it
+_held: list[Any] = []  # the lock of this process's run, held until it exits
+
+
+def _hold_output(args: argparse.Namespace) -> None:
+    """A local run holds its output folder for as long as it runs (the OS lets go when the
+    process dies, kill -9 too): a second run into the same folder meanwhile is refused rather
+    than writing beside it, or being pointed at the first one's live checkpoints."""
+    if args.jobmanager or args.detach:
+        return  # the job outlives this command: nothing here could hold the folder for it
+    out = _local_output(args)
+    if out is None:
+        return
+    from ratchet._errors import ConfigError
+    from ratchet.store._sqlite import StateLock
+
+    def busy(holder: str) -> ConfigError:
+        return ConfigError(
+            f"--output {args.output} is being written by another ratchet flink run ({holder}); "
+            "let it finish or stop it (SIGTERM stops it with a savepoint), or write to another "
+            "--output"
+        )
+
+    os.makedirs(out, exist_ok=True)
+    lock = StateLock(Path(out), OUTPUT_LOCK, busy)
+    lock.acquire()
+    _held.append(lock)
+
+
 def _refuse_earlier_outputs(args: argparse.Namespace) -> None:
     """A new run (no --from-savepoint) into an output folder that holds an earlier run's
     outputs would write them again: refused, naming what continues that run."""
@@ -374,6 +403,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
         args.execution_mode = execution_mode(args)
+        _hold_output(args)
         _refuse_earlier_outputs(args)
         restoring = _restores_to_completion(args)
         _warn_unread_inputs(args)
@@ -383,12 +413,21 @@ def cmd_run(args: argparse.Namespace) -> int:
             journal = _open_journal(args, config)  # a bad URI or a server down: exit 2 here
     except RatchetError as exc:
         print(f"ratchet flink: {exc}", file=sys.stderr)
+        _let_go()
         return EXIT_USAGE
     try:
         return _run(args, config, journal, restoring)
     finally:
         if journal is not None:
             journal.close()
+        _let_go()
+
+
+def _let_go() -> None:
+    """The output folder is free again once the run is over (a process that dies lets go
+    anyway): a caller that runs the command as a function may run it again."""
+    while _held:
+        _held.pop().release()
 
 
 def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -> int:

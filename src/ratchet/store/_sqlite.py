@@ -18,12 +18,12 @@ import fcntl
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import StateError
+from ratchet._errors import RatchetError, StateError
 from ratchet.store import codec
 from ratchet.store._base import (
     Adopted,
@@ -173,9 +173,15 @@ def _sidecars(path: Path) -> list[Path]:
 class StateLock:
     """Exclusive ownership of a state directory; the OS drops it when the process dies."""
 
-    def __init__(self, state_dir: Path, name: str = LOCK_NAME) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        name: str = LOCK_NAME,
+        busy: Callable[[str], RatchetError] | None = None,
+    ) -> None:
         self.path = Path(state_dir) / name
         self._fd: int | None = None
+        self._busy = busy  # the error when another process holds it, given the holder
 
     def acquire(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -184,6 +190,8 @@ class StateLock:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            if self._busy is not None:
+                raise self._busy(holder) from None
             raise StateError(
                 f"state directory {self.path.parent} is in use by {holder} ({self.path.name}); only "
                 f"one engine may own a state directory (stop it first, or use another --state)"

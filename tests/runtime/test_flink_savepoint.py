@@ -393,3 +393,42 @@ def test_a_second_local_run_into_a_folder_being_written_is_refused(tmp_path: Pat
     _flink._let_go()
     _flink._hold_output(args)  # and this process let go of its own
     _flink._let_go()
+
+
+class _Done:
+    def __init__(self, value: object = None, error: Exception | None = None) -> None:
+        self.value, self.error = value, error
+
+    def result(self) -> object:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _FailingJob:
+    """A job client whose job failed while a stop waited: the stop is refused, the job's
+    result holds its real cause."""
+
+    def __init__(self, status: str) -> None:
+        self.status = status
+
+    def get_job_status(self) -> _Done:
+        return _Done(self.status)
+
+    def get_job_execution_result(self) -> _Done:
+        return _Done(error=RuntimeError("Caused by: java.lang.IllegalStateException: the cause"))
+
+
+def test_a_stop_refused_because_the_job_failed_reports_the_jobs_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ratchet.cli import _flink
+
+    def refuse(client: object, target: str, *, drain: bool) -> str:
+        raise RuntimeError("java.util.concurrent.CompletionException: job is not running")
+
+    monkeypatch.setattr(_flink, "_stop_with_savepoint", refuse)
+    with pytest.raises(RuntimeError, match="the cause"):
+        _flink._stop_when_running(_FailingJob("FAILED"), "/sp")
+    with pytest.raises(RuntimeError, match="job is not running"):  # still running: the stop's
+        _flink._stop_when_running(_FailingJob("RUNNING"), "/sp")

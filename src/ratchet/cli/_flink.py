@@ -711,8 +711,20 @@ def _stop_when_running(client: Any, target: str) -> str:
             return _stop_with_savepoint(client, target, drain=False)
         except Exception as exc:  # py4j's error: the Java cause chain as text
             if _NOT_RUNNING not in str(exc) or SYSTEM_CLOCK.monotonic() > deadline:
+                _raise_job_failure(client)  # a job that failed meanwhile: its own cause
                 raise
         SYSTEM_CLOCK.sleep_sync(_POLL_S)
+
+
+def _raise_job_failure(client: Any) -> None:
+    """Raise the job's own failure if it ended with one (a job that ran out of restarts while
+    a stop waited for its tasks): that, not the refused stop, is what the user needs to see."""
+    try:
+        status = str(client.get_job_status().result())
+    except Exception:  # noqa: BLE001 - no status: the stop's own error says what there is
+        return
+    if status in ("FAILED", "CANCELED"):
+        client.get_job_execution_result().result()  # raises the job's failure
 
 
 def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:

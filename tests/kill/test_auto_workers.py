@@ -101,18 +101,62 @@ def test_input_bytes_counts_the_files_an_input_names(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cpu_max", "affinity", "want"),
-    [("max 100000", 8, 8), ("200000 100000", 8, 2), ("150000 100000", 8, 2), ("50000 100000", 8, 1),
-     ("400000 100000", 2, 2), ("garbage", 3, 3)],
+    ("own", "parent", "affinity", "want"),
+    [("max 100000", None, 8, 8), ("200000 100000", None, 8, 2), ("150000 100000", None, 8, 2),
+     ("50000 100000", None, 8, 1), ("400000 100000", None, 2, 2), ("garbage", None, 3, 3),
+     ("max 100000", "300000 100000", 8, 3), ("100000 100000", "300000 100000", 8, 1)],
 )  # fmt: skip
-def test_usable_cores_take_a_cgroup_quota_into_account(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_max: str, affinity: int, want: int
+def test_usable_cores_take_cgroup_quotas_into_account(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    own: str,
+    parent: str | None,
+    affinity: int,
+    want: int,
 ) -> None:
-    quota = tmp_path / "cpu.max"
-    quota.write_text(cpu_max + "\n")
-    monkeypatch.setattr(aw, "_CGROUP_CPU_MAX", quota)
+    """The process's own cgroup and those above it (a container's limit is often set on a
+    parent): the tightest quota, in whole cores rounded up."""
+    root = tmp_path / "cgroup"
+    (root / "outer" / "job").mkdir(parents=True)
+    (root / "outer" / "job" / "cpu.max").write_text(own + "\n")
+    if parent is not None:
+        (root / "outer" / "cpu.max").write_text(parent + "\n")
+    (tmp_path / "self").write_text("0::/outer/job\n")
+    monkeypatch.setattr(aw, "_CGROUP_ROOT", root)
+    monkeypatch.setattr(aw, "_SELF_CGROUP", tmp_path / "self")
     monkeypatch.setattr(aw.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
     assert usable_cores() == want
+
+
+def test_run_auto_keeps_one_process_for_what_only_one_process_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ratchet.run(workers="auto")` never picks a number the same call would refuse, and a
+    short in-memory list of inputs runs in one process."""
+    monkeypatch.setattr(aw, "usable_cores", lambda: 2)
+    big = tmp_path / "big.jsonl"
+    _lines(big, 3000)
+
+    class Local(ratchet.Agent):
+        @ratchet.action(ratchet.InputEvent, inline=True)
+        def go(self, event: ratchet.InputEvent, ctx: ratchet.RunnerContext) -> None:
+            ctx.send_event(ratchet.OutputEvent(output={"v": event.input["value"]}))
+
+    cases = {
+        "config": dict(agent=AGENT, inputs=str(big), agent_config={"x": 1}),
+        "local": dict(agent=Local(), inputs=str(big)),
+        "short-list": dict(agent=AGENT, inputs=[{"key": "a", "value": 1}] * 10),
+    }
+    for name, kw in cases.items():
+        state = tmp_path / name
+        ratchet.run(output=str(tmp_path / f"{name}.jsonl"), state_dir=state, workers="auto", **kw)
+        assert not is_sharded(state), name
+    long = [{"key": f"k{i % 7}", "value": i} for i in range(1500)]
+    ratchet.run(AGENT, inputs=long, output=str(tmp_path / "long.jsonl"),
+                state_dir=tmp_path / "long", workers="auto")  # fmt: skip
+    assert read_layout(tmp_path / "long").workers == 2
+    ids = Counter(json.loads(x)["id"] for x in (tmp_path / "long.jsonl").read_text().splitlines())
+    assert len(ids) == 1500 and set(ids.values()) == {1}
 
 
 def test_a_bad_number_of_workers_is_refused_by_name(tmp_path: Path) -> None:

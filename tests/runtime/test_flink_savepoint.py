@@ -6,6 +6,7 @@ synthetic savepoint folders holding bytes the way Flink writes them."""
 from __future__ import annotations
 
 import argparse
+import enum
 import struct
 import time
 from pathlib import Path
@@ -405,12 +406,16 @@ class _Done:
         return self.value
 
 
+# PyFlink's JobStatus is an enum: its str is "JobStatus.FAILED", its name "FAILED".
+JobStatus = enum.Enum("JobStatus", "RUNNING FAILED CANCELED FINISHED")
+
+
 class _FailingJob:
     """A job client whose job failed while a stop waited: the stop is refused, the job's
     result holds its real cause."""
 
     def __init__(self, status: str) -> None:
-        self.status = status
+        self.status = JobStatus[status]
 
     def get_job_status(self) -> _Done:
         return _Done(self.status)
@@ -432,3 +437,14 @@ def test_a_stop_refused_because_the_job_failed_reports_the_jobs_failure(
         _flink._stop_when_running(_FailingJob("FAILED"), "/sp")
     with pytest.raises(RuntimeError, match="job is not running"):  # still running: the stop's
         _flink._stop_when_running(_FailingJob("RUNNING"), "/sp")
+
+
+def test_an_output_that_cannot_be_a_folder_is_refused_by_name(tmp_path: Path) -> None:
+    from ratchet.cli import _flink
+
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    args = argparse.Namespace(output=str(taken), jobmanager=None, detach=False)
+    with pytest.raises(ConfigError, match="cannot be used as the output folder"):
+        _flink._hold_output(args)
+    assert not _flink._held

@@ -36,6 +36,39 @@ from ratchet.store._sqlite import SqliteStore, StateLock
 log = logging.getLogger("ratchet.agents")
 
 
+def _auto(
+    agent: Any,
+    inputs: Any,
+    state_dir: str | os.PathLike[str],
+    follow: bool,
+    agent_config: Any,
+    clock: Clock,
+    rng: Any,
+) -> tuple[int, str]:
+    """`workers="auto"` for `run`: what `auto_workers` says, but one process when the call
+    asks for what only one process takes (agent_config, clock, rng, an agent object another
+    process cannot import), or hands over a short in-memory list of inputs."""
+    from collections.abc import Sized
+
+    from ratchet.agents._sharded import agent_spec
+    from ratchet.runtime._auto_workers import SMALL_INPUT_COUNT, auto_workers, existing_workers
+
+    kept = existing_workers(state_dir)
+    if kept is not None:
+        return kept  # never moves keys on its own (a sharded state then needs what it needs)
+    if agent_config is not None or clock is not SYSTEM_CLOCK or rng is not None:
+        return 1, "agent_config, clock or rng given: one process takes them"
+    try:
+        agent_spec(agent)
+    except ConfigError:
+        return 1, "the agent's class cannot be imported by another process"
+    if isinstance(inputs, Sized) and not isinstance(inputs, str | bytes):
+        if len(inputs) < SMALL_INPUT_COUNT:
+            return 1, f"a short list of inputs ({len(inputs)} < {SMALL_INPUT_COUNT})"
+    path = os.fspath(inputs) if isinstance(inputs, str | os.PathLike) else None
+    return auto_workers(state_dir, path if isinstance(path, str) else None, follow)
+
+
 def load_agent(spec: str, *, loaded: bool = False) -> Agent:
     """`package.module:Class` or `path/file.py:Class` to an agent instance.
 
@@ -276,11 +309,7 @@ def run(
     from ratchet.runtime._shards import is_sharded
 
     if workers == "auto":
-        from ratchet.runtime._auto_workers import auto_workers
-
-        workers, why = auto_workers(
-            state_dir, os.fspath(inputs) if isinstance(inputs, str | os.PathLike) else None, follow
-        )
+        workers, why = _auto(agent, inputs, state_dir, follow, agent_config, clock, rng)
         log.info("workers=auto: %d (%s)", workers, why)
     elif isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be a number >= 1 or 'auto', not {workers!r}")

@@ -270,9 +270,15 @@ def _hold_output(args: argparse.Namespace) -> None:
             "--output"
         )
 
-    os.makedirs(out, exist_ok=True)
     lock = StateLock(Path(out), OUTPUT_LOCK, busy)
-    lock.acquire()
+    try:
+        os.makedirs(out, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:
+        raise ConfigError(
+            f"--output {args.output} cannot be used as the output folder ({exc}); name a "
+            "folder this user can write"
+        ) from None
     _held.append(lock)
 
 
@@ -389,9 +395,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    from ratchet._errors import RatchetError
-    from ratchet.agents._run import load_agent
-
     if args.max_concurrent_runs is not None and args.max_concurrent_runs < 1:
         print("ratchet flink: --max-concurrent-runs must be at least 1", file=sys.stderr)
         return EXIT_USAGE
@@ -399,6 +402,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.call_journal is None:
         args.call_journal = os.environ.get(DSN_ENV) or None
+    try:
+        return _checked_run(args)
+    finally:
+        _let_go()
+
+
+def _checked_run(args: argparse.Namespace) -> int:
+    """Check what can be checked before a JVM starts (exit 2 with the reason), then run."""
+    from ratchet._errors import RatchetError
+    from ratchet.agents._run import load_agent
+
     journal = None
     try:
         load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
@@ -413,14 +427,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             journal = _open_journal(args, config)  # a bad URI or a server down: exit 2 here
     except RatchetError as exc:
         print(f"ratchet flink: {exc}", file=sys.stderr)
-        _let_go()
         return EXIT_USAGE
     try:
         return _run(args, config, journal, restoring)
     finally:
         if journal is not None:
             journal.close()
-        _let_go()
 
 
 def _let_go() -> None:
@@ -665,7 +677,7 @@ def _run_to_completion(
         now = SYSTEM_CLOCK.monotonic()
         if finished:
             break
-        if str(client.get_job_status().result()) in terminal:
+        if _status(client) in terminal:
             return None
         if now - last >= _REPORT_S and done != reported:
             rate = done / (now - started) if now > started else 0.0
@@ -720,11 +732,18 @@ def _raise_job_failure(client: Any) -> None:
     """Raise the job's own failure if it ended with one (a job that ran out of restarts while
     a stop waited for its tasks): that, not the refused stop, is what the user needs to see."""
     try:
-        status = str(client.get_job_status().result())
+        status = _status(client)
     except Exception:  # noqa: BLE001 - no status: the stop's own error says what there is
         return
     if status in ("FAILED", "CANCELED"):
         client.get_job_execution_result().result()  # raises the job's failure
+
+
+def _status(client: Any) -> str:
+    """The job's status by name (`FAILED`): PyFlink's `JobStatus` is an enum, whose str is
+    `JobStatus.FAILED`."""
+    status = client.get_job_status().result()
+    return str(getattr(status, "name", status))
 
 
 def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:

@@ -23,25 +23,48 @@ from pathlib import Path
 # A bounded input smaller than this runs in one process: workload 1's break-even between one
 # process and two workers was about 1,000 inputs (45 KB) here (docs/benchmarks.md).
 SMALL_INPUT_BYTES = 64 << 10
+SMALL_INPUT_COUNT = 1_000  # the same break-even in inputs, for an in-memory list of them
 # The coordinator costs 21-24 us of CPU per input and a worker running workload 1 about 80:
 # past about four workers the coordinator is the bound.
 MAX_AUTO_WORKERS = 4
-_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_SELF_CGROUP = Path("/proc/self/cgroup")
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity, lowered by a cgroup v2 CPU quota."""
+    """The cores this process may run on: its CPU affinity, lowered by a cgroup v2 CPU quota
+    on its own cgroup or any above it."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    try:
-        quota, period = _CGROUP_CPU_MAX.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
+    quota = _cgroup_cores()
+    if quota is not None:
+        cores = min(cores, quota)
     return max(1, cores)
+
+
+def _cgroup_cores() -> int | None:
+    """The tightest CPU quota (`cpu.max`) from this process's cgroup up to the root, in whole
+    cores rounded up; None without one (or without cgroup v2)."""
+    try:
+        lines = _SELF_CGROUP.read_text().splitlines()
+    except OSError:
+        lines = []
+    own = next((line[3:] for line in lines if line.startswith("0::")), "/")
+    here = _CGROUP_ROOT / own.strip("/")
+    best: int | None = None
+    while True:
+        try:
+            quota, period = (here / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                cores = max(1, math.ceil(int(quota) / int(period)))
+                best = cores if best is None else min(best, cores)
+        except (OSError, ValueError):
+            pass
+        if here == _CGROUP_ROOT or _CGROUP_ROOT not in here.parents:
+            return best
+        here = here.parent
 
 
 def input_bytes(spec: str) -> int | None:
@@ -66,10 +89,8 @@ def input_bytes(spec: str) -> int | None:
     return total if found else None
 
 
-def auto_workers(
-    state_dir: str | os.PathLike[str], inputs: str | None, follow: bool
-) -> tuple[int, str]:
-    """(workers, why) for `--workers auto`."""
+def existing_workers(state_dir: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(workers, why) of a state that exists: the number it was written with; None if new."""
     from ratchet.runtime._shards import is_sharded, read_layout
     from ratchet.store._sqlite import DB_NAME
 
@@ -79,6 +100,16 @@ def auto_workers(
         return n, f"the state was written with {n} workers"
     if (state / DB_NAME).exists():
         return 1, "the state was written by one process"
+    return None
+
+
+def auto_workers(
+    state_dir: str | os.PathLike[str], inputs: str | None, follow: bool
+) -> tuple[int, str]:
+    """(workers, why) for `--workers auto`."""
+    kept = existing_workers(state_dir)
+    if kept is not None:
+        return kept
     cores = usable_cores()
     if cores == 1:
         return 1, "one usable core"

@@ -1,0 +1,67 @@
+"""The local run's waits read PyFlink's job status by name (no JVM: a stand-in job client
+giving PyFlink's own `JobStatus`)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink uses .venv-flink)")
+
+from pyflink.common.job_status import JobStatus  # noqa: E402
+
+from ratchet.cli import _flink  # noqa: E402
+
+pytestmark = pytest.mark.flink
+
+
+class _Result:
+    def __init__(self, value: Any = None, error: Exception | None = None) -> None:
+        self.value, self.error = value, error
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Client:
+    def __init__(self, status: JobStatus) -> None:
+        self.status = status
+
+    def get_job_status(self) -> _Result:
+        return _Result(self.status)
+
+    def get_job_execution_result(self) -> _Result:
+        return _Result(error=RuntimeError("Caused by: java.lang.IllegalStateException: boom"))
+
+
+def test_a_bounded_run_whose_job_failed_stops_waiting(tmp_path: Path) -> None:
+    """A job that ended (out of restarts, say) before its inputs were done: the wait returns,
+    and the caller reports the job's result, instead of waiting for a signal."""
+    (tmp_path / "progress").mkdir()
+    args = argparse.Namespace(output=str(tmp_path / "out"), checkpoint_dir=None)
+    stop = threading.Event()
+    started = time.monotonic()
+    got = _flink._run_to_completion(
+        _Client(JobStatus.FAILED), args, str(tmp_path / "progress"), 5, False, stop
+    )
+    assert got is None and time.monotonic() - started < 5 and not stop.is_set()
+
+
+def test_a_refused_stop_of_a_failed_job_reports_the_jobs_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(client: object, target: str, *, drain: bool) -> str:
+        raise RuntimeError("java.util.concurrent.CompletionException: job is not running")
+
+    monkeypatch.setattr(_flink, "_stop_with_savepoint", refuse)
+    with pytest.raises(RuntimeError, match="boom"):
+        _flink._stop_when_running(_Client(JobStatus.FAILED), "/sp")
+    with pytest.raises(RuntimeError, match="job is not running"):
+        _flink._stop_when_running(_Client(JobStatus.RUNNING), "/sp")

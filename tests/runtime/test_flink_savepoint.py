@@ -448,3 +448,27 @@ def test_an_output_that_cannot_be_a_folder_is_refused_by_name(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="cannot be used as the output folder"):
         _flink._hold_output(args)
     assert not _flink._held
+
+
+def test_an_output_folder_that_cannot_be_read_is_refused_not_taken_for_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root reads every folder here, so the walk is made to meet what another user would."""
+    import os
+
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    real_walk = os.walk
+
+    def walk(top: object, onerror: object = None, **k: object) -> object:
+        assert callable(onerror)
+        onerror(PermissionError(13, "Permission denied", str(out / "sub")))
+        yield from real_walk(top, **k)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "walk", walk)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        earlier_outputs(str(out))
+    monkeypatch.setattr(
+        os, "walk", lambda top, onerror=None, **k: (onerror(FileNotFoundError(2, "gone")), [])[1]
+    )
+    assert earlier_outputs(str(out)) == 0  # a folder that vanished holds nothing

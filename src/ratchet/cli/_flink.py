@@ -457,7 +457,11 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
             return EXIT_USAGE
         # Restoring: only the files the savepoint's source has not read (it skips the others).
         only = unread_inputs(args.from_savepoint, args.input) if restoring else None
-        bad, inputs = scan_input(Path(args.input), args.key, only)
+        try:
+            bad, inputs = scan_input(Path(args.input), args.key, only)
+        except OSError as exc:
+            print(f"ratchet flink: --input {args.input} cannot be read: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         if bad and args.on_bad_input == "stop":
             more = f" (and {len(bad) - 1} more bad line(s))" if len(bad) > 1 else ""
             print(

@@ -22,9 +22,13 @@ def input_files(path: Path) -> list[Path]:
         return [path]
     out = []
     # Hidden folders are not entered (a run's `_checkpoints` can be large, and Flink deletes
-    # subsumed checkpoints while this walks); what vanishes or cannot be read meanwhile is
-    # not an output.
-    for top, dirs, files in os.walk(path):
+    # subsumed checkpoints while this walks); what vanishes meanwhile is not an output, and a
+    # folder that cannot be read is an error (OSError), not an empty one.
+    def unreadable(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):  # a folder that vanished holds nothing
+            raise exc
+
+    for top, dirs, files in os.walk(path, onerror=unreadable):
         dirs[:] = [d for d in dirs if d[:1] not in (".", "_")]
         for name in files:
             f = Path(top, name)

@@ -332,3 +332,20 @@ def test_a_reader_sees_one_schema_while_a_job_migrates_the_file(tmp_path: Path) 
     assert migrated
     assert reader.memories() == [(codec.encode("big"), big)]  # the new layout, read as such
     reader.close()
+
+
+def test_a_schema_8_state_gets_the_replace_trigger_when_a_job_opens_it(tmp_path: Path) -> None:
+    store = SqliteStore.open(tmp_path / "s", *OWNER)
+    store.close()
+    db = sqlite3.connect(tmp_path / "s" / DB_NAME, isolation_level=None)
+    db.execute("DROP TRIGGER spilled_replaced")
+    db.execute("PRAGMA user_version = 8")  # as schema 8 left it
+    db.close()
+    SqliteStore.open(tmp_path / "s", *OWNER).close()
+    db = sqlite3.connect(tmp_path / "s" / DB_NAME, isolation_level=None)
+    try:
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+        assert "spilled_replaced" in names
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+    finally:
+        db.close()

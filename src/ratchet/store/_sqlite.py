@@ -119,14 +119,17 @@ _MIGRATIONS: list[tuple[str, ...]] = [
         "AND NEW.memory IS NOT NULL BEGIN DELETE FROM spilled WHERE key = OLD.key; END",
         "CREATE TRIGGER spilled_gone AFTER DELETE ON keys WHEN OLD.memory IS NULL "
         "BEGIN DELETE FROM spilled WHERE key = OLD.key; END",
-        # An INSERT OR REPLACE deletes the old row without firing delete triggers (unless
-        # recursive_triggers): a row inserted with its memory in it drops any spilled copy.
-        "CREATE TRIGGER spilled_replaced AFTER INSERT ON keys WHEN NEW.memory IS NOT NULL "
-        "BEGIN DELETE FROM spilled WHERE key = NEW.key; END",
         "CREATE TABLE meta8(name TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID",
         "INSERT INTO meta8(name, value) SELECT name, value FROM meta",
         "DROP TABLE meta",
         "ALTER TABLE meta8 RENAME TO meta",
+    ),
+    (
+        # 9: an INSERT OR REPLACE (a sqlite3 shell's) deletes the old row without firing
+        # delete triggers (unless recursive_triggers): a row inserted with its memory in it
+        # drops any spilled copy.
+        "CREATE TRIGGER IF NOT EXISTS spilled_replaced AFTER INSERT ON keys WHEN NEW.memory "
+        "IS NOT NULL BEGIN DELETE FROM spilled WHERE key = NEW.key; END",
     ),
 ]
 # Whether a stored key (its codec bytes) is a string: msgpack's str forms (fixstr a0-bf, str

@@ -340,6 +340,7 @@ def test_a_schema_8_state_gets_the_replace_trigger_when_a_job_opens_it(tmp_path:
     db = sqlite3.connect(tmp_path / "s" / DB_NAME, isolation_level=None)
     db.execute("DROP TRIGGER spilled_replaced")
     db.execute("PRAGMA user_version = 8")  # as schema 8 left it
+    db.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'", (codec.encode(8),))
     db.close()
     SqliteStore.open(tmp_path / "s", *OWNER).close()
     db = sqlite3.connect(tmp_path / "s" / DB_NAME, isolation_level=None)

@@ -293,7 +293,7 @@ def test_a_worker_that_fails_stops_the_job_naming_its_shard(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--workers", "0"], "--workers must be >= 1, not 0"),
+        (["--workers", "0"], "--workers must be >= 1 or auto, not 0"),
         (["--rest-port", "1"], "--rest-port serves a supervised job's REST API; add --supervise"),
     ],
 )

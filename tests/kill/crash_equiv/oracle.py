@@ -69,7 +69,9 @@ def read_outputs(path: Path) -> list[dict[str, Any]]:
 def _by_run(outputs: list[dict[str, Any]]) -> dict[tuple[str, int], list[str]]:
     runs: dict[tuple[str, int], list[str]] = {}
     for o in outputs:
-        runs.setdefault((str(o.get("key")), int(o.get("seq", -1))), []).append(o["id"])
+        # repr: the key 7 and the key "7" are two keys (whose runs may share a seq where
+        # inputs are numbered per key, as on Flink).
+        runs.setdefault((repr(o.get("key")), int(o.get("seq", -1))), []).append(o["id"])
     return runs
 
 

@@ -21,6 +21,7 @@ def input_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     out = []
+
     # Hidden folders are not entered (a run's `_checkpoints` can be large, and Flink deletes
     # subsumed checkpoints while this walks); what vanishes meanwhile is not an output, and a
     # folder that cannot be read is an error (OSError), not an empty one.

@@ -21,9 +21,10 @@ import stat
 from pathlib import Path
 
 # A bounded input smaller than this runs in one process: workload 1's break-even between one
-# process and two workers was about 1,000 inputs (45 KB) here (docs/benchmarks.md).
+# process and two workers was between 1,000 and 3,000 inputs (45-135 KB) here
+# (docs/benchmarks.md).
 SMALL_INPUT_BYTES = 64 << 10
-SMALL_INPUT_COUNT = 1_000  # the same break-even in inputs, for an in-memory list of them
+SMALL_INPUT_COUNT = 1_000  # its low end in inputs, for an in-memory list of them
 # The coordinator costs 21-24 us of CPU per input and a worker running workload 1 about 80:
 # past about four workers the coordinator is the bound.
 MAX_AUTO_WORKERS = 4

@@ -398,6 +398,48 @@ def take_all(q: queue.SimpleQueue[_T]) -> list[_T]:
             return items
 
 
+class FusedRunners(dict[str, Callable[[Task], TaskResult] | None]):
+    """The fused path's runner of each action, or None (dispatch it), asked of the binding
+    on an action's first lookup (`inline_runner`: an inline action without a retry policy).
+
+    An engine runs a task through it when the task has no durable-call records to be handed,
+    and commits its result at once; `make_calls(task)` makes the task's call journal, only
+    when the action makes a call. A runner counts the execution on the dispatcher and turns a
+    fault of the binding itself into an engine fault, as `Dispatcher.dispatch` does.
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        waits: Waits | None,
+        make_calls: Callable[[Task], TaskCalls],
+    ) -> None:
+        super().__init__()
+        self._dispatcher = dispatcher
+        self._waits = waits
+        self._make_calls = make_calls
+
+    def __missing__(self, action: str) -> Callable[[Task], TaskResult] | None:
+        dispatcher = self._dispatcher
+        make = getattr(dispatcher.binding, "inline_runner", None)
+        inner = make(action, self._waits, self._make_calls) if make is not None else None
+        runner: Callable[[Task], TaskResult] | None = None
+        if inner is not None:
+            run: Callable[[Task], TaskResult] = inner
+
+            def runner(task: Task) -> TaskResult:
+                dispatcher.executed += 1
+                try:
+                    return run(task)
+                except RatchetError:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal
+                    raise broken(task, exc) from exc
+
+        self[action] = runner
+        return runner
+
+
 class Dispatcher:
     """Runs each dispatched task by its action's mode and reports outcomes to the engine.
 
@@ -431,43 +473,6 @@ class Dispatcher:
         self.executed = 0
         self._modes: dict[str, str] = {}  # action -> mode, as the binding says
         self._run_sync = binding.run_sync
-        self._fused: dict[str, Callable[[Task], TaskResult] | None] = {}
-
-    def fused_runner(
-        self,
-        action: str,
-        waits: Waits | None,
-        make_calls: Callable[[Task], TaskCalls],
-    ) -> Callable[[Task], TaskResult] | None:
-        """The fused path's runner of `action`, or None (dispatch it): asked of the binding
-        once per action (`inline_runner`: an inline action without a retry policy).
-
-        An engine calls it for a task that has no durable-call records to be handed, and
-        commits its result at once; `make_calls(task)` makes the task's call journal, only
-        when the action makes a call. The runner counts the execution and turns a fault of
-        the binding itself into an engine fault, as `dispatch` does.
-        """
-        try:
-            return self._fused[action]
-        except KeyError:
-            pass
-        make = getattr(self.binding, "inline_runner", None)
-        inner = make(action, waits, make_calls) if make is not None else None
-        runner: Callable[[Task], TaskResult] | None = None
-        if inner is not None:
-            run: Callable[[Task], TaskResult] = inner
-
-            def runner(task: Task) -> TaskResult:
-                self.executed += 1
-                try:
-                    return run(task)
-                except RatchetError:
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal
-                    raise broken(task, exc) from exc
-
-        self._fused[action] = runner
-        return runner
 
     def start(self) -> None:
         for i in range(self._nworkers):

@@ -35,6 +35,7 @@ from ratchet.runtime._dispatch import (
     Binding,
     CallJournal,
     Dispatcher,
+    FusedRunners,
     Outcome,
     TaskCalls,
     take_all,
@@ -68,7 +69,6 @@ from ratchet.store._traces import pack_rows, pack_trace
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
 
 log = logging.getLogger("ratchet.engine")
-_UNKNOWN: Any = object()
 
 
 @dataclass
@@ -718,6 +718,7 @@ class Engine:
             sync_workers=self.config.sync_workers,
             sync_batch=self.config.sync_batch,
         )
+        self._fused = FusedRunners(self._dispatcher, self._waits, self._make_calls)
         self._checkpoint_lock: asyncio.Lock | None = None
         self._cp_idle = False  # the checkpoint loop waits for an output (see _checkpoint_loop)
         self._outputs_waiting = False  # outputs emitted since the loop's last checkpoint
@@ -991,8 +992,8 @@ class Engine:
         calls_for, writer, waits, ltm = journal.calls_for, self._writer, self._waits, self._ltm
         # The fused path: an inline action without a retry policy, in a task with no durable-call
         # records to be handed (none left from before a restart), runs here and commits at once,
-        # its call journal made only if it makes a call (`Dispatcher.fused_runner`).
-        fused = dispatcher._fused if not journal.has_records() else None
+        # its call journal made only if it makes a call (`FusedRunners`).
+        fused = self._fused if not journal.has_records() else None
         while True:
             dispatched, outputs, completed = m.take_effects()
             if outputs:
@@ -1014,9 +1015,7 @@ class Engine:
                 return
             for task in dispatched:
                 if fused is not None:
-                    runner = fused.get(task.action, _UNKNOWN)
-                    if runner is _UNKNOWN:
-                        runner = dispatcher.fused_runner(task.action, waits, self._make_calls)
+                    runner = fused[task.action]
                     if runner is not None:
                         m.finish(task, runner(task))
                         continue

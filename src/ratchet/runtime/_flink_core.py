@@ -29,6 +29,7 @@ from ratchet.runtime._dispatch import (
     Binding,
     CallJournal,
     Dispatcher,
+    FusedRunners,
     Outcome,
     TaskCalls,
     take_all,
@@ -63,7 +64,6 @@ _UNBOUNDED = 1 << 62
 # are on the embedded engine. A string key is its own Flink key (savepoints of string-keyed jobs
 # keep their layout); a string key that starts with NUL is refused (it could collide).
 _INT_KEY = "\x00i:"
-_UNKNOWN: Any = object()
 
 
 def flink_key(key: Any) -> str:
@@ -354,6 +354,7 @@ class AgentCore:
             sync_workers=self.config.sync_workers,
             thread_name="ratchet-flink-sync",
         )
+        self._fused = FusedRunners(self._dispatcher, None, self._make_calls)
 
     @property
     def tasks_executed(self) -> int:
@@ -666,9 +667,7 @@ class AgentCore:
         # in a task with no durable-call records to be handed, runs here and its result is
         # applied at once; its call journal is made only if it makes a call. Not with an
         # external call journal, whose records a run's first task takes (`_input_fp`).
-        fused = (
-            dispatcher._fused if self.journal is None and not info.recorded.has_records() else None
-        )
+        fused = self._fused if self.journal is None and not info.recorded.has_records() else None
         while True:
             dispatched, outputs, completed = m.take_effects()
             for out in outputs:
@@ -696,9 +695,7 @@ class AgentCore:
                     self._held.setdefault(task.key, []).append(task)
                     continue
                 if fused is not None:
-                    runner = fused.get(task.action, _UNKNOWN)
-                    if runner is _UNKNOWN:
-                        runner = dispatcher.fused_runner(task.action, None, self._make_calls)
+                    runner = fused[task.action]
                     if runner is not None:
                         m.finish(task, runner(task))
                         continue

@@ -7,7 +7,6 @@ import argparse
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,29 +15,9 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from pyflink.common.job_status import JobStatus  # noqa: E402
 
 from ratchet.cli import _flink  # noqa: E402
+from support.job_client import FailedJob  # noqa: E402
 
 pytestmark = pytest.mark.flink
-
-
-class _Result:
-    def __init__(self, value: Any = None, error: Exception | None = None) -> None:
-        self.value, self.error = value, error
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class _Client:
-    def __init__(self, status: JobStatus) -> None:
-        self.status = status
-
-    def get_job_status(self) -> _Result:
-        return _Result(self.status)
-
-    def get_job_execution_result(self) -> _Result:
-        return _Result(error=RuntimeError("Caused by: java.lang.IllegalStateException: boom"))
 
 
 def test_a_bounded_run_whose_job_failed_stops_waiting(tmp_path: Path) -> None:
@@ -49,7 +28,7 @@ def test_a_bounded_run_whose_job_failed_stops_waiting(tmp_path: Path) -> None:
     stop = threading.Event()
     started = time.monotonic()
     got = _flink._run_to_completion(
-        _Client(JobStatus.FAILED), args, str(tmp_path / "progress"), 5, False, stop
+        FailedJob(JobStatus.FAILED), args, str(tmp_path / "progress"), 5, False, stop
     )
     assert got is None and time.monotonic() - started < 5 and not stop.is_set()
 
@@ -62,6 +41,6 @@ def test_a_refused_stop_of_a_failed_job_reports_the_jobs_failure(
 
     monkeypatch.setattr(_flink, "_stop_with_savepoint", refuse)
     with pytest.raises(RuntimeError, match="boom"):
-        _flink._stop_when_running(_Client(JobStatus.FAILED), "/sp")
+        _flink._stop_when_running(FailedJob(JobStatus.FAILED, "boom"), "/sp")
     with pytest.raises(RuntimeError, match="job is not running"):
-        _flink._stop_when_running(_Client(JobStatus.RUNNING), "/sp")
+        _flink._stop_when_running(FailedJob(JobStatus.RUNNING, "boom"), "/sp")

@@ -6,7 +6,6 @@ synthetic savepoint folders holding bytes the way Flink writes them."""
 from __future__ import annotations
 
 import argparse
-import enum
 import struct
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from ratchet.runtime._flink_savepoint import (
     unread_inputs,
     write_marker,
 )
+from support.job_client import FailedJob, JobStatus
 
 
 def utf(name: str) -> bytes:
@@ -396,34 +396,6 @@ def test_a_second_local_run_into_a_folder_being_written_is_refused(tmp_path: Pat
     _flink._let_go()
 
 
-class _Done:
-    def __init__(self, value: object = None, error: Exception | None = None) -> None:
-        self.value, self.error = value, error
-
-    def result(self) -> object:
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-# PyFlink's JobStatus is an enum: its str is "JobStatus.FAILED", its name "FAILED".
-JobStatus = enum.Enum("JobStatus", "RUNNING FAILED CANCELED FINISHED")
-
-
-class _FailingJob:
-    """A job client whose job failed while a stop waited: the stop is refused, the job's
-    result holds its real cause."""
-
-    def __init__(self, status: str) -> None:
-        self.status = JobStatus[status]
-
-    def get_job_status(self) -> _Done:
-        return _Done(self.status)
-
-    def get_job_execution_result(self) -> _Done:
-        return _Done(error=RuntimeError("Caused by: java.lang.IllegalStateException: the cause"))
-
-
 def test_a_stop_refused_because_the_job_failed_reports_the_jobs_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -434,9 +406,9 @@ def test_a_stop_refused_because_the_job_failed_reports_the_jobs_failure(
 
     monkeypatch.setattr(_flink, "_stop_with_savepoint", refuse)
     with pytest.raises(RuntimeError, match="the cause"):
-        _flink._stop_when_running(_FailingJob("FAILED"), "/sp")
+        _flink._stop_when_running(FailedJob(JobStatus.FAILED), "/sp")
     with pytest.raises(RuntimeError, match="job is not running"):  # still running: the stop's
-        _flink._stop_when_running(_FailingJob("RUNNING"), "/sp")
+        _flink._stop_when_running(FailedJob(JobStatus.RUNNING), "/sp")
 
 
 def test_an_output_that_cannot_be_a_folder_is_refused_by_name(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from ratchet.runtime._auto_workers import (
     usable_cores,
 )
 from ratchet.runtime._shards import is_sharded, read_layout
+from support.jsonl import whole_lines
 from support.shard_state import workers_gone
 
 AGENT = f"{Path(__file__).with_name('kill_agent.py')}:KillAgent"
@@ -188,13 +189,6 @@ def _run(tmp: Path, *extra: str) -> subprocess.Popen[bytes]:
         )  # fmt: skip
 
 
-def _outputs(tmp: Path) -> list[dict[str, object]]:
-    out = tmp / "out.jsonl"
-    if not out.exists():
-        return []
-    return [json.loads(x) for x in out.read_text().splitlines() if x.endswith("}")]
-
-
 @pytest.mark.kill
 @pytest.mark.skipif(sys.platform != "linux", reason="the kill is of a coordinator and its workers")
 def test_a_sigkilled_auto_job_resumes_with_the_workers_it_was_written_with(
@@ -206,7 +200,7 @@ def test_a_sigkilled_auto_job_resumes_with_the_workers_it_was_written_with(
     want = min(usable_cores(), MAX_AUTO_WORKERS)
     proc = _run(tmp_path)
     deadline = time.monotonic() + 120
-    while len(_outputs(tmp_path)) < n_inputs // 4:
+    while len(whole_lines(tmp_path / "out.jsonl")) < n_inputs // 4:
         assert proc.poll() is None, (tmp_path / "stderr.log").read_text()
         assert time.monotonic() < deadline, "no outputs within 120 s"
         time.sleep(0.01)
@@ -218,7 +212,7 @@ def test_a_sigkilled_auto_job_resumes_with_the_workers_it_was_written_with(
     if want > 1:
         assert read_layout(tmp_path / "state").workers == want
     workers_gone(tmp_path / "state")  # they die with their coordinator: wait until they have
-    before = len(_outputs(tmp_path))
+    before = len(whole_lines(tmp_path / "out.jsonl"))
     assert before < n_inputs, "the kill came after the end: nothing left to resume"
     (tmp_path / "stderr.log").unlink()
     again = _run(tmp_path)
@@ -226,5 +220,5 @@ def test_a_sigkilled_auto_job_resumes_with_the_workers_it_was_written_with(
     said = (tmp_path / "stderr.log").read_text()
     why = "the state was written with" if want > 1 else "the state was written by one process"
     assert f"--workers auto: {want} ({why}" in said, said
-    ids = Counter(str(o["id"]) for o in _outputs(tmp_path))
+    ids = Counter(str(o["id"]) for o in whole_lines(tmp_path / "out.jsonl"))
     assert len(ids) == n_inputs and set(ids.values()) == {1}, ids.most_common(3)

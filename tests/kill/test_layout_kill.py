@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from ratchet.store._sqlite import DB_NAME, SCHEMA_VERSION
 from support import schema7
+from support.jsonl import whole_lines
 
 pytestmark = pytest.mark.kill
 
@@ -38,9 +39,7 @@ INPUTS = 400
 
 
 def outputs(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(x)["output"] for x in path.read_text().splitlines() if x.endswith("}")]
+    return [r["output"] for r in whole_lines(path)]
 
 
 def start(tmp: Path) -> subprocess.Popen[str]:

@@ -30,17 +30,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.jsonl import whole_lines
+
 pytestmark = pytest.mark.kill
 
 AGENT = f"{Path(__file__).with_name('lazy_agent.py')}:Tally"
 RATCHET = [sys.executable, "-m", "ratchet.cli"]
 IDLE_KEYS = 300
-
-
-def lines(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
 class Job:
@@ -70,7 +66,7 @@ class Job:
         return len(json.loads(done.stdout)["waiting"]) if done.returncode == 0 else -1
 
     def outputs(self) -> list[dict[str, Any]]:
-        return [r["output"] for r in lines(self.output)]
+        return [r["output"] for r in whole_lines(self.output)]
 
 
 def finish(proc: subprocess.Popen[str], what: str) -> None:
@@ -141,7 +137,7 @@ def test_lazy_restore_resumes_everything_after_sigkill(tmp_path_factory: Any, se
         if r.get("wait"):
             assert o["signal"] == f"go-{r['key']}", f"{o} {hint}"
         if r.get("call"):
-            calls = [e for e in lines(job.log) if e["id"] == r["id"]]
+            calls = [e for e in whole_lines(job.log) if e["id"] == r["id"]]
             assert o["token"] in {e.get("token") for e in calls}, f"{o} {hint}"
             again = [e for e in calls if e["what"] == "begin" and e["pid"] != killed]
             assert len(again) <= 1, f"call of {r['id']} made {len(again)} times {hint}"

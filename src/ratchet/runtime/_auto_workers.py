@@ -71,13 +71,12 @@ def _cgroup_cores() -> int | None:
 def input_bytes(spec: str) -> int | None:
     """The size of the files an `--input` names (a file, a directory, a glob pattern); None
     when it is not files (a connector's URI) or names none."""
-    if "://" in spec:
+    from ratchet.connectors import is_uri
+    from ratchet.runtime._io import files_pattern
+
+    if is_uri(spec):
         return None
-    path = Path(spec)
-    if path.is_file():
-        names = [spec]
-    else:
-        names = glob.glob(str(path / "*") if path.is_dir() else spec)
+    names = [spec] if Path(spec).is_file() else glob.glob(files_pattern(spec))
     total, found = 0, False
     for name in names:
         try:

@@ -405,6 +405,11 @@ class JsonlSource(Source):
         self._file.close()
 
 
+def files_pattern(text: str) -> str:
+    """The glob pattern of an `--input` naming a folder (every file in it) or a pattern."""
+    return str(Path(text) / "*") if Path(text).is_dir() else text
+
+
 class JsonlFilesSource(Source):
     """The JSON Lines files matching a glob pattern (a directory means every file in it), read
     one after another: for logs that are rotated by renaming.
@@ -420,7 +425,7 @@ class JsonlFilesSource(Source):
         self, pattern: str | os.PathLike[str], key_field: str = "key", follow: bool = False
     ) -> None:
         text = str(pattern)
-        self.pattern = str(Path(text) / "*") if Path(text).is_dir() else text
+        self.pattern = files_pattern(text)
         self.key_field = key_field
         self.follow = follow
         if not follow and not glob.glob(self.pattern):

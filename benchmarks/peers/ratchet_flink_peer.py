@@ -33,7 +33,6 @@ def main() -> None:
     # Separate Python worker processes, as on a cluster (ratchet.flink.environment does this).
     os.environ.setdefault("_python_worker_execution_mode", "process")
     import ratchet_agents as agents
-    from pyflink.common import Types
 
     from ratchet.flink import CoreConfig, FlinkConfig, apply_agent
 
@@ -72,7 +71,9 @@ def main() -> None:
         lambda x: x["key"],
         config=config,
     )
-    fl.sink(outputs.map(lambda x: x, output_type=Types.STRING()).uid("dump"), wd)
+    # apply_agent's outputs are JSON lines already (Types.STRING()): no `json.dumps` map, as
+    # the Flink Agents column needs for its Python objects.
+    fl.sink(outputs, wd)
     job = env.execute_async(f"ratchet-flink-{a.workload}")
     first, done = fl.wait_outputs(wd, want, timeout=600)
     result = {"inputs": n, "wall_s": (done - t0) if done else None,

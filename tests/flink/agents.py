@@ -110,6 +110,23 @@ class Counter(Agent):
         ctx.send_event(OutputEvent(output=n))
 
 
+def doubled(value: int) -> int:
+    return 2 * value
+
+
+class MeteredCounter(Agent):
+    """`Counter` with an action's own `ctx.metrics` counter and one durable call per input:
+    what the Flink metrics of `ctx.metrics` show."""
+
+    @action(InputEvent, inline=True)
+    def count(self, event: InputEvent, ctx: Any) -> None:
+        n = ctx.short_term_memory.get("n", 0) + 1
+        ctx.short_term_memory.set("n", n)
+        ctx.metrics.inc("counted")
+        ctx.durable_execute(doubled, n)
+        ctx.send_event(OutputEvent(output=n))
+
+
 def gate_open(gate: str) -> bool:
     return Path(gate).exists()
 

@@ -37,7 +37,7 @@ def _ratchet(tmp: Path, *args: str, code: int = 0) -> subprocess.CompletedProces
 
 def _submit(cluster: Any, tmp: Path, inputs: Path, out: Path, *extra: str) -> str:
     cmd = [
-        *CLI, f"{AGENTS}:Counter", "--input", str(inputs), "--output", str(out),
+        *CLI, f"{AGENTS}:MeteredCounter", "--input", str(inputs), "--output", str(out),
         "--memory-output", str(tmp / "mem"), "--jobmanager", cluster.jobmanager, "--detach",
         "--follow", "300", "--checkpoint-interval", "300",
         "--checkpoint-dir", str(tmp / "checkpoints"), "--tmp-dir", str(tmp / "flink-tmp"), *extra,
@@ -87,8 +87,19 @@ def test_status_savepoint_stop_resume_and_inspect(cluster: Any, tmp_path: Path) 
         assert s["state"] == "RUNNING" and s["checkpoints"]["counts"]["completed"] >= 1, s
         assert s["ratchet"]["ratchet.outputs"] == 30, s
         assert s["ratchet"]["ratchet.runs_in_flight"] == 0, s
+        # `ctx.metrics` counters: the action's own, and the engine's count of durable calls
+        # (a dot in a counter's name is a `_` in the metric's identifier).
+        counters = wait_for(
+            "the ctx.metrics counters",
+            lambda: (
+                (got := summary()["ratchet"]).get("ratchet.counter.counted.total") == 30 and got
+            ),
+            90,
+        )
+        assert counters["ratchet.counter.durable_calls_made.total"] == 30, counters
         text = _ratchet(tmp_path, "flink", "status", job, "--jobmanager", jm).stdout
         assert "ratchet.inputs" in text and "RUNNING" in text, text
+        assert "ratchet.counter.counted.total" in text, text
 
         sp = json.loads(
             _ratchet(

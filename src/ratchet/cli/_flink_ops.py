@@ -32,6 +32,16 @@ RATCHET_METRICS = (
 )
 
 
+# The operator's group in a metric's id (`<operator>.ratchet.inputs`), and its `ctx.metrics`
+# counters: `<operator>.ratchet.counter.<name>.total`.
+RATCHET_GROUP = ".ratchet."
+COUNTER_GROUP = ".ratchet.counter."
+
+
+def _is_counter(metric_id: str) -> bool:
+    return COUNTER_GROUP in metric_id and metric_id.endswith(".total")
+
+
 class JobManagerError(Exception):
     """The JobManager could not be asked, or said no: the message says which and what to do."""
 
@@ -98,11 +108,11 @@ class JobManager:
                 names = [m["id"] for m in self.call(base)]
             except JobManagerError:
                 continue
-            wanted = [n for n in names if n.endswith(RATCHET_METRICS)]
+            wanted = [n for n in names if n.endswith(RATCHET_METRICS) or _is_counter(n)]
             if not wanted:
                 continue
             for m in self.call(f"{base}?get={','.join(wanted)}&agg=sum"):
-                short = "ratchet." + m["id"].rpartition("ratchet.")[2]
+                short = m["id"][m["id"].find(RATCHET_GROUP) + 1 :]
                 found[short] = found.get(short, 0.0) + float(m.get("sum", 0.0))
         return found
 

@@ -255,9 +255,9 @@ class AgentFunction(KeyedProcessFunction):
             from ratchet.connectors._pg_journal import PostgresCallJournal
 
             journal = PostgresCallJournal(*self.journal)
-        self.core = AgentCore(
-            AgentBinding(agent, self.agent_config), self.core_config, journal=journal
-        )
+        binding = AgentBinding(agent, self.agent_config)
+        self._counters = binding.metrics  # `ctx.metrics`, exported by `_export_counters`
+        self.core = AgentCore(binding, self.core_config, journal=journal)
         self.core.open()
         self._thread = thread_mode(runtime_context)
         self.state: _State | _TextState = (
@@ -288,12 +288,33 @@ class AgentFunction(KeyedProcessFunction):
         core = self.core
         assert core is not None
         group = rc.get_metrics_group().add_group("ratchet")
-        self._m_inputs = group.counter("inputs")
-        self._m_outputs = group.counter("outputs")
+        self._group = group
+        # Every metric is a gauge over a Python value, read when Flink reports: an input
+        # costs no call into the JVM for them (a thread-mode counter's `inc` is one, ~1.8 us).
+        # `inputs` and `outputs` only grow, and start at 0 in a restarted task, as counters do.
+        self._n_inputs = 0
+        self._n_outputs = 0
+        group.gauge("inputs", lambda: self._n_inputs)
+        group.gauge("outputs", lambda: self._n_outputs)
         group.gauge("runs_in_flight", lambda: core.machine.active_runs)
         group.gauge("queued_inputs", lambda: core.machine.buffered_inputs)
         group.gauge("tasks_executed", lambda: core.tasks_executed)
         group.gauge("tasks_replayed", lambda: core.machine.tasks_replayed)
+        self._exported: set[str] = set()
+        self._export_counters()
+
+    def _export_counters(self) -> None:
+        """Each `ctx.metrics` counter (`durable_calls.made`, `durable_calls.replayed`, an
+        action's own) as the gauge `ratchet.counter.<name>.total`, registered the first time
+        its name has a value (Flink's Prometheus reporter: `..._ratchet_counter_total` with
+        the label `counter="<name>"`)."""
+        counters = self._counters
+        for name in counters.totals():
+            if name not in self._exported:
+                self._exported.add(name)
+                self._group.add_group("counter", name).gauge(
+                    "total", lambda name=name: counters.total(name)
+                )
 
     def close(self) -> None:
         if self.core is not None:
@@ -310,7 +331,9 @@ class AgentFunction(KeyedProcessFunction):
         if self.json_pairs:
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
-        self._m_inputs.inc()
+        self._n_inputs += 1
+        if self._counters.count() != len(self._exported):
+            self._export_counters()
         if self.emit_admissions:
             yield PROGRESS_TAG, json.dumps({"key": key, "seq": step.admitted, "in": 1})
         self._timers(ctx, key, step, register_end=self.emit_memory)
@@ -344,6 +367,8 @@ class AgentFunction(KeyedProcessFunction):
         if not end:
             self._timers(ctx, key, step, register_end=False)
         self._update_wake(fkey, step)
+        if self._counters.count() != len(self._exported):
+            self._export_counters()  # a counter an async action's task added
         yield from self._emit(key, step)
         if end and self.emit_memory:
             import base64
@@ -415,7 +440,7 @@ class AgentFunction(KeyedProcessFunction):
 
     def _emit(self, key: Any, step: Step) -> Any:
         if step.outputs:
-            self._m_outputs.inc(len(step.outputs))
+            self._n_outputs += len(step.outputs)
             yield from step.outputs
         if self.emit_progress:
             for seq in step.completed:

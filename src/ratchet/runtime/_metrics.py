@@ -27,6 +27,16 @@ class Metrics:
             mine = self._per_key.setdefault(key, {})
             mine[name] = mine.get(name, 0) + value
 
+    def count(self) -> int:
+        """How many counters have a value (read without the lock: a new name is what a
+        caller polls for, and a dict's length is read atomically). Not `__len__`: an empty
+        registry must stay truthy (`metrics or Metrics()`)."""
+        return len(self._totals)
+
+    def total(self, name: str) -> float:
+        with self._lock:
+            return self._totals.get(name, 0)
+
     def totals(self) -> dict[str, float]:
         with self._lock:
             return dict(sorted(self._totals.items()))

@@ -1,0 +1,60 @@
+"""The JSONL sources parse a line with the C scanner directly (`ratchet.runtime._io._loads`),
+not with `json.loads` on bytes: for any line, the value or the error must be `json.loads`'s."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ratchet.runtime._io import _loads
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def outcome(fn: Any, text: bytes) -> tuple[str, str]:
+    """What parsing gives, comparable: the value's canonical JSON, or the error's type and
+    message (NaN compares as its JSON spelling)."""
+    try:
+        return "value", json.dumps(fn(text), sort_keys=True)
+    except Exception as exc:  # noqa: BLE001 - any error must be the same one
+        return type(exc).__name__, str(exc)
+
+
+@settings(max_examples=400)
+@given(
+    value=JSON,
+    ascii_only=st.booleans(),
+    compact=st.booleans(),
+    prefix=st.sampled_from([b"", b"\xef\xbb\xbf", b"\x00", b" "]),
+    suffix=st.sampled_from([b"", b"x", b" 1", b"\x00", b"}"]),
+)
+def test_a_serialized_value_parses_as_json_loads_parses_it(
+    value: Any, ascii_only: bool, compact: bool, prefix: bytes, suffix: bytes
+) -> None:
+    sep = (",", ":") if compact else (", ", ": ")
+    text = prefix + json.dumps(value, ensure_ascii=ascii_only, separators=sep).encode() + suffix
+    text = text.strip()
+    if text:
+        assert outcome(_loads, text) == outcome(json.loads, text), text
+
+
+@settings(max_examples=400)
+@given(st.binary(min_size=1, max_size=40).map(bytes.strip).filter(bool))
+@example(b"1\x00")
+@example(b'"\xed\xa0\x80"')  # an encoded lone surrogate: json.loads takes it ("surrogatepass")
+@example(b"\xff\xfe{\x00}\x00")  # a UTF-16 BOM
+@example(b'{"a": 1} {"b": 2}')
+@example(b"\xc2\xa01")  # a no-break space is not JSON whitespace
+def test_any_bytes_parse_or_fail_as_json_loads_does(text: bytes) -> None:
+    assert outcome(_loads, text) == outcome(json.loads, text), text

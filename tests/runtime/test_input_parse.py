@@ -1,15 +1,26 @@
 """The JSONL sources parse a line with the C scanner directly (`ratchet.runtime._io._loads`),
-not with `json.loads` on bytes: for any line, the value or the error must be `json.loads`'s."""
+not with `json.loads` on bytes: for any line, the value or the error must be `json.loads`'s;
+and a line too deeply nested for Python to read is a bad line like any other."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from ratchet import Agent, BadInputError, InputEvent, OutputEvent, action, run
 from ratchet.runtime._io import _loads
+
+
+class Echo(Agent):
+    @action(InputEvent, inline=True)
+    def echo(self, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output=event.input))
+
 
 JSON = st.recursive(
     st.none()
@@ -58,3 +69,22 @@ def test_a_serialized_value_parses_as_json_loads_parses_it(
 @example(b"\xc2\xa01")  # a no-break space is not JSON whitespace
 def test_any_bytes_parse_or_fail_as_json_loads_does(text: bytes) -> None:
     assert outcome(_loads, text) == outcome(json.loads, text), text
+
+
+def test_a_line_nested_too_deeply_to_read_is_a_bad_input_line(tmp_path: Path) -> None:
+    """Python's JSON reader raises RecursionError for ~1,000 nested arrays; that is a bad line
+    (its policy applies: here "stop", exit 3 on the command line), not a traceback."""
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "in.jsonl").write_text(
+        json.dumps({"key": "a", "v": 1}) + "\n" + '{"key": "b", "v": ' + deep + "}\n"
+    )
+    with pytest.raises(BadInputError, match=r"in\.jsonl:2: invalid JSON \(.*nested too deeply"):
+        run(
+            Echo(),
+            inputs=str(tmp_path / "in.jsonl"),
+            output=str(tmp_path / "out.jsonl"),
+            state_dir=str(tmp_path / "state"),
+        )
+    assert [json.loads(x)["output"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [
+        {"key": "a", "v": 1}
+    ]

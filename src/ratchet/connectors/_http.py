@@ -81,6 +81,10 @@ def parse_events(body: bytes, key_field: str) -> list[str]:
         raise BadRequest(
             400, f"the body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
+    except RecursionError:
+        raise BadRequest(
+            400, "the body is not JSON: arrays or objects nested too deeply to read"
+        ) from None
     if isinstance(value, dict):
         events = [value]
         where = "the event"

@@ -317,7 +317,7 @@ class NatsSource(Source):
             self._prev = (seq, msg)
             try:
                 value = json.loads(msg.data)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
                 return Record(seq, error=f"stream {self.stream} message {seq}: invalid JSON ({exc})",
                               raw=msg.data[:65536].decode("utf-8", errors="replace"))  # fmt: skip
             key, err = _key_of(value, self.key_field, f"stream {self.stream} message {seq}")

@@ -142,6 +142,12 @@ def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None
         value = _loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return Record(line, error=f"{path}:{line}: invalid JSON ({exc})", raw=_text(text))
+    except RecursionError:
+        return Record(
+            line,
+            error=f"{path}:{line}: invalid JSON (arrays or objects nested too deeply to read)",
+            raw=_text(text),
+        )
     if type(value) is dict:
         key = value.get(key_field, _NO_KEY)
         if type(key) is str or type(key) is int:

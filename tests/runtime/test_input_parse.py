@@ -12,8 +12,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ratchet import Agent, BadInputError, InputEvent, OutputEvent, action, run
-from ratchet.runtime._io import _loads
+from ratchet import Agent, BadInputError, EngineConfig, InputEvent, OutputEvent, action, run
+from ratchet.runtime._io import INPUT_MAX_DEPTH, _loads, _too_deep
 
 
 class Echo(Agent):
@@ -88,3 +88,30 @@ def test_a_line_nested_too_deeply_to_read_is_a_bad_input_line(tmp_path: Path) ->
     assert [json.loads(x)["output"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == [
         {"key": "a", "v": 1}
     ]
+
+
+def nested(depth: int) -> str:
+    """A JSON input line whose arrays and objects nest `depth` deep (the object counts)."""
+    return '{"key": "k", "v": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+def test_an_input_nested_deeper_than_ratchet_stores_is_a_bad_line(tmp_path: Path) -> None:
+    """An input nested deeper than the codec stores used to be admitted and then fail every
+    checkpoint, so nothing after it could ever be done; it is refused as a bad line now, and
+    --on-bad-input skip goes past it. The deepest input that is taken is stored and echoed."""
+    assert not _too_deep(json.loads(nested(INPUT_MAX_DEPTH)))
+    assert _too_deep(json.loads(nested(INPUT_MAX_DEPTH + 1)))
+    lines = [nested(INPUT_MAX_DEPTH + 1), nested(INPUT_MAX_DEPTH), nested(500)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    result = run(
+        Echo(),
+        inputs=str(tmp_path / "in.jsonl"),
+        output=str(tmp_path / "out.jsonl"),
+        state_dir=str(tmp_path / "state"),
+        config=EngineConfig(on_bad_input="skip"),
+    )
+    said = f"in.jsonl:{{}}: the input nests more than {INPUT_MAX_DEPTH} arrays or objects"
+    assert len(result.bad_inputs) == 2, result.bad_inputs
+    assert said.format(1) in result.bad_inputs[0] and said.format(3) in result.bad_inputs[1]
+    outs = [json.loads(x)["output"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert outs == [json.loads(nested(INPUT_MAX_DEPTH))]

@@ -133,6 +133,25 @@ def _loads(text: bytes) -> Any:
     return json.loads(text)
 
 
+# The most arrays and objects an input may nest in each other: the codec stores values at
+# most `MAX_DEPTH` deep, and the deepest place an input goes is three containers down (a
+# shard frame's batch: frame, batch, entry). A deeper line is a bad input, so its policy
+# applies, instead of an admitted input that no checkpoint can ever store.
+INPUT_MAX_DEPTH = codec.MAX_DEPTH - 3
+
+
+def _too_deep(value: Any, limit: int = INPUT_MAX_DEPTH) -> bool:
+    """Whether the container `value` nests more than `limit` containers (itself included)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if type(v) is dict else v
+        stack.extend((c, depth + 1) for c in children if type(c) is dict or type(c) is list)
+    return False
+
+
 def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None:
     """One line (number `line`) of the JSONL input `path` as a record; None for a blank line."""
     text = raw.strip()
@@ -151,6 +170,15 @@ def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None
     if type(value) is dict:
         key = value.get(key_field, _NO_KEY)
         if type(key) is str or type(key) is int:
+            # Only a line with that many brackets can be that deep: a count costs ~0.1 us.
+            if text.count(b"[") + text.count(b"{") > INPUT_MAX_DEPTH and _too_deep(value):
+                return Record(
+                    line,
+                    error=f"{path}:{line}: the input nests more than {INPUT_MAX_DEPTH} arrays "
+                    f"or objects in each other, deeper than ratchet can store; flatten it "
+                    f"(e.g. a list of records with parent ids)",
+                    raw=_text(text),
+                )
             return Record(line, key=key, value=value)
     _key, err = _key_of(value, key_field, f"{path}:{line}")
     return Record(line, error=err, raw=_text(text))

@@ -102,6 +102,8 @@ def _key_of(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
         return None, (
             f"{where}: key field {key_field!r} is {type(key).__name__}; keys must be strings or integers"
         )
+    if _too_deep(value):
+        return None, _TOO_DEEP.format(where=where)
     return key, None
 
 
@@ -140,6 +142,12 @@ def _loads(text: bytes) -> Any:
 INPUT_MAX_DEPTH = codec.MAX_DEPTH - 3
 
 
+_TOO_DEEP = (
+    f"{{where}}: the input nests more than {INPUT_MAX_DEPTH} arrays or objects in each other, "
+    f"deeper than ratchet can store; flatten it (e.g. a list of records with parent ids)"
+)
+
+
 def _too_deep(value: Any, limit: int = INPUT_MAX_DEPTH) -> bool:
     """Whether the container `value` nests more than `limit` containers (itself included)."""
     stack: list[tuple[Any, int]] = [(value, 1)]
@@ -172,13 +180,8 @@ def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None
         if type(key) is str or type(key) is int:
             # Only a line with that many brackets can be that deep: a count costs ~0.1 us.
             if text.count(b"[") + text.count(b"{") > INPUT_MAX_DEPTH and _too_deep(value):
-                return Record(
-                    line,
-                    error=f"{path}:{line}: the input nests more than {INPUT_MAX_DEPTH} arrays "
-                    f"or objects in each other, deeper than ratchet can store; flatten it "
-                    f"(e.g. a list of records with parent ids)",
-                    raw=_text(text),
-                )
+                error = _TOO_DEEP.format(where=f"{path}:{line}")
+                return Record(line, error=error, raw=_text(text))
             return Record(line, key=key, value=value)
     _key, err = _key_of(value, key_field, f"{path}:{line}")
     return Record(line, error=err, raw=_text(text))

@@ -157,3 +157,27 @@ def test_the_cli_refuses_a_wrong_table_with_exit_2_and_no_traceback(
     assert (
         f"ratchet: error: --output {postgres.dsn}?table={name} (table {name}) exists" in proc.stderr
     )
+
+
+def test_rows_nested_too_deeply_are_bad_inputs_not_tracebacks(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    """A jsonb column the database accepts may nest deeper than ratchet stores (97) or than
+    Python's JSON reader can read (~1,000): each is a bad record naming its row."""
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, key text, v jsonb)")
+    for depth in (50, 98, 3000):
+        deep = "[" * depth + "]" * depth
+        postgres.execute(f"INSERT INTO {name} (key, v) VALUES ('a', '{deep}')")
+    src = source_for(f"{postgres.dsn}?table={name}", key="key", follow=False)
+    src.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)
+    src.restore({})
+    try:
+        ok, deeper, deepest = src.next_record(), src.next_record(), src.next_record()
+    finally:
+        src.close()
+    assert ok is not None and ok.error is None and ok.key == "a"
+    assert deeper is not None and deeper.error is not None
+    assert f"{name} row id=2: the input nests more than 97" in deeper.error
+    assert deepest is not None and deepest.error is not None
+    assert f"{name} row id=3: invalid JSON (arrays or objects nested too deeply" in deepest.error

@@ -344,8 +344,12 @@ class PostgresSource(Source):
         row_id, text = self._buffer[self._next]
         self._next += 1
         self._before, self._after = self._after, row_id
-        value = json.loads(text)
         where = f"{'.'.join(self.table)} row {self.id_column}={row_id}"
+        try:
+            value = json.loads(text)  # the database checked it is JSON
+        except RecursionError:
+            error = f"{where}: invalid JSON (arrays or objects nested too deeply to read)"
+            return Record(row_id, error=error, raw=text[:65536])
         key, err = _key_of(value, self.key_field, where)
         if err is not None:
             return Record(row_id, error=err, raw=text)

@@ -9,7 +9,10 @@ import json
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 from ratchet.runtime._journal import encode_memory
 
@@ -90,3 +93,71 @@ def test_inspect_reads_the_latest_memory_of_each_key_from_a_flink_memory_folder(
         proc.returncode == 2 and "--flink-memory" in proc.stderr and "no such folder" in proc.stderr
     )
     assert "Traceback" not in proc.stderr
+
+
+class _FakeJobManager(ThreadingHTTPServer):
+    """The two REST calls `ratchet status --jobmanager` makes for an agent operator's
+    metrics, answered from `metrics` (id -> value), recording every query it was sent."""
+
+    def __init__(self, metrics: dict[str, float]) -> None:
+        self.metrics = metrics
+        self.queries: list[str] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                url = urlsplit(self.path)
+                owner.queries.append(url.query)
+                job = "a" * 32
+                if url.path.endswith(f"/jobs/{job}"):
+                    body: object = {"jid": job, "name": "j", "state": "RUNNING",
+                                    "duration": 1000, "vertices": [{"id": "v1"}]}  # fmt: skip
+                elif url.path.endswith("/checkpoints"):
+                    body = {"counts": {}, "latest": {}}
+                elif url.path.endswith("/subtasks/metrics") and not url.query:
+                    body = [{"id": n} for n in owner.metrics]
+                elif url.path.endswith("/subtasks/metrics"):
+                    asked = parse_qs(url.query)["get"][0].split(",")
+                    body = [{"id": n, "sum": owner.metrics[n]} for n in asked]
+                else:
+                    self.send_error(404)
+                    return
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_status_reads_counters_whatever_their_names_and_however_many() -> None:
+    """Counter names are the user's: `&`, `#`, `+` and non-ASCII letters reach the query
+    escaped (they cut it short, or raised UnicodeEncodeError, before), and 45 counters are
+    asked for in several requests."""
+    op = "ratchet_agent_(ratchet-agent).ratchet."
+    names = ["orders&refunds", "retries#model", "a+b", "commandes_remboursées"]
+    names += [f"c{i}" for i in range(41)]
+    metrics = {f"{op}counter.{n}.total": float(i + 1) for i, n in enumerate(names)}
+    metrics[f"{op}inputs"] = 7.0
+    server = _FakeJobManager(metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        proc = _run(
+            "status", "--jobmanager", f"127.0.0.1:{server.server_address[1]}",
+            "--job", "a" * 32, "--json",
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    got = json.loads(proc.stdout)["ratchet"]
+    want = {f"ratchet.counter.{n}.total": float(i + 1) for i, n in enumerate(names)}
+    assert got == {**want, "ratchet.inputs": 7.0}, got
+    gets = [q for q in server.queries if q.startswith("get=")]
+    assert len(gets) == 3 and all("#" not in q and "é" not in q for q in gets), gets

@@ -84,6 +84,7 @@ def test_a_202_means_the_events_are_committed_to_the_inbox(
         (b"\xff", "the body is not UTF-8"),
         (b"[" * 100_000 + b"]" * 100_000, "the body is not JSON: arrays or objects nested"),
         (b'{"key": "a", "v": ' + b"[" * 97 + b"]" * 97 + b"}", "the event: the input nests more"),
+        (b'{"key": "a", "v": ' + b"1" * 5000 + b"}", "the body is not JSON: Exceeds the limit"),
     ],
 )
 def test_a_malformed_body_gets_400_naming_the_problem_and_admits_nothing(

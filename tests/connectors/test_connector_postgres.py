@@ -13,7 +13,7 @@ from connector_servers import AGENT, RATCHET, Postgres
 from ratchet._errors import ConfigError
 from ratchet.connectors import sink_for, source_for
 from ratchet.connectors._postgres import PostgresSink, PostgresSource
-from ratchet.runtime._io import JobIdentity
+from ratchet.runtime._io import INPUT_MAX_DEPTH, JobIdentity
 
 _names = itertools.count()
 
@@ -162,7 +162,7 @@ def test_the_cli_refuses_a_wrong_table_with_exit_2_and_no_traceback(
 def test_rows_nested_too_deeply_are_bad_inputs_not_tracebacks(
     postgres: Postgres, tmp_path: Path
 ) -> None:
-    """A jsonb column the database accepts may nest deeper than ratchet stores (97) or than
+    """A jsonb column the database accepts may nest deeper than ratchet stores (94) or than
     Python's JSON reader can read (~1,000): each is a bad record naming its row."""
     name = table()
     postgres.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, key text, v jsonb)")
@@ -178,6 +178,6 @@ def test_rows_nested_too_deeply_are_bad_inputs_not_tracebacks(
         src.close()
     assert ok is not None and ok.error is None and ok.key == "a"
     assert deeper is not None and deeper.error is not None
-    assert f"{name} row id=2: the input nests more than 97" in deeper.error
+    assert f"{name} row id=2: the input nests more than {INPUT_MAX_DEPTH}" in deeper.error
     assert deepest is not None and deepest.error is not None
     assert f"{name} row id=3: invalid JSON (arrays or objects nested too deeply" in deepest.error

@@ -4,6 +4,7 @@ and a line too deeply nested for Python to read is a bad line like any other."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,18 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ratchet import Agent, BadInputError, EngineConfig, InputEvent, OutputEvent, action, run
+from ratchet import (
+    Agent,
+    BadInputError,
+    EngineConfig,
+    Event,
+    InputEvent,
+    OutputEvent,
+    action,
+    run,
+)
 from ratchet.runtime._io import INPUT_MAX_DEPTH, _loads, _too_deep
+from support.engines import run_flink_core
 
 
 class Echo(Agent):
@@ -115,3 +126,77 @@ def test_an_input_nested_deeper_than_ratchet_stores_is_a_bad_line(tmp_path: Path
     assert said.format(1) in result.bad_inputs[0] and said.format(3) in result.bad_inputs[1]
     outs = [json.loads(x)["output"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert outs == [json.loads(nested(INPUT_MAX_DEPTH))]
+
+
+class Later(Event):
+    event_name = "tests.input_parse.Later"
+    n: int
+
+
+class Keeps(Agent):
+    """Puts the input where ratchet nests it deepest: in memory and in an output, with an async
+    task after them, so the run (and its journal) is stored while it is in flight."""
+
+    @action(InputEvent, inline=True)
+    def keep(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("last", event.input)
+        ctx.send_event(OutputEvent(output=event.input))
+        ctx.send_event(Later(n=1))
+
+    @action(Later)
+    async def later(self, event: Later, ctx: Any) -> None:
+        await asyncio.sleep(0.01)
+
+
+def test_the_deepest_input_taken_is_stored_by_both_engines(tmp_path: Path) -> None:
+    """An input at the limit survives every place ratchet stores it: the embedded engine (its
+    input row, memory, outbox, in-flight run journal) and the Flink core's keyed state (the
+    run journal with the echoed output is the deepest, six containers down)."""
+    row = json.loads(nested(INPUT_MAX_DEPTH))
+    outputs, memory = run_flink_core(Keeps(), [row])
+    assert [o["output"] for o in outputs] == [row] and memory["k"]["last"] == row
+    (tmp_path / "in.jsonl").write_text(nested(INPUT_MAX_DEPTH) + "\n")
+    result = run(
+        Keeps(),
+        inputs=str(tmp_path / "in.jsonl"),
+        output=str(tmp_path / "out.jsonl"),
+        state_dir=str(tmp_path / "state"),
+        config=EngineConfig(checkpoint_interval=0.001),
+    )
+    assert not result.bad_inputs
+    outs = [json.loads(x)["output"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert outs == [row]
+
+
+def test_a_number_python_cannot_read_and_deep_python_inputs_are_bad_inputs(tmp_path: Path) -> None:
+    """An integer over Python's 4,300 digits raised a plain ValueError through the JSONL
+    source; a Python iterable's input nested in tuples is held to the same depth, and a
+    self-referencing one keeps the codec's own message."""
+    (tmp_path / "in.jsonl").write_text('{"key": "a", "v": ' + "7" * 5000 + "}\n")
+    result = run(
+        Echo(),
+        inputs=str(tmp_path / "in.jsonl"),
+        output=str(tmp_path / "out.jsonl"),
+        state_dir=str(tmp_path / "s1"),
+        config=EngineConfig(on_bad_input="skip"),
+    )
+    assert (
+        len(result.bad_inputs) == 1
+        and "in.jsonl:1: invalid JSON (Exceeds" in (result.bad_inputs[0])
+    )
+    deep: Any = ()
+    for _ in range(INPUT_MAX_DEPTH):
+        deep = (deep,)
+    loop: list[Any] = []
+    loop.append(loop)
+    result = run(
+        Echo(),
+        inputs=[{"key": "a", "v": deep}, {"key": "b", "v": loop}, {"key": "c", "v": 1}],
+        output=str(tmp_path / "out2.jsonl"),
+        state_dir=str(tmp_path / "s2"),
+        config=EngineConfig(on_bad_input="skip"),
+    )
+    assert "input item 1: the input nests more than" in result.bad_inputs[0]
+    assert "self-referencing" in result.bad_inputs[1], result.bad_inputs
+    outs = [json.loads(x)["key"] for x in (tmp_path / "out2.jsonl").read_text().splitlines()]
+    assert outs == ["c"]

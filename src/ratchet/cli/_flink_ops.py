@@ -14,6 +14,7 @@ import sys
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import quote
 
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -36,6 +37,7 @@ RATCHET_METRICS = (
 # counters: `<operator>.ratchet.counter.<name>.total`.
 RATCHET_GROUP = ".ratchet."
 COUNTER_GROUP = ".ratchet.counter."
+METRICS_PER_REQUEST = 20
 
 
 def _is_counter(metric_id: str) -> bool:
@@ -109,11 +111,13 @@ class JobManager:
             except JobManagerError:
                 continue
             wanted = [n for n in names if n.endswith(RATCHET_METRICS) or _is_counter(n)]
-            if not wanted:
-                continue
-            for m in self.call(f"{base}?get={','.join(wanted)}&agg=sum"):
-                short = m["id"][m["id"].find(RATCHET_GROUP) + 1 :]
-                found[short] = found.get(short, 0.0) + float(m.get("sum", 0.0))
+            # A counter's name is the user's: escaped, and asked for a few at a time (an
+            # agent may count many things; a request line has a length limit).
+            for at in range(0, len(wanted), METRICS_PER_REQUEST):
+                ids = ",".join(quote(n, safe="") for n in wanted[at : at + METRICS_PER_REQUEST])
+                for m in self.call(f"{base}?get={ids}&agg=sum"):
+                    short = m["id"][m["id"].find(RATCHET_GROUP) + 1 :]
+                    found[short] = found.get(short, 0.0) + float(m.get("sum", 0.0))
         return found
 
     def savepoint(self, job_id: str, target: str | None, *, stop: bool, drain: bool = False) -> str:

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError, StateError
 from ratchet.connectors import query_of
-from ratchet.runtime._io import JobIdentity, Record, Source, _key_of, _kind_of
+from ratchet.runtime._io import JobIdentity, Record, Source, _key_and_depth, _key_of, _kind_of
 
 log = logging.getLogger("ratchet.connectors.http")
 
@@ -85,6 +85,8 @@ def parse_events(body: bytes, key_field: str) -> list[str]:
         raise BadRequest(
             400, "the body is not JSON: arrays or objects nested too deeply to read"
         ) from None
+    except ValueError as exc:  # e.g. an integer over Python's 4,300 digits
+        raise BadRequest(400, f"the body is not JSON: {exc}") from None
     if isinstance(value, dict):
         events = [value]
         where = "the event"
@@ -99,7 +101,7 @@ def parse_events(body: bytes, key_field: str) -> list[str]:
         )
     out = []
     for i, event in enumerate(events):
-        _key, err = _key_of(event, key_field, where.format(i=i))
+        _key, err = _key_and_depth(event, key_field, where.format(i=i))
         if err is not None:
             raise BadRequest(400, f"{err}; nothing in this request was admitted")
         out.append(json.dumps(event, ensure_ascii=False, separators=(",", ":")))
@@ -317,7 +319,7 @@ class HttpSource(Source):
         before, self._read = self._read, row_id
         self._before = before
         value = json.loads(body)
-        key, err = _key_of(value, self.key_field, f"inbox row {row_id}")
+        key, err = _key_of(value, self.key_field, f"inbox row {row_id}")  # depth: at POST
         if err is not None:
             return Record(row_id, error=err, raw=body)
         return Record(row_id, key=key, value=value)

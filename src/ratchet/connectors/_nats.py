@@ -35,7 +35,7 @@ from ratchet.runtime._io import (
     Record,
     Sink,
     Source,
-    _key_of,
+    _key_and_depth,
     _kind_of,
     to_json_line,
 )
@@ -320,7 +320,7 @@ class NatsSource(Source):
             except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
                 return Record(seq, error=f"stream {self.stream} message {seq}: invalid JSON ({exc})",
                               raw=msg.data[:65536].decode("utf-8", errors="replace"))  # fmt: skip
-            key, err = _key_of(value, self.key_field, f"stream {self.stream} message {seq}")
+            key, err = _key_and_depth(value, self.key_field, f"stream {self.stream} message {seq}")
             if err is not None:
                 return Record(seq, error=err, raw=msg.data[:65536].decode("utf-8", "replace"))
             return Record(seq, key=key, value=value)

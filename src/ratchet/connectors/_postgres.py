@@ -26,7 +26,7 @@ from ratchet.runtime._io import (
     Record,
     Sink,
     Source,
-    _key_of,
+    _key_and_depth,
     _kind_of,
     to_json_line,
 )
@@ -350,7 +350,10 @@ class PostgresSource(Source):
         except RecursionError:
             error = f"{where}: invalid JSON (arrays or objects nested too deeply to read)"
             return Record(row_id, error=error, raw=text[:65536])
-        key, err = _key_of(value, self.key_field, where)
+        except ValueError as exc:  # an integer over Python's 4,300 digits
+            error = f"{where}: invalid JSON ({exc})"
+            return Record(row_id, error=error, raw=text[:65536])
+        key, err = _key_and_depth(value, self.key_field, where)
         if err is not None:
             return Record(row_id, error=err, raw=text)
         return Record(row_id, key=key, value=value)

@@ -312,8 +312,10 @@ class AgentFunction(KeyedProcessFunction):
         for name in counters.totals():
             if name not in self._exported:
                 self._exported.add(name)
+                # Whole numbers: thread mode's gauge hands Flink a Long (a float would fail
+                # every read), process mode's Beam gauge an int64.
                 self._group.add_group("counter", name).gauge(
-                    "total", lambda name=name: counters.total(name)
+                    "total", lambda name=name: round(counters.total(name))
                 )
 
     def close(self) -> None:

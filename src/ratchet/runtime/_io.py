@@ -102,8 +102,6 @@ def _key_of(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
         return None, (
             f"{where}: key field {key_field!r} is {type(key).__name__}; keys must be strings or integers"
         )
-    if _too_deep(value):
-        return None, _TOO_DEEP.format(where=where)
     return key, None
 
 
@@ -135,29 +133,42 @@ def _loads(text: bytes) -> Any:
     return json.loads(text)
 
 
-# The most arrays and objects an input may nest in each other: the codec stores values at
-# most `MAX_DEPTH` deep, and the deepest place an input goes is three containers down (a
-# shard frame's batch: frame, batch, entry). A deeper line is a bad input, so its policy
-# applies, instead of an admitted input that no checkpoint can ever store.
-INPUT_MAX_DEPTH = codec.MAX_DEPTH - 3
-
+# The most arrays and objects an input may nest in each other. The codec stores values at
+# most `MAX_DEPTH` deep, and the deepest place ratchet itself puts a value taken from an input
+# is six containers down (an output that echoes it, in a run journal in Flink's keyed state;
+# a memory write of it is five, a shard frame three). A deeper input is a bad input, so its
+# policy applies, instead of an admitted input that no checkpoint can ever store. An action
+# that nests it deeper itself gets the codec's own "flatten it" error.
+INPUT_MAX_DEPTH = codec.MAX_DEPTH - 6
 
 _TOO_DEEP = (
     f"{{where}}: the input nests more than {INPUT_MAX_DEPTH} arrays or objects in each other, "
     f"deeper than ratchet can store; flatten it (e.g. a list of records with parent ids)"
 )
 
+_NESTS = frozenset((dict, list, tuple, set, frozenset))
+
 
 def _too_deep(value: Any, limit: int = INPUT_MAX_DEPTH) -> bool:
     """Whether the container `value` nests more than `limit` containers (itself included)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
+    return _deeper(value, limit - 1)
+
+
+def _deeper(v: Any, budget: int) -> bool:
+    """Whether the container `v` holds a container more than `budget` levels below it (stops
+    at the first; recursion is bounded by `budget`, so a cycle is simply "too deep")."""
+    for c in v.values() if type(v) is dict else v:
+        if type(c) in _NESTS and (budget == 0 or _deeper(c, budget - 1)):
             return True
-        children = v.values() if type(v) is dict else v
-        stack.extend((c, depth + 1) for c in children if type(c) is dict or type(c) is list)
     return False
+
+
+def _key_and_depth(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
+    """`_key_of`, and the depth rule: what the HTTP, NATS and PostgreSQL sources check."""
+    key, err = _key_of(value, key_field, where)
+    if err is None and _too_deep(value):
+        return None, _TOO_DEEP.format(where=where)
+    return key, err
 
 
 def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None:
@@ -167,7 +178,7 @@ def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None
         return None
     try:
         value = _loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int over 4,300 digits
         return Record(line, error=f"{path}:{line}: invalid JSON ({exc})", raw=_text(text))
     except RecursionError:
         return Record(
@@ -715,6 +726,8 @@ class IterableSource(Source):
             codec.check_admissible(value, where)
         except CodecError as exc:
             return Record(self._index, error=str(exc))
+        if _too_deep(value):
+            return Record(self._index, error=_TOO_DEEP.format(where=where))
         return Record(self._index, key=key, value=value)
 
 

@@ -101,6 +101,19 @@ def test_a_line_nested_too_deeply_to_read_is_a_bad_input_line(tmp_path: Path) ->
     ]
 
 
+def echo_skipping(tmp_path: Path, inputs: Any, name: str) -> tuple[Any, list[Any]]:
+    """`Echo` over `inputs` with --on-bad-input skip: the result and the outputs' payloads."""
+    out = tmp_path / f"{name}.jsonl"
+    result = run(
+        Echo(),
+        inputs=inputs,
+        output=str(out),
+        state_dir=str(tmp_path / name),
+        config=EngineConfig(on_bad_input="skip"),
+    )
+    return result, [json.loads(x)["output"] for x in out.read_text().splitlines()]
+
+
 def nested(depth: int) -> str:
     """A JSON input line whose arrays and objects nest `depth` deep (the object counts)."""
     return '{"key": "k", "v": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
@@ -114,17 +127,10 @@ def test_an_input_nested_deeper_than_ratchet_stores_is_a_bad_line(tmp_path: Path
     assert _too_deep(json.loads(nested(INPUT_MAX_DEPTH + 1)))
     lines = [nested(INPUT_MAX_DEPTH + 1), nested(INPUT_MAX_DEPTH), nested(500)]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    result = run(
-        Echo(),
-        inputs=str(tmp_path / "in.jsonl"),
-        output=str(tmp_path / "out.jsonl"),
-        state_dir=str(tmp_path / "state"),
-        config=EngineConfig(on_bad_input="skip"),
-    )
+    result, outs = echo_skipping(tmp_path, str(tmp_path / "in.jsonl"), "state")
     said = f"in.jsonl:{{}}: the input nests more than {INPUT_MAX_DEPTH} arrays or objects"
     assert len(result.bad_inputs) == 2, result.bad_inputs
     assert said.format(1) in result.bad_inputs[0] and said.format(3) in result.bad_inputs[1]
-    outs = [json.loads(x)["output"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert outs == [json.loads(nested(INPUT_MAX_DEPTH))]
 
 
@@ -173,13 +179,7 @@ def test_a_number_python_cannot_read_and_deep_python_inputs_are_bad_inputs(tmp_p
     source; a Python iterable's input nested in tuples is held to the same depth, and a
     self-referencing one keeps the codec's own message."""
     (tmp_path / "in.jsonl").write_text('{"key": "a", "v": ' + "7" * 5000 + "}\n")
-    result = run(
-        Echo(),
-        inputs=str(tmp_path / "in.jsonl"),
-        output=str(tmp_path / "out.jsonl"),
-        state_dir=str(tmp_path / "s1"),
-        config=EngineConfig(on_bad_input="skip"),
-    )
+    result, _ = echo_skipping(tmp_path, str(tmp_path / "in.jsonl"), "s1")
     assert (
         len(result.bad_inputs) == 1
         and "in.jsonl:1: invalid JSON (Exceeds" in (result.bad_inputs[0])
@@ -189,14 +189,8 @@ def test_a_number_python_cannot_read_and_deep_python_inputs_are_bad_inputs(tmp_p
         deep = (deep,)
     loop: list[Any] = []
     loop.append(loop)
-    result = run(
-        Echo(),
-        inputs=[{"key": "a", "v": deep}, {"key": "b", "v": loop}, {"key": "c", "v": 1}],
-        output=str(tmp_path / "out2.jsonl"),
-        state_dir=str(tmp_path / "s2"),
-        config=EngineConfig(on_bad_input="skip"),
-    )
+    inputs = [{"key": "a", "v": deep}, {"key": "b", "v": loop}, {"key": "c", "v": 1}]
+    result, outs = echo_skipping(tmp_path, inputs, "s2")
     assert "input item 1: the input nests more than" in result.bad_inputs[0]
     assert "self-referencing" in result.bad_inputs[1], result.bad_inputs
-    outs = [json.loads(x)["key"] for x in (tmp_path / "out2.jsonl").read_text().splitlines()]
-    assert outs == ["c"]
+    assert outs == [{"key": "c", "v": 1}]

@@ -1,6 +1,8 @@
 """The JSONL sources parse a line with the C scanner directly (`ratchet.runtime._io._loads`),
 not with `json.loads` on bytes: for any line, the value or the error must be `json.loads`'s;
-and a line too deeply nested for Python to read is a bad line like any other."""
+and a line too deeply nested for Python to read is a bad line like any other. Values nested
+deeper than ratchet can store are refused where they are handed over (an input line, a
+memory write), not by every checkpoint after them."""
 
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from ratchet import (
     action,
     run,
 )
+from ratchet.agents._memory import WRITE_DEPTH
 from ratchet.runtime._io import INPUT_MAX_DEPTH, _loads, _too_deep
+from ratchet.store import codec
 from support.engines import run_flink_core
 
 
@@ -194,3 +198,52 @@ def test_a_number_python_cannot_read_and_deep_python_inputs_are_bad_inputs(tmp_p
     assert "input item 1: the input nests more than" in result.bad_inputs[0]
     assert "self-referencing" in result.bad_inputs[1], result.bad_inputs
     assert outs == [{"key": "c", "v": 1}]
+
+
+def nest(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class Stores(Agent):
+    """Writes a value `d` lists deep into memory, then does async work (the run, with the
+    write in its journal, is stored while in flight)."""
+
+    @action(InputEvent, inline=True)
+    def keep(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("x", nest(event.input["d"]))
+        ctx.send_event(Later(n=1))
+
+    @action(Later)
+    async def later(self, event: Later, ctx: Any) -> None:
+        await asyncio.sleep(0.01)
+        ctx.send_event(OutputEvent(output="done"))
+
+
+def test_a_memory_write_too_deep_to_store_fails_its_action_not_every_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """`set()` checked a value from its own top, but a run's journal keeps the write five
+    containers down: a value 96 deep was taken and then failed every checkpoint (the job
+    stopped, and stopped again on restart). It fails the action now, naming the limit;
+    the job goes on, and a value at the limit is stored by both engines."""
+    limit = codec.MAX_DEPTH - WRITE_DEPTH
+    rows = [{"key": "k", "d": limit + 1}, {"key": "j", "d": limit}]
+    outputs, memory = run_flink_core(Stores(), rows)
+    (state_dir := tmp_path / "state").mkdir()
+    result = run(
+        Stores(),
+        inputs=rows,
+        output=str(tmp_path / "out.jsonl"),
+        state_dir=str(state_dir),
+        config=EngineConfig(checkpoint_interval=0.001),
+    )
+    embedded = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for outs in (outputs, embedded):
+        by_key = {o["key"]: o for o in outs}
+        assert by_key["j"]["output"] == "done", outs
+        assert f"nested more than {limit} levels deep" in by_key["k"]["error"]["message"]
+    assert memory["j"]["x"] == nest(limit) and "x" not in memory.get("k", {})
+    assert result.runs_failed == 1, result

@@ -18,6 +18,12 @@ from ratchet.runtime._memops import DELETE, EXPIRE, NEW_OBJECT, OBJECT, SET, app
 from ratchet.store import codec
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
+
+# Containers a memory write's value is stored under: its `(op, path, value)` entry in a run's
+# journal, as the Flink core keeps an in-flight run in keyed state (the embedded engine's is
+# one less). A value nested deeper than the codec's limit less these is refused at `set()`,
+# so the action fails there, instead of every checkpoint after it.
+WRITE_DEPTH = 5
 _MISSING = object()
 
 
@@ -112,7 +118,7 @@ class MemoryObject:
                 f"an object, or copy its fields one by one"
             )
         if type(value) not in _SCALARS:  # an exact scalar is always admitted
-            codec.check_admissible(value, full)
+            codec.check_admissible(value, full, WRITE_DEPTH)
         data = self._buf.data
         for parent in parents(full) if "." in full else ():
             existing = data.get(parent, _MISSING)

@@ -300,7 +300,7 @@ def _where(path: str) -> str:
     return f"'{path}'" if path else "the top level"
 
 
-def _error(rej: _Reject, value: Any, prefix: str) -> CodecError:
+def _error(rej: _Reject, value: Any, prefix: str, limit: int = MAX_DEPTH) -> CodecError:
     """Turn an internal rejection into the public error, with the full path."""
     path = _render(prefix, rej.parts[::-1])
     if rej.kind == "key":
@@ -320,7 +320,7 @@ def _error(rej: _Reject, value: Any, prefix: str) -> CodecError:
             )
         shown = path if len(path) <= 120 else path[:117] + "..."
         return CodecError(
-            f"value at '{shown}' is nested more than {MAX_DEPTH} levels deep; "
+            f"value at '{shown}' is nested more than {limit} levels deep; "
             "flatten it (e.g. store a list of records with parent ids)"
         )
     subject = f"value at '{path}'" if path else "top-level value"
@@ -742,11 +742,11 @@ def _find_cycle(
     return None
 
 
-def _lower_top(value: Any, prefix: str, canon: bool) -> Any:
+def _lower_top(value: Any, prefix: str, canon: bool, depth: int = 0) -> Any:
     try:
-        return _lower(value, 0, canon)
+        return _lower(value, depth, canon)
     except _Reject as rej:
-        raise _error(rej, value, prefix) from None
+        raise _error(rej, value, prefix, MAX_DEPTH - depth) from None
     except RecursionError:
         raise CodecError(
             f"value at {_where(prefix)} is nested too deeply to encode; flatten it"
@@ -756,15 +756,17 @@ def _lower_top(value: Any, prefix: str, canon: bool) -> Any:
 # --- public encode side ----------------------------------------------------------------------
 
 
-def check_admissible(value: Any, path: str = "") -> None:
+def check_admissible(value: Any, path: str = "", depth: int = 0) -> None:
     """Raise CodecError (a TypeError) unless `encode(value)` would succeed.
 
     Lets a caller refuse a value when it is handed over (e.g. a memory `set()`), long before
     it is written. `path` names the value in the message ("order" gives "order.items[2]").
+    `depth`: how many containers the value will be stored under (a memory write sits five
+    down in a run's journal), so one too deep for that place is refused here too.
     """
-    if type(value) is dict and _plain(value, 0):
+    if type(value) is dict and _plain(value, depth):
         return  # plain data: admitted
-    _lower_top(value, path, False)
+    _lower_top(value, path, False, depth)
 
 
 def encode(value: Any) -> bytes:

@@ -51,7 +51,11 @@ def _auto(
     from collections.abc import Sized
 
     from ratchet.agents._sharded import agent_spec
-    from ratchet.runtime._auto_workers import SMALL_INPUT_COUNT, auto_workers, existing_workers
+    from ratchet.runtime._auto_workers import (
+        SMALL_INPUT_COUNT,
+        existing_workers,
+        new_job_workers,
+    )
 
     kept = existing_workers(state_dir)
     if kept is not None:
@@ -66,7 +70,7 @@ def _auto(
         if len(inputs) < SMALL_INPUT_COUNT:
             return 1, f"a short list of inputs ({len(inputs)} < {SMALL_INPUT_COUNT})"
     path = os.fspath(inputs) if isinstance(inputs, str | os.PathLike) else None
-    return auto_workers(state_dir, path if isinstance(path, str) else None, follow)
+    return new_job_workers(path if isinstance(path, str) else None, follow)
 
 
 def load_agent(spec: str, *, loaded: bool = False) -> Agent:

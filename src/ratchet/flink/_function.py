@@ -306,9 +306,11 @@ class AgentFunction(KeyedProcessFunction):
     def _export_counters(self) -> None:
         """Each `ctx.metrics` counter (`durable_calls.made`, `durable_calls.replayed`, an
         action's own) as the gauge `ratchet.counter.<name>.total`, registered the first time
-        its name has a value (Flink's Prometheus reporter: `..._ratchet_counter_total` with
-        the label `counter="<name>"`)."""
+        its name has a value; called after every callback (Flink's Prometheus reporter:
+        `..._ratchet_counter_total` with the label `counter="<name>"`)."""
         counters = self._counters
+        if counters.count() == len(self._exported):
+            return  # no new name: one compare per callback
         for name in counters.totals():
             if name not in self._exported:
                 self._exported.add(name)
@@ -334,8 +336,7 @@ class AgentFunction(KeyedProcessFunction):
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
         self._n_inputs += 1
-        if self._counters.count() != len(self._exported):
-            self._export_counters()
+        self._export_counters()
         if self.emit_admissions:
             yield PROGRESS_TAG, json.dumps({"key": key, "seq": step.admitted, "in": 1})
         self._timers(ctx, key, step, register_end=self.emit_memory)
@@ -369,8 +370,7 @@ class AgentFunction(KeyedProcessFunction):
         if not end:
             self._timers(ctx, key, step, register_end=False)
         self._update_wake(fkey, step)
-        if self._counters.count() != len(self._exported):
-            self._export_counters()  # a counter an async action's task added
+        self._export_counters()  # a counter an async action's task added
         yield from self._emit(key, step)
         if end and self.emit_memory:
             import base64

@@ -108,8 +108,11 @@ def auto_workers(
 ) -> tuple[int, str]:
     """(workers, why) for `--workers auto`."""
     kept = existing_workers(state_dir)
-    if kept is not None:
-        return kept
+    return kept if kept is not None else new_job_workers(inputs, follow)
+
+
+def new_job_workers(inputs: str | None, follow: bool) -> tuple[int, str]:
+    """(workers, why) for a job without state yet, from the cores and the input's size."""
     cores = usable_cores()
     if cores == 1:
         return 1, "one usable core"

@@ -15,7 +15,10 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from pyflink.common.job_status import JobStatus  # noqa: E402
 
 from ratchet.cli import _flink  # noqa: E402
-from support.job_client import FailedJob  # noqa: E402
+from support.job_client import (  # noqa: E402
+    FailedJob,
+    check_a_refused_stop_reports_the_jobs_failure,
+)
 
 pytestmark = pytest.mark.flink
 
@@ -36,11 +39,4 @@ def test_a_bounded_run_whose_job_failed_stops_waiting(tmp_path: Path) -> None:
 def test_a_refused_stop_of_a_failed_job_reports_the_jobs_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def refuse(client: object, target: str, *, drain: bool) -> str:
-        raise RuntimeError("java.util.concurrent.CompletionException: job is not running")
-
-    monkeypatch.setattr(_flink, "_stop_with_savepoint", refuse)
-    with pytest.raises(RuntimeError, match="boom"):
-        _flink._stop_when_running(FailedJob(JobStatus.FAILED, "boom"), "/sp")
-    with pytest.raises(RuntimeError, match="job is not running"):
-        _flink._stop_when_running(FailedJob(JobStatus.RUNNING, "boom"), "/sp")
+    check_a_refused_stop_reports_the_jobs_failure(monkeypatch, JobStatus)

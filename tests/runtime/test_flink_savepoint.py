@@ -38,7 +38,7 @@ from ratchet.runtime._flink_savepoint import (
     unread_inputs,
     write_marker,
 )
-from support.job_client import FailedJob, JobStatus
+from support.job_client import JobStatus, check_a_refused_stop_reports_the_jobs_failure
 
 
 def utf(name: str) -> bytes:
@@ -399,16 +399,7 @@ def test_a_second_local_run_into_a_folder_being_written_is_refused(tmp_path: Pat
 def test_a_stop_refused_because_the_job_failed_reports_the_jobs_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ratchet.cli import _flink
-
-    def refuse(client: object, target: str, *, drain: bool) -> str:
-        raise RuntimeError("java.util.concurrent.CompletionException: job is not running")
-
-    monkeypatch.setattr(_flink, "_stop_with_savepoint", refuse)
-    with pytest.raises(RuntimeError, match="the cause"):
-        _flink._stop_when_running(FailedJob(JobStatus.FAILED), "/sp")
-    with pytest.raises(RuntimeError, match="job is not running"):  # still running: the stop's
-        _flink._stop_when_running(FailedJob(JobStatus.RUNNING), "/sp")
+    check_a_refused_stop_reports_the_jobs_failure(monkeypatch, JobStatus)
 
 
 def test_an_output_that_cannot_be_a_folder_is_refused_by_name(tmp_path: Path) -> None:

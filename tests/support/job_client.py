@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import pytest
+
 # PyFlink's JobStatus is an enum: its str is "JobStatus.FAILED", its name "FAILED". Tests with
 # PyFlink pass its own.
 JobStatus = enum.Enum("JobStatus", "RUNNING FAILED CANCELED FINISHED")
@@ -35,3 +37,21 @@ class FailedJob:
 
     def get_job_execution_result(self) -> Done:
         return Done(error=RuntimeError(f"Caused by: java.lang.IllegalStateException: {self.cause}"))
+
+
+def check_a_refused_stop_reports_the_jobs_failure(
+    monkeypatch: pytest.MonkeyPatch, status: Any
+) -> None:
+    """`_stop_when_running` on a job whose stop is refused ("not running"): with the job
+    FAILED it raises the job's own failure; still RUNNING, the stop's error. `status` is the
+    `JobStatus` enum (this module's stand-in, or PyFlink's)."""
+    from ratchet.cli import _flink
+
+    def refuse(client: object, target: str, *, drain: bool) -> str:
+        raise RuntimeError("java.util.concurrent.CompletionException: job is not running")
+
+    monkeypatch.setattr(_flink, "_stop_with_savepoint", refuse)
+    with pytest.raises(RuntimeError, match="the cause"):
+        _flink._stop_when_running(FailedJob(status.FAILED), "/sp")
+    with pytest.raises(RuntimeError, match="job is not running"):  # still running: the stop's
+        _flink._stop_when_running(FailedJob(status.RUNNING), "/sp")

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,7 +135,11 @@ class Cluster:
             "jobmanager.memory.process.size": "1024m",
             "taskmanager.memory.process.size": "1600m",
             "io.tmp.dirs": str(self.tmp),
-            "env.java.opts.all": f"{base_opts} -Djava.io.tmpdir={self.tmp}",
+            # A JVM that crashes (a fault in native code: the embedded Python interpreter of
+            # thread mode) writes its report next to the logs, where `crashes` finds it.
+            "env.java.opts.all": (
+                f"{base_opts} -Djava.io.tmpdir={self.tmp} -XX:ErrorFile={self.log}/hs_err_pid%p.log"
+            ),
             "python.executable": sys.executable,
             "heartbeat.timeout": 8000,
             "heartbeat.interval": 1000,
@@ -172,6 +175,7 @@ class Cluster:
         )
         self.exec_log = base / "exec.log"
         self.started: list[int] = []
+        self.reported: set[str] = set()  # crash reports a test already failed for
 
     @property
     def jobmanager(self) -> str:
@@ -252,16 +256,40 @@ class Cluster:
             )
 
         if not self.taskmanager_pids():
-            # No TaskManager process left (an earlier test killed it without a replacement, or
-            # the machine ended it: the OOM killer, say). The tests' subject is ratchet on a
-            # cluster, not that process: start another, and say so in the test report.
+            # No TaskManager process left: every test that kills one starts another, so it
+            # ended on its own (a JVM crash, the OOM killer). Start another, so the tests
+            # after this one run, and fail this one saying what happened.
             said = self.explain()
             self.start_taskmanager()
-            warnings.warn(
-                f"the standalone cluster had no live TaskManager; started another\n{said}",
-                stacklevel=2,
+            self.reported.update(self.crashes())
+            raise AssertionError(
+                "the standalone cluster had no live TaskManager (an earlier test's ended on its "
+                f"own); started another\n{said}"
             )
+        self.check_crashes()
         wait_for("an idle cluster", idle, timeout, every=0.5, explain=self.explain)
+
+    def crashes(self) -> dict[str, str]:
+        """Every JVM crash report of the cluster's processes: file name -> its first lines.
+        A SIGKILL writes none; a fault in native code (Python inside the JVM) does."""
+        found: dict[str, str] = {}
+        for f in sorted(self.log.glob("hs_err_pid*.log")):
+            found[f.name] = "\n".join(f.read_text(errors="replace").splitlines()[:80])
+        for f in sorted(self.log.glob("*.out")):
+            text = f.read_text(errors="replace")
+            if "A fatal error has been detected" in text:
+                found[f.name] = "\n".join(text.splitlines()[:40])
+        return found
+
+    def check_crashes(self) -> None:
+        """Fail if a JVM of the cluster crashed since the last check (each reported once)."""
+        new = {k: v for k, v in self.crashes().items() if k not in self.reported}
+        self.reported.update(new)
+        if new:
+            raise AssertionError(
+                "a JVM of the standalone cluster crashed:\n"
+                + "\n".join(f"--- {name}\n{text}" for name, text in new.items())
+            )
 
     def explain(self, job_id: str | None = None) -> str:
         """What the cluster knows of a job that made no progress: its state, its tasks' states,
@@ -300,6 +328,8 @@ class Cluster:
                 ],
             )
         add("taskmanager pids alive", self.taskmanager_pids)
+        for name, text in self.crashes().items():
+            parts.append(f"--- JVM crash report {name}:\n{text}")
         for log in sorted(self.log.glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()
             bad = [ln for ln in lines if " ERROR " in ln or " WARN " in ln or "Exception" in ln]

@@ -17,12 +17,14 @@ os.environ.setdefault("RATCHET_FLINK_EXECUTION_MODE", "process")
 
 
 @pytest.fixture
-def cluster(standalone_cluster: Any) -> Any:
+def cluster(standalone_cluster: Any) -> Iterator[Any]:
     """The suite's standalone cluster, idle: a live TaskManager, every slot free. A test that
     would otherwise wait for outputs on a cluster an earlier test left unusable fails here,
     saying what the cluster was doing."""
     standalone_cluster.ready()
-    return standalone_cluster
+    yield standalone_cluster
+    # A JVM that crashed while this test ran (a kill test's SIGKILL writes no crash report).
+    standalone_cluster.check_crashes()
 
 
 @pytest.fixture(scope="session")

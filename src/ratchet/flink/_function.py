@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pyflink.common import Row, Types
@@ -18,6 +21,7 @@ from ratchet.runtime._flink_keygroups import WAKE_PREFIX, key_group, key_group_r
 from ratchet.runtime._flink_savepoint import PROCESS_STATES, THREAD_STATES
 from ratchet.runtime._io import _parse
 from ratchet.runtime._journal import encode_memory
+from ratchet.runtime._metrics import Metrics
 
 log = logging.getLogger("ratchet.flink")
 
@@ -28,6 +32,10 @@ END_OF_INPUT = (1 << 63) - 2
 
 # The wake registries' heartbeat period (see `AgentFunction._sweep`).
 HEARTBEAT_MS = 1000
+
+# Thread mode: how often the task copies ratchet's metrics into Flink's counters (see
+# `_Published`); a callback that finds the copy not yet due sets a timer this far ahead.
+PUBLISH_MS = 200
 
 MEMORY_TAG = OutputTag("ratchet-memory", Types.STRING())
 """Side output of `apply_agent(..., emit_memory=True)`: one JSON line per key at end of input,
@@ -215,6 +223,41 @@ def thread_mode(rc: RuntimeContext) -> bool:
     return ".embedded." in type(rc).__module__
 
 
+def _whole_total(counters: Metrics, name: str) -> int:
+    return round(counters.total(name))
+
+
+class _Published:
+    """Thread mode's metrics: Flink counters that the task's own thread brings up to the
+    values of ratchet's (at most every `PUBLISH_MS`, and when the function closes).
+
+    Not gauges over Python callables, as in process mode: in thread mode Flink reads a gauge
+    on its metrics thread by entering the embedded interpreter with the task thread's Python
+    thread state (Pemja). A read that waited for the GIL while the task closed its interpreter
+    woke on a freed thread state, and the TaskManager's JVM crashed (SIGSEGV in `take_gil`) when
+    a job was cancelled while its metrics were being read."""
+
+    def __init__(self) -> None:
+        self._metrics: list[list[Any]] = []  # [Flink counter, read, value it shows]
+        self.next_at = 0.0  # time.monotonic() when the next copy is due
+        self.timer_set = False  # a timer will call back by then
+
+    def add(self, group: Any, name: str, read: Callable[[], float]) -> None:
+        self._metrics.append([group.counter(name), read, 0])
+
+    def changed(self) -> bool:
+        return any(round(m[1]()) != m[2] for m in self._metrics)
+
+    def publish(self) -> None:
+        for m in self._metrics:
+            value = round(m[1]())
+            if value != m[2]:
+                m[0].inc(value - m[2])
+                m[2] = value
+        self.next_at = time.monotonic() + PUBLISH_MS / 1000
+        self.timer_set = False
+
+
 class AgentFunction(KeyedProcessFunction):
     """Runs a ratchet agent per key: the same run machine as the embedded engine.
 
@@ -243,6 +286,7 @@ class AgentFunction(KeyedProcessFunction):
         self.emit_progress = emit_progress
         self.emit_admissions = emit_admissions
         self.core: AgentCore | None = None
+        self._published: _Published | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
         from ratchet.agents._context import AgentBinding
@@ -289,19 +333,42 @@ class AgentFunction(KeyedProcessFunction):
         assert core is not None
         group = rc.get_metrics_group().add_group("ratchet")
         self._group = group
-        # Every metric is a gauge over a Python value, read when Flink reports: an input
-        # costs no call into the JVM for them (a thread-mode counter's `inc` is one, ~1.8 us).
+        # Every metric is kept as a Python value, so an input costs no call into the JVM for
+        # it (a thread-mode counter's `inc` is one, ~1.8 us): process mode shows each as a
+        # gauge, thread mode copies them into Flink counters from time to time (`_Published`).
         # `inputs` and `outputs` only grow, and start at 0 in a restarted task, as counters do.
+        self._published = _Published() if self._thread else None
         self._n_inputs = 0
         self._n_outputs = 0
-        group.gauge("inputs", lambda: self._n_inputs)
-        group.gauge("outputs", lambda: self._n_outputs)
-        group.gauge("runs_in_flight", lambda: core.machine.active_runs)
-        group.gauge("queued_inputs", lambda: core.machine.buffered_inputs)
-        group.gauge("tasks_executed", lambda: core.tasks_executed)
-        group.gauge("tasks_replayed", lambda: core.machine.tasks_replayed)
+        self._metric(group, "inputs", lambda: self._n_inputs)
+        self._metric(group, "outputs", lambda: self._n_outputs)
+        self._metric(group, "runs_in_flight", lambda: core.machine.active_runs)
+        self._metric(group, "queued_inputs", lambda: core.machine.buffered_inputs)
+        self._metric(group, "tasks_executed", lambda: core.tasks_executed)
+        self._metric(group, "tasks_replayed", lambda: core.machine.tasks_replayed)
         self._exported: set[str] = set()
         self._export_counters()
+
+    def _metric(self, group: Any, name: str, read: Callable[[], float]) -> None:
+        if self._published is not None:
+            self._published.add(group, name, read)
+        else:
+            group.gauge(name, read)
+
+    def _after_callback(self, ctx: Any) -> None:
+        """After each callback: new `ctx.metrics` names, and in thread mode the copy of the
+        metrics when it is due; when it is not, a timer makes sure one comes (a stream that
+        goes quiet still shows its last inputs)."""
+        self._export_counters()
+        pub = self._published
+        if pub is None:
+            return
+        if time.monotonic() >= pub.next_at:
+            pub.publish()
+        elif not pub.timer_set and pub.changed():
+            ts = ctx.timer_service()
+            ts.register_processing_time_timer(ts.current_processing_time() + PUBLISH_MS)
+            pub.timer_set = True
 
     def _export_counters(self) -> None:
         """Each `ctx.metrics` counter (`durable_calls.made`, `durable_calls.replayed`, an
@@ -314,13 +381,17 @@ class AgentFunction(KeyedProcessFunction):
         for name in counters.totals():
             if name not in self._exported:
                 self._exported.add(name)
-                # Whole numbers: thread mode's gauge hands Flink a Long (a float would fail
-                # every read), process mode's Beam gauge an int64.
-                self._group.add_group("counter", name).gauge(
-                    "total", lambda name=name: round(counters.total(name))
+                # Whole numbers: process mode's Beam gauge is an int64, thread mode's copy a
+                # Flink counter (a Long).
+                self._metric(
+                    self._group.add_group("counter", name),
+                    "total",
+                    functools.partial(_whole_total, counters, name),
                 )
 
     def close(self) -> None:
+        if self._published is not None:
+            self._published.publish()  # the final values (the task's thread: safe)
         if self.core is not None:
             self.core.close()
             if self.core.journal is not None:
@@ -336,7 +407,7 @@ class AgentFunction(KeyedProcessFunction):
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
         self._n_inputs += 1
-        self._export_counters()
+        self._after_callback(ctx)
         if self.emit_admissions:
             yield PROGRESS_TAG, json.dumps({"key": key, "seq": step.admitted, "in": 1})
         self._timers(ctx, key, step, register_end=self.emit_memory)
@@ -370,7 +441,7 @@ class AgentFunction(KeyedProcessFunction):
         if not end:
             self._timers(ctx, key, step, register_end=False)
         self._update_wake(fkey, step)
-        self._export_counters()  # a counter an async action's task added
+        self._after_callback(ctx)  # a counter an async action's task added
         yield from self._emit(key, step)
         if end and self.emit_memory:
             import base64

@@ -110,7 +110,8 @@ def end_tree(proc: subprocess.Popen[Any]) -> None:
 
 
 class Cluster:
-    def __init__(self, base: Path, slots: int = 2) -> None:
+    def __init__(self, base: Path, slots: int = 2, settings: dict[str, Any] | None = None) -> None:
+        """`settings`: Flink options added to (or replacing) the suite's own."""
         self.base = base
         self.conf = base / "conf"
         self.log = base / "log"
@@ -122,6 +123,7 @@ class Cluster:
             shutil.copy(f, self.conf / f.name)
         self.rest_port = free_port()
         base_opts = _java_opts()
+        given = settings or {}
         settings = {
             "jobmanager.rpc.address": "localhost",
             "jobmanager.rpc.port": free_port(),
@@ -144,6 +146,7 @@ class Cluster:
             "heartbeat.timeout": 8000,
             "heartbeat.interval": 1000,
             "slot.request.timeout": 120000,
+            **given,
         }
         lib_env: dict[str, str] = {}
         if os.environ.get("RATCHET_FLINK_EXECUTION_MODE") == "thread":

@@ -1,0 +1,87 @@
+"""A job cancelled while a metric reporter reads its metrics leaves the TaskManager running.
+
+In thread mode a Python gauge is read on the reporter's thread by entering the embedded
+interpreter with the task's thread state (Pemja). With ratchet's metrics as such gauges, this
+test's TaskManager crashed at its first cancel (SIGSEGV in `take_gil`; the JVM's report names
+`MetricGauge.getValue` on "Flink-Metric-Reporter-thread-1"), and our CI lost a TaskManager the
+same way once with only the JobManager's fetches reading. ratchet's metrics are Flink counters
+in thread mode now (`ratchet.flink._function._Published`). Process mode runs the same rounds
+(its gauges are Beam's, set from values the Python worker reports).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink uses .venv-flink)")
+
+from ratchet.flink import read_output_dir  # noqa: E402
+
+from .cluster import Cluster, wait_for  # noqa: E402
+from .support import AGENTS, CLI, flink_env, write_inputs  # noqa: E402
+
+pytestmark = pytest.mark.flink
+
+ROUNDS = 4
+
+
+@pytest.fixture
+def reported_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A cluster of its own whose TaskManager reads every metric every 5 ms (the SLF4J reporter
+    of the pip package's plugins, its log lines switched off: it reads them all the same)."""
+    c = Cluster(
+        Path(tmp_path_factory.mktemp("reported-cluster")),
+        settings={
+            "metrics.reporter.slf4j.factory.class": (
+                "org.apache.flink.metrics.slf4j.Slf4jReporterFactory"
+            ),
+            "metrics.reporter.slf4j.interval": "5 ms",
+        },
+    )
+    with open(c.conf / "log4j.properties", "a") as f:
+        f.write(
+            "\nlogger.metricreports.name = org.apache.flink.metrics.slf4j.Slf4jReporter\n"
+            "logger.metricreports.level = OFF\n"
+        )
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def test_cancelling_jobs_whose_metrics_are_being_read(
+    reported_cluster: Cluster, tmp_path: Path
+) -> None:
+    c = reported_cluster
+    tm = c.taskmanager_pids()
+    for r in range(ROUNDS):
+        c.ready()
+        tmp = tmp_path / f"round{r}"
+        (tmp / "in").mkdir(parents=True)
+        write_inputs(tmp / "in" / "a.jsonl", [{"key": f"k{i % 5}", "v": i} for i in range(30)])
+        cmd = [
+            *CLI, f"{AGENTS}:MeteredCounter", "--input", str(tmp / "in"),
+            "--output", str(tmp / "out"), "--jobmanager", c.jobmanager, "--detach",
+            "--follow", "300", "--checkpoint-interval", "300",
+            "--checkpoint-dir", str(tmp / "checkpoints"), "--tmp-dir", str(tmp / "flink-tmp"),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, env=flink_env(tmp), capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, f"submit failed:\n{proc.stderr[-4000:]}"
+        job = str(json.loads(proc.stdout.splitlines()[0])["job_id"])
+        wait_for(
+            "30 outputs",
+            lambda: len(read_output_dir(tmp / "out")) >= 30,  # noqa: B023 - called in the loop
+            120,
+            explain=lambda: c.explain(job),  # noqa: B023
+        )
+        c.cancel(job)
+        time.sleep(1.0)  # a crash comes within milliseconds of the task's end
+        c.check_crashes()
+        assert c.taskmanager_pids() == tm, f"round {r}: the TaskManager {tm} is gone\n{c.explain()}"

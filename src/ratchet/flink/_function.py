@@ -391,7 +391,10 @@ class AgentFunction(KeyedProcessFunction):
 
     def close(self) -> None:
         if self._published is not None:
-            self._published.publish()  # the final values (the task's thread: safe)
+            try:
+                self._published.publish()  # the final values (the task's thread: safe)
+            except Exception:  # noqa: BLE001 - metrics must not keep the core from closing
+                log.warning("could not update the metrics at close", exc_info=True)
         if self.core is not None:
             self.core.close()
             if self.core.journal is not None:

@@ -410,12 +410,12 @@ class AgentFunction(KeyedProcessFunction):
             value = json.loads(value[1])
         step = self.core.element(key, value, self.state)
         self._n_inputs += 1
-        self._after_callback(ctx)
         if self.emit_admissions:
             yield PROGRESS_TAG, json.dumps({"key": key, "seq": step.admitted, "in": 1})
         self._timers(ctx, key, step, register_end=self.emit_memory)
         self._update_wake(fkey, step)
         yield from self._emit(key, step)
+        self._after_callback(ctx)  # last: the callback's outputs are counted
 
     def on_timer(self, timestamp: int, ctx: KeyedProcessFunction.OnTimerContext) -> Any:
         assert self.core is not None
@@ -444,7 +444,6 @@ class AgentFunction(KeyedProcessFunction):
         if not end:
             self._timers(ctx, key, step, register_end=False)
         self._update_wake(fkey, step)
-        self._after_callback(ctx)  # a counter an async action's task added
         yield from self._emit(key, step)
         if end and self.emit_memory:
             import base64
@@ -456,6 +455,7 @@ class AgentFunction(KeyedProcessFunction):
                 if admitted is not None:  # which of a key's records is the latest
                     rec["inputs"] = admitted
                 yield MEMORY_TAG, json.dumps(rec)
+        self._after_callback(ctx)  # last: the outputs counted, a counter an async task added
 
     # -- the wake registries (process mode) -----------------------------------------------
     #

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from pyflink.datastream import KeyedProcessFunction, OutputTag, ProcessFunction,
 from pyflink.datastream.functions import TimeDomain
 from pyflink.datastream.state import MapState, MapStateDescriptor, ValueStateDescriptor
 
+from ratchet._clock import Clock
 from ratchet._errors import BadInputError, ConfigError
 from ratchet.flink._watchdog import start_parent_watchdog
 from ratchet.runtime._flink_core import AgentCore, CoreConfig, Step, flink_key, native_key
@@ -237,9 +237,10 @@ class _Published:
     woke on a freed thread state, and the TaskManager's JVM crashed (SIGSEGV in `take_gil`) when
     a job was cancelled while its metrics were being read."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self._metrics: list[list[Any]] = []  # [Flink counter, read, value it shows]
-        self.next_at = 0.0  # time.monotonic() when the next copy is due
+        self.next_at = 0.0  # clock.monotonic() when the next copy is due
         self.timer_set = False  # a timer will call back by then
 
     def add(self, group: Any, name: str, read: Callable[[], float]) -> None:
@@ -254,7 +255,7 @@ class _Published:
             if value != m[2]:
                 m[0].inc(value - m[2])
                 m[2] = value
-        self.next_at = time.monotonic() + PUBLISH_MS / 1000
+        self.next_at = self.clock.monotonic() + PUBLISH_MS / 1000
         self.timer_set = False
 
 
@@ -337,7 +338,7 @@ class AgentFunction(KeyedProcessFunction):
         # it (a thread-mode counter's `inc` is one, ~1.8 us): process mode shows each as a
         # gauge, thread mode copies them into Flink counters from time to time (`_Published`).
         # `inputs` and `outputs` only grow, and start at 0 in a restarted task, as counters do.
-        self._published = _Published() if self._thread else None
+        self._published = _Published(core.clock) if self._thread else None
         self._n_inputs = 0
         self._n_outputs = 0
         self._metric(group, "inputs", lambda: self._n_inputs)
@@ -363,7 +364,7 @@ class AgentFunction(KeyedProcessFunction):
         pub = self._published
         if pub is None:
             return
-        if time.monotonic() >= pub.next_at:
+        if pub.clock.monotonic() >= pub.next_at:
             pub.publish()
         elif not pub.timer_set and pub.changed():
             ts = ctx.timer_service()

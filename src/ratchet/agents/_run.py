@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import ConfigError, StateError
+from ratchet._errors import ConfigError, InvalidArgumentError, StateError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding, install_task_factory
 from ratchet.connectors import is_uri, sink_for, source_for
@@ -76,8 +77,9 @@ def _auto(
 def load_agent(spec: str, *, loaded: bool = False) -> Agent:
     """`package.module:Class` or `path/file.py:Class` to an agent instance.
 
-    `loaded`: a file this process already loaded is not executed again (a worker forked from
-    a coordinator that loaded it: executing it twice would register its types twice)."""
+    A file this interpreter already loaded with the same bytes is not executed again (its
+    `register_type` classes would be new classes under taken names); a changed file is.
+    `loaded`: not even if it changed (a worker forked from a coordinator that loaded it)."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise ConfigError(
@@ -89,21 +91,46 @@ def load_agent(spec: str, *, loaded: bool = False) -> Agent:
             raise ConfigError(f"agent file {path} does not exist")
         mod_name = f"ratchet_user_{path.stem}"
         had = sys.modules.get(mod_name)
-        if loaded and had is not None and _same_file(getattr(had, "__file__", None), path):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if (
+            had is not None
+            and _same_file(getattr(had, "__file__", None), path)
+            and (loaded or getattr(had, _SOURCE_DIGEST, None) == digest)
+        ):
+            # Loaded before in this interpreter (a forked worker; in Flink's thread mode every
+            # task and job on a TaskManager shares one): executing it again would make new
+            # classes under the names its `register_type` classes already hold.
             return _instance(spec, target, attr, had)
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         if module_spec is None or module_spec.loader is None:
             raise ConfigError(f"cannot load agent file {path}")
         module = importlib.util.module_from_spec(module_spec)
+        setattr(module, _SOURCE_DIGEST, digest)
         sys.modules[mod_name] = module
-        sys.path.insert(0, str(path.parent.resolve()))
-        module_spec.loader.exec_module(module)
+        parent = str(path.parent.resolve())
+        if parent not in sys.path:
+            sys.path.insert(0, parent)
+        try:
+            module_spec.loader.exec_module(module)
+        except InvalidArgumentError as exc:
+            if had is None:
+                raise
+            sys.modules[mod_name] = had  # the version this interpreter runs stays
+            raise ConfigError(
+                f"agent file {path} changed since this Python process loaded it, and the new "
+                f"version cannot replace the old one here ({exc}); run it in a new process "
+                "(on Flink in thread mode: restart the TaskManagers)"
+            ) from exc
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise ConfigError(f"cannot import agent module {target!r}: {exc}") from exc
     return _instance(spec, target, attr, module)
+
+
+# The sha256 of an agent file's bytes, kept on the module `load_agent` made from it.
+_SOURCE_DIGEST = "__ratchet_source_sha256__"
 
 
 def _same_file(name: str | None, path: Path) -> bool:

@@ -1,0 +1,103 @@
+"""An agent file loaded more than once in one interpreter (Flink's thread mode runs every task
+and job of a TaskManager in one): the same bytes are not executed again, so the classes it
+registers with `ratchet.register_type` keep their names; changed bytes are (an upgrade), and
+a change that cannot replace what the interpreter holds is a ConfigError saying so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ratchet._errors import ConfigError
+from ratchet.agents._run import load_agent
+
+AGENT = textwrap.dedent(
+    """
+    from dataclasses import dataclass
+
+    import ratchet
+    from ratchet import Agent, InputEvent, OutputEvent, action
+
+    LOADS = globals().get("LOADS", 0) + 1
+
+    @ratchet.register_type
+    @dataclass
+    class Point:
+        x: int
+
+    class A(Agent):
+        version = {version}
+
+        @action(InputEvent, inline=True)
+        def go(self, event, ctx):
+            ctx.send_event(OutputEvent(output=Point(1)))
+    """
+)
+
+
+def _write(path: Path, version: int, extra: str = "") -> None:
+    path.write_text(AGENT.format(version=version) + extra)
+
+
+def test_the_same_file_loads_twice_and_a_changed_one_is_refused_clearly(
+    tmp_path: Path,
+) -> None:
+    # A fresh interpreter: the registry of types is per process.
+    agent = tmp_path / "loadtwice_agent.py"
+    _write(agent, 1)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from ratchet._errors import ConfigError
+        from ratchet.agents._run import load_agent
+        spec = {str(agent)!r} + ":A"
+        a = load_agent(spec)
+        b = load_agent(spec)  # a second task on the same TaskManager
+        assert type(a) is type(b), (type(a), type(b))
+        assert sys.modules["ratchet_user_loadtwice_agent"].LOADS == 1
+        Path({str(agent)!r}).write_text(Path({str(agent)!r}).read_text().replace(
+            "version = 1", "version = 2"))
+        try:
+            load_agent(spec)
+        except ConfigError as exc:
+            print("REFUSED", exc)
+        else:
+            raise AssertionError("a changed file re-registered its type")
+        c = load_agent(spec, loaded=True)  # the version loaded first still runs
+        assert type(c).version == 1
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "REFUSED" in out and "changed since this Python process loaded it" in out, out
+    assert "restart the TaskManagers" in out, out
+
+
+def test_a_changed_file_without_registered_types_is_loaded_again(tmp_path: Path) -> None:
+    agent = tmp_path / "reload_agent.py"
+    agent.write_text(
+        "from ratchet import Agent, InputEvent, OutputEvent, action\n"
+        "class A(Agent):\n"
+        "    version = 1\n"
+        "    @action(InputEvent, inline=True)\n"
+        "    def go(self, event, ctx):\n"
+        "        ctx.send_event(OutputEvent(output=self.version))\n"
+    )
+    first = load_agent(f"{agent}:A")
+    assert type(first).version == 1  # type: ignore[attr-defined]
+    assert load_agent(f"{agent}:A").__class__ is first.__class__
+    agent.write_text(agent.read_text().replace("version = 1", "version = 2"))
+    assert type(load_agent(f"{agent}:A")).version == 2  # type: ignore[attr-defined]
+
+
+def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_agent(f"{tmp_path / 'nope.py'}:A")

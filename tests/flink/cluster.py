@@ -259,17 +259,17 @@ class Cluster:
             )
 
         if not self.taskmanager_pids():
-            # No TaskManager process left: every test that kills one starts another, so it
-            # ended on its own (a JVM crash, the OOM killer). Start another, so the tests
-            # after this one run, and fail this one saying what happened.
+            # No TaskManager process left: it crashed (a report below), something else ended
+            # it (the OOM killer), or a kill test failed before starting its replacement.
+            # Start another, so the tests after this one run, and fail this one saying so.
             said = self.explain()
             self.start_taskmanager()
             self.reported.update(self.crashes())
             raise AssertionError(
-                "the standalone cluster had no live TaskManager (an earlier test's ended on its "
-                f"own); started another\n{said}"
+                "the standalone cluster had no live TaskManager after the earlier tests "
+                f"(started another):\n{said}"
             )
-        self.check_crashes()
+        self.check_crashes("during or after an earlier test")
         wait_for("an idle cluster", idle, timeout, every=0.5, explain=self.explain)
 
     def crashes(self) -> dict[str, str]:
@@ -284,13 +284,13 @@ class Cluster:
                 found[f.name] = "\n".join(text.splitlines()[:40])
         return found
 
-    def check_crashes(self) -> None:
+    def check_crashes(self, when: str = "during this test") -> None:
         """Fail if a JVM of the cluster crashed since the last check (each reported once)."""
         new = {k: v for k, v in self.crashes().items() if k not in self.reported}
         self.reported.update(new)
         if new:
             raise AssertionError(
-                "a JVM of the standalone cluster crashed:\n"
+                f"a JVM of the standalone cluster crashed {when}:\n"
                 + "\n".join(f"--- {name}\n{text}" for name, text in new.items())
             )
 
@@ -333,7 +333,7 @@ class Cluster:
         add("taskmanager pids alive", self.taskmanager_pids)
         for name, text in self.crashes().items():
             parts.append(f"--- JVM crash report {name}:\n{text}")
-        for log in sorted(self.log.glob("*.log")):
+        for log in sorted(self.log.glob("flink-*.log")):  # crash reports: below
             lines = log.read_text(errors="replace").splitlines()
             bad = [ln for ln in lines if " ERROR " in ln or " WARN " in ln or "Exception" in ln]
             parts.append(f"--- {log.name}: {len(lines)} lines, last problems:")

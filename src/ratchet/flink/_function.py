@@ -288,6 +288,7 @@ class AgentFunction(KeyedProcessFunction):
         self.emit_admissions = emit_admissions
         self.core: AgentCore | None = None
         self._published: _Published | None = None
+        self._metrics_key: str | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
         from ratchet.agents._context import AgentBinding
@@ -313,6 +314,18 @@ class AgentFunction(KeyedProcessFunction):
         self._backend = getattr(runtime_context, "_keyed_state_backend", None)
         self._set_key = self._key_setter()
         self._metrics(runtime_context)
+        # Thread mode's metrics timer is set on a reserved key of this subtask's first key
+        # group, so it calls no agent key back (on a key with work, each extra callback would
+        # start another chain of poll timers).
+        self._metrics_key = None
+        if self._thread and self._set_key is not None:
+            max_par = runtime_context.get_max_number_of_parallel_subtasks()
+            first = key_group_range(
+                max_par,
+                runtime_context.get_number_of_parallel_subtasks(),
+                runtime_context.get_index_of_this_subtask(),
+            )[0]
+            self._metrics_key = wake_key(first, max_par)
         # The wake registries (process mode only; see `_sweep`): this subtask's key groups.
         self._wake: MapState | None = None
         self._swept = False
@@ -368,8 +381,20 @@ class AgentFunction(KeyedProcessFunction):
             pub.publish()
         elif not pub.timer_set and pub.changed():
             ts = ctx.timer_service()
-            ts.register_processing_time_timer(ts.current_processing_time() + PUBLISH_MS)
+            at = ts.current_processing_time() + PUBLISH_MS
+            if self._metrics_key is not None and self._set_key is not None:
+                current = ctx.get_current_key()
+                self._set_key(self._metrics_key)
+                ts.register_processing_time_timer(at)
+                self._set_key(current)
+            else:
+                ts.register_processing_time_timer(at)
             pub.timer_set = True
+
+    def _publish_if_due(self) -> None:
+        pub = self._published
+        if pub is not None and pub.clock.monotonic() >= pub.next_at:
+            pub.publish()
 
     def _export_counters(self) -> None:
         """Each `ctx.metrics` counter (`durable_calls.made`, `durable_calls.replayed`, an
@@ -426,6 +451,7 @@ class AgentFunction(KeyedProcessFunction):
         if fkey.startswith(WAKE_PREFIX):
             if self._groups and fkey == wake_key(self._groups[0], self._max_par):
                 self._heartbeat(ctx)
+            self._after_callback(ctx)  # thread mode's metrics timer is on such a key too
             return  # a wake registry's own timer (a rescaled job's old one is let go)
         key = native_key(fkey)
         end = ctx.time_domain() == TimeDomain.EVENT_TIME and timestamp >= END_OF_INPUT
@@ -438,6 +464,7 @@ class AgentFunction(KeyedProcessFunction):
                 self._timers(ctx, other, st, register_end=False)
                 self._update_wake(flink_key(other), st)
                 yield from self._emit(other, st)
+                self._publish_if_due()  # a drain can be long: the metrics follow it
             self._switch(key)
             step = self.core.timer(key, self.state, end=True)
         else:

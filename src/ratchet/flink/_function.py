@@ -223,6 +223,18 @@ def thread_mode(rc: RuntimeContext) -> bool:
     return ".embedded." in type(rc).__module__
 
 
+def _thread_mode_task_info(rc: RuntimeContext) -> tuple[int, int, int]:
+    """(max parallelism, parallelism, subtask index) in thread mode. PyFlink 2.3's thread-mode
+    `RuntimeContext` calls Java methods Flink 2 removed (`getMaxNumberOfParallelSubtasks`:
+    an AttributeError), so ask the Java context's `TaskInfo`."""
+    info = rc._runtime_context.getTaskInfo()
+    return (
+        int(info.getMaxNumberOfParallelSubtasks()),
+        int(info.getNumberOfParallelSubtasks()),
+        int(info.getIndexOfThisSubtask()),
+    )
+
+
 def _whole_total(counters: Metrics, name: str) -> int:
     return round(counters.total(name))
 
@@ -319,13 +331,13 @@ class AgentFunction(KeyedProcessFunction):
         # start another chain of poll timers).
         self._metrics_key = None
         if self._thread and self._set_key is not None:
-            max_par = runtime_context.get_max_number_of_parallel_subtasks()
-            first = key_group_range(
-                max_par,
-                runtime_context.get_number_of_parallel_subtasks(),
-                runtime_context.get_index_of_this_subtask(),
-            )[0]
-            self._metrics_key = wake_key(first, max_par)
+            try:
+                max_par, parallelism, index = _thread_mode_task_info(runtime_context)
+            except Exception:  # noqa: BLE001 - the metrics timer then calls the current key
+                log.warning("no task info in thread mode; metrics timers use agent keys")
+            else:
+                first = key_group_range(max_par, parallelism, index)[0]
+                self._metrics_key = wake_key(first, max_par)
         # The wake registries (process mode only; see `_sweep`): this subtask's key groups.
         self._wake: MapState | None = None
         self._swept = False

@@ -410,7 +410,7 @@ class AgentFunction(KeyedProcessFunction):
 
     def _export_counters(self) -> None:
         """Each `ctx.metrics` counter (`durable_calls.made`, `durable_calls.replayed`, an
-        action's own) as the gauge `ratchet.counter.<name>.total`, registered the first time
+        action's own) as the metric `ratchet.counter.<name>.total`, registered the first time
         its name has a value; called after every callback (Flink's Prometheus reporter:
         `..._ratchet_counter_total` with the label `counter="<name>"`)."""
         counters = self._counters

@@ -270,6 +270,13 @@ class _Published:
         self.next_at = self.clock.monotonic() + PUBLISH_MS / 1000
         self.timer_set = False
 
+    def publish_if_due(self) -> bool:
+        """Copy the values if `PUBLISH_MS` passed since the last copy; whether it did."""
+        if self.clock.monotonic() < self.next_at:
+            return False
+        self.publish()
+        return True
+
 
 class AgentFunction(KeyedProcessFunction):
     """Runs a ratchet agent per key: the same run machine as the embedded engine.
@@ -329,7 +336,6 @@ class AgentFunction(KeyedProcessFunction):
         # Thread mode's metrics timer is set on a reserved key of this subtask's first key
         # group, so it calls no agent key back (on a key with work, each extra callback would
         # start another chain of poll timers).
-        self._metrics_key = None
         if self._thread and self._set_key is not None:
             try:
                 max_par, parallelism, index = _thread_mode_task_info(runtime_context)
@@ -387,11 +393,9 @@ class AgentFunction(KeyedProcessFunction):
         goes quiet still shows its last inputs)."""
         self._export_counters()
         pub = self._published
-        if pub is None:
+        if pub is None or pub.publish_if_due():
             return
-        if pub.clock.monotonic() >= pub.next_at:
-            pub.publish()
-        elif not pub.timer_set and pub.changed():
+        if not pub.timer_set and pub.changed():
             ts = ctx.timer_service()
             at = ts.current_processing_time() + PUBLISH_MS
             if self._metrics_key is not None and self._set_key is not None:
@@ -402,11 +406,6 @@ class AgentFunction(KeyedProcessFunction):
             else:
                 ts.register_processing_time_timer(at)
             pub.timer_set = True
-
-    def _publish_if_due(self) -> None:
-        pub = self._published
-        if pub is not None and pub.clock.monotonic() >= pub.next_at:
-            pub.publish()
 
     def _export_counters(self) -> None:
         """Each `ctx.metrics` counter (`durable_calls.made`, `durable_calls.replayed`, an
@@ -476,7 +475,8 @@ class AgentFunction(KeyedProcessFunction):
                 self._timers(ctx, other, st, register_end=False)
                 self._update_wake(flink_key(other), st)
                 yield from self._emit(other, st)
-                self._publish_if_due()  # a drain can be long: the metrics follow it
+                if self._published is not None:  # a drain can be long: the metrics follow
+                    self._published.publish_if_due()
             self._switch(key)
             step = self.core.timer(key, self.state, end=True)
         else:

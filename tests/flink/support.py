@@ -86,6 +86,24 @@ def kill_test_args(tmp: Path, agent: str, inputs: Path, *extra: str) -> list[str
     ]
 
 
+def submit_metered(cluster: Any, tmp: Path, inputs: Path, out: Path, *extra: str) -> str:
+    """`ratchet flink run` of `MeteredCounter` (its memory to `tmp/mem`) submitted detached to
+    the standalone `cluster`, following `inputs`; returns the job id once it is RUNNING."""
+    from .cluster import wait_for
+
+    cmd = [
+        *CLI, f"{AGENTS}:MeteredCounter", "--input", str(inputs), "--output", str(out),
+        "--memory-output", str(tmp / "mem"), "--jobmanager", cluster.jobmanager, "--detach",
+        "--follow", "300", "--checkpoint-interval", "300",
+        "--checkpoint-dir", str(tmp / "checkpoints"), "--tmp-dir", str(tmp / "flink-tmp"), *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=flink_env(tmp), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"submit failed:\n{proc.stderr[-4000:]}"
+    job_id = str(json.loads(proc.stdout.splitlines()[0])["job_id"])
+    wait_for(f"job {job_id} RUNNING", lambda: cluster.job_status(job_id) == "RUNNING", 120)
+    return job_id
+
+
 def write_inputs(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

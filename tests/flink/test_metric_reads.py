@@ -16,8 +16,6 @@ test's subject; docs/flink.md, *Running on a standalone cluster*.)
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +27,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import Cluster, wait_for  # noqa: E402
-from .support import AGENTS, CLI, THREAD_MODE, flink_env, write_inputs  # noqa: E402
+from .support import THREAD_MODE, submit_metered, write_inputs  # noqa: E402
 
 pytestmark = [
     pytest.mark.flink,
@@ -77,15 +75,7 @@ def test_cancelling_jobs_whose_metrics_are_being_read(
         tmp = tmp_path / f"round{r}"
         (tmp / "in").mkdir(parents=True)
         write_inputs(tmp / "in" / "a.jsonl", [{"key": f"k{i % 5}", "v": i} for i in range(30)])
-        cmd = [
-            *CLI, f"{AGENTS}:MeteredCounter", "--input", str(tmp / "in"),
-            "--output", str(tmp / "out"), "--jobmanager", c.jobmanager, "--detach",
-            "--follow", "300", "--checkpoint-interval", "300",
-            "--checkpoint-dir", str(tmp / "checkpoints"), "--tmp-dir", str(tmp / "flink-tmp"),
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, env=flink_env(tmp), capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, f"submit failed:\n{proc.stderr[-4000:]}"
-        job = str(json.loads(proc.stdout.splitlines()[0])["job_id"])
+        job = submit_metered(c, tmp, tmp / "in", tmp / "out")
         wait_for(
             "30 outputs",
             lambda: len(read_output_dir(tmp / "out")) >= 30,  # noqa: B023 - called in the loop

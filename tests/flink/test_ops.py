@@ -19,7 +19,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import wait_for  # noqa: E402
-from .support import AGENTS, CLI, flink_env, write_inputs  # noqa: E402
+from .support import flink_env, submit_metered, write_inputs  # noqa: E402
 
 pytestmark = pytest.mark.flink
 
@@ -35,20 +35,6 @@ def _ratchet(tmp: Path, *args: str, code: int = 0) -> subprocess.CompletedProces
     return proc
 
 
-def _submit(cluster: Any, tmp: Path, inputs: Path, out: Path, *extra: str) -> str:
-    cmd = [
-        *CLI, f"{AGENTS}:MeteredCounter", "--input", str(inputs), "--output", str(out),
-        "--memory-output", str(tmp / "mem"), "--jobmanager", cluster.jobmanager, "--detach",
-        "--follow", "300", "--checkpoint-interval", "300",
-        "--checkpoint-dir", str(tmp / "checkpoints"), "--tmp-dir", str(tmp / "flink-tmp"), *extra,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=flink_env(tmp), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"submit failed:\n{proc.stderr[-4000:]}"
-    job_id = str(json.loads(proc.stdout.splitlines()[0])["job_id"])
-    wait_for(f"job {job_id} RUNNING", lambda: cluster.job_status(job_id) == "RUNNING", 120)
-    return job_id
-
-
 def _local(uri: str) -> Path:
     return Path(uri.removeprefix("file:").removeprefix("//"))
 
@@ -60,7 +46,7 @@ def test_status_savepoint_stop_resume_and_inspect(cluster: Any, tmp_path: Path) 
     out = tmp_path / "out"
     first = [{"key": k, "v": i} for i, k in enumerate(["a", "b", 7] * 10)]
     write_inputs(inputs / "a.jsonl", first)
-    job = _submit(cluster, tmp_path, inputs, out)
+    job = submit_metered(cluster, tmp_path, inputs, out)
     try:
         wait_for(
             "30 outputs",
@@ -124,7 +110,7 @@ def test_status_savepoint_stop_resume_and_inspect(cluster: Any, tmp_path: Path) 
     # Resume from the stop's savepoint with more input; then stop it draining: its memory.
     second = [{"key": k, "v": 100 + i} for i, k in enumerate(["a", 7, "c"] * 5)]
     write_inputs(inputs / "b.jsonl", second)
-    job = _submit(cluster, tmp_path, inputs, out, "--from-savepoint", stopped["savepoint"])
+    job = submit_metered(cluster, tmp_path, inputs, out, "--from-savepoint", stopped["savepoint"])
     try:
         wait_for(
             "45 outputs",

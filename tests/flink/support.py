@@ -86,13 +86,16 @@ def kill_test_args(tmp: Path, agent: str, inputs: Path, *extra: str) -> list[str
     ]
 
 
-def submit_metered(cluster: Any, tmp: Path, inputs: Path, out: Path, *extra: str) -> str:
-    """`ratchet flink run` of `MeteredCounter` (its memory to `tmp/mem`) submitted detached to
-    the standalone `cluster`, following `inputs`; returns the job id once it is RUNNING."""
+def submit_metered(
+    cluster: Any, tmp: Path, inputs: Path, out: Path, *extra: str, agent: str = "MeteredCounter"
+) -> str:
+    """`ratchet flink run` of `agent` from agents.py (its memory to `tmp/mem`) submitted
+    detached to the standalone `cluster`, following `inputs`; returns the job id once it is
+    RUNNING."""
     from .cluster import wait_for
 
     cmd = [
-        *CLI, f"{AGENTS}:MeteredCounter", "--input", str(inputs), "--output", str(out),
+        *CLI, f"{AGENTS}:{agent}", "--input", str(inputs), "--output", str(out),
         "--memory-output", str(tmp / "mem"), "--jobmanager", cluster.jobmanager, "--detach",
         "--follow", "300", "--checkpoint-interval", "300",
         "--checkpoint-dir", str(tmp / "checkpoints"), "--tmp-dir", str(tmp / "flink-tmp"), *extra,

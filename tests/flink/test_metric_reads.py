@@ -5,7 +5,7 @@ interpreter with the task's thread state (Pemja). With ratchet's metrics as such
 test's TaskManager crashed at its first cancel (SIGSEGV in `take_gil`; the JVM's report names
 `MetricGauge.getValue` on "Flink-Metric-Reporter-thread-1"), and our CI lost a TaskManager the
 same way once with only the JobManager's fetches reading. ratchet's metrics are Flink counters
-in thread mode now (`ratchet.flink._function._Published`).
+and JVM-held gauges in thread mode now (`ratchet.flink._function._Published`).
 
 Thread mode only: process mode's gauges are Beam's, set from values the Python worker reports,
 and no Flink thread enters Python to read them. (Run in process mode once in CI, the fourth

@@ -240,23 +240,33 @@ def _whole_total(counters: Metrics, name: str) -> int:
 
 
 class _Published:
-    """Thread mode's metrics: Flink counters that the task's own thread brings up to the
-    values of ratchet's (at most every `PUBLISH_MS`, and when the function closes).
+    """Thread mode's metrics: Flink metrics held in the JVM that the task's own thread brings
+    up to the values of ratchet's (at most every `PUBLISH_MS`, and when the function closes).
 
     Not gauges over Python callables, as in process mode: in thread mode Flink reads a gauge
     on its metrics thread by entering the embedded interpreter with the task thread's Python
     thread state (Pemja). A read that waited for the GIL while the task closed its interpreter
     woke on a freed thread state, and the TaskManager's JVM crashed (SIGSEGV in `take_gil`) when
-    a job was cancelled while its metrics were being read."""
+    a job was cancelled while its metrics were being read.
+
+    A value that only grows is a Flink counter (`inc` by the difference). A level (runs in
+    flight, queued inputs) is a gauge whose value lives in the JVM: thread mode's
+    `metric_group.distribution(name)` is one (flink-python's `MetricDistribution`, a
+    `Gauge<Long>` whose `update` sets the value), read by Flink without entering Python."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self._metrics: list[list[Any]] = []  # [Flink counter, read, value it shows]
+        self._metrics: list[list[Any]] = []  # [Flink metric, read, value it shows, level]
         self.next_at = 0.0  # clock.monotonic() when the next copy is due
         self.timer_set = False  # a timer will call back by then
 
-    def add(self, group: Any, name: str, read: Callable[[], float]) -> None:
-        self._metrics.append([group.counter(name), read, 0])
+    def add(self, group: Any, name: str, read: Callable[[], float], level: bool = False) -> None:
+        if level:
+            gauge = group.distribution(name)
+            gauge.update(0)
+            self._metrics.append([gauge, read, 0, True])
+        else:
+            self._metrics.append([group.counter(name), read, 0, False])
 
     def changed(self) -> bool:
         return any(round(m[1]()) != m[2] for m in self._metrics)
@@ -265,7 +275,10 @@ class _Published:
         for m in self._metrics:
             value = round(m[1]())
             if value != m[2]:
-                m[0].inc(value - m[2])
+                if m[3]:
+                    m[0].update(value)
+                else:
+                    m[0].inc(value - m[2])
                 m[2] = value
         self.next_at = self.clock.monotonic() + PUBLISH_MS / 1000
         self.timer_set = False
@@ -367,23 +380,26 @@ class AgentFunction(KeyedProcessFunction):
         self._group = group
         # Every metric is kept as a Python value, so an input costs no call into the JVM for
         # it (a thread-mode counter's `inc` is one, ~1.8 us): process mode shows each as a
-        # gauge, thread mode copies them into Flink counters from time to time (`_Published`).
+        # gauge, thread mode copies them into Flink counters and JVM-held gauges from time to
+        # time (`_Published`).
         # `inputs` and `outputs` only grow, and start at 0 in a restarted task, as counters do.
         self._published = _Published(core.clock) if self._thread else None
         self._n_inputs = 0
         self._n_outputs = 0
         self._metric(group, "inputs", lambda: self._n_inputs)
         self._metric(group, "outputs", lambda: self._n_outputs)
-        self._metric(group, "runs_in_flight", lambda: core.machine.active_runs)
-        self._metric(group, "queued_inputs", lambda: core.machine.buffered_inputs)
+        self._metric(group, "runs_in_flight", lambda: core.machine.active_runs, level=True)
+        self._metric(group, "queued_inputs", lambda: core.machine.buffered_inputs, level=True)
         self._metric(group, "tasks_executed", lambda: core.tasks_executed)
         self._metric(group, "tasks_replayed", lambda: core.machine.tasks_replayed)
         self._exported: set[str] = set()
         self._export_counters()
 
-    def _metric(self, group: Any, name: str, read: Callable[[], float]) -> None:
+    def _metric(
+        self, group: Any, name: str, read: Callable[[], float], level: bool = False
+    ) -> None:
         if self._published is not None:
-            self._published.add(group, name, read)
+            self._published.add(group, name, read, level)
         else:
             group.gauge(name, read)
 

@@ -129,6 +129,76 @@ def test_usable_cores_take_cgroup_quotas_into_account(
     assert usable_cores() == want
 
 
+@pytest.mark.parametrize(
+    ("root", "own", "quotas", "affinity", "want"),
+    [("/", "/outer/job", {"outer/job": "200000"}, 8, 2),
+     ("/", "/outer/job", {"outer/job": "-1"}, 8, 8),
+     ("/", "/outer/job", {"outer/job": "-1", "outer": "300000"}, 8, 3),
+     ("/", "/outer/job", {"outer/job": "100000", "outer": "300000"}, 8, 1),
+     ("/", "/outer/job", {"outer/job": "150000", "": "50000"}, 8, 1),
+     ("/docker/abc", "/docker/abc", {"": "150000"}, 8, 2),  # a container sees its own cgroup
+     ("/docker/abc", "/docker/abcd", {"": "150000"}, 8, 8),  # the mount shows another cgroup
+     ("/", "/outer/job", {"outer/job": "400000"}, 2, 2),
+     ("/", "/outer/job", {"outer/job": "garbage"}, 3, 3)],
+)  # fmt: skip
+def test_usable_cores_take_cgroup_v1_quotas_into_account(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    root: str,
+    own: str,
+    quotas: dict[str, str],
+    affinity: int,
+    want: int,
+) -> None:
+    """cgroup v1 (this CI machine's kind: a `cpu` hierarchy of its own): the quota over the
+    period of the `cpu` controller's cgroup and those above it up to the mount, -1 for none;
+    the mount's own root comes from mountinfo (its path has a space, escaped there)."""
+    point = tmp_path / "cg v1" / "cpu,cpuacct"
+    for rel, quota in quotas.items():
+        (point / rel).mkdir(parents=True, exist_ok=True)
+        (point / rel / "cpu.cfs_quota_us").write_text(quota + "\n")
+        (point / rel / "cpu.cfs_period_us").write_text("100000\n")
+    escaped = str(point).replace(" ", "\\040")
+    (tmp_path / "mountinfo").write_text(
+        "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        "33 31 0:30 / /elsewhere rw,relatime - cgroup cgroup rw,cpuacct\n"
+        f"32 31 0:29 {root} {escaped} rw,relatime shared:9 - cgroup cgroup rw,cpu,cpuacct\n"
+    )
+    (tmp_path / "self").write_text(f"4:memory:/m\n2:cpu,cpuacct:{own}\n0::/\n")
+    monkeypatch.setattr(aw, "_CGROUP_ROOT", tmp_path / "no-v2")
+    monkeypatch.setattr(aw, "_SELF_CGROUP", tmp_path / "self")
+    monkeypatch.setattr(aw, "_MOUNTINFO", tmp_path / "mountinfo")
+    monkeypatch.setattr(aw.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
+    assert usable_cores() == want
+
+
+V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.skipif(
+    not (V1_CPU / "cpu.cfs_quota_us").exists() or not os.access(V1_CPU, os.W_OK),
+    reason="needs a writable cgroup v1 `cpu` hierarchy at /sys/fs/cgroup/cpu (root, cgroup v1)",
+)
+def test_a_process_in_a_real_v1_cgroup_with_a_one_core_quota_gets_one(tmp_path: Path) -> None:
+    """A real cgroup of this machine's v1 `cpu` hierarchy, quota 1 core: a process moved into
+    it sees one usable core whatever its affinity (what a container runtime on v1 sets)."""
+    group = V1_CPU / f"ratchet-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("100000")
+        probe = "from ratchet.runtime._auto_workers import usable_cores; print(usable_cores())"
+        proc = subprocess.run(
+            ["sh", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$0" -c "$1"',
+             sys.executable, probe],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "1", (proc.stdout, proc.stderr)
+    finally:
+        group.rmdir()  # empty again: its one process has exited
+
+
 def test_run_auto_keeps_one_process_for_what_only_one_process_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,7 +8,7 @@ The rules, from the measurements in docs/benchmarks.md ("How many workers `auto`
 - a new job whose input is a bounded file set smaller than `SMALL_INPUT_BYTES` gets one
   process: below it, a second worker's start costs more than it saves;
 - otherwise one worker per usable core (the process's CPU affinity, and a cgroup's CPU quota
-  where one is set), at most `MAX_AUTO_WORKERS`: the one coordinator reads, parses and routes
+  where one is set, cgroup v2 or v1), at most `MAX_AUTO_WORKERS`: the one coordinator reads, parses and routes
   every input, which bounds what more workers can add.
 """
 
@@ -30,28 +30,30 @@ SMALL_INPUT_COUNT = 1_000  # its low end in inputs, for an in-memory list of the
 MAX_AUTO_WORKERS = 4
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _SELF_CGROUP = Path("/proc/self/cgroup")
+_MOUNTINFO = Path("/proc/self/mountinfo")
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity, lowered by a cgroup v2 CPU quota
-    on its own cgroup or any above it."""
+    """The cores this process may run on: its CPU affinity, lowered by a CPU quota on its own
+    cgroup or any above it (cgroup v2's `cpu.max`, or v1's `cpu.cfs_quota_us`: a host or a
+    container runtime on cgroup v1 sets the quota there)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    quota = _cgroup_cores()
-    if quota is not None:
-        cores = min(cores, quota)
-    return max(1, cores)
-
-
-def _cgroup_cores() -> int | None:
-    """The tightest CPU quota (`cpu.max`) from this process's cgroup up to the root, in whole
-    cores rounded up; None without one (or without cgroup v2)."""
     try:
         lines = _SELF_CGROUP.read_text().splitlines()
     except OSError:
         lines = []
+    for quota in (_cgroup_cores(lines), _cgroup_v1_cores(lines)):
+        if quota is not None:
+            cores = min(cores, quota)
+    return max(1, cores)
+
+
+def _cgroup_cores(lines: list[str]) -> int | None:
+    """The tightest CPU quota (`cpu.max`) from this process's cgroup up to the root, in whole
+    cores rounded up; None without one (or without cgroup v2). `lines`: /proc/self/cgroup."""
     own = next((line[3:] for line in lines if line.startswith("0::")), "/")
     here = _CGROUP_ROOT / own.strip("/")
     best: int | None = None
@@ -66,6 +68,58 @@ def _cgroup_cores() -> int | None:
         if here == _CGROUP_ROOT or _CGROUP_ROOT not in here.parents:
             return best
         here = here.parent
+
+
+def _cgroup_v1_cores(lines: list[str]) -> int | None:
+    """The tightest cgroup v1 CPU quota (`cpu.cfs_quota_us` over `cpu.cfs_period_us`, -1 for
+    none) from this process's cgroup of the `cpu` controller up to its mount, in whole cores
+    rounded up; None without one. `lines`: /proc/self/cgroup, whose `N:cpu,cpuacct:/path`
+    names the cgroup; /proc/self/mountinfo says where that hierarchy is mounted and which of
+    its cgroups the mount shows as its root (a container sees its own cgroup there)."""
+    own = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3 and "cpu" in parts[1].split(","):
+            own = parts[2]
+            break
+    if own is None:
+        return None
+    try:
+        mounts = _MOUNTINFO.read_text().splitlines()
+    except OSError:
+        return None
+    for mount in mounts:
+        fields, sep, rest = mount.partition(" - ")
+        head, tail = fields.split(), rest.split()
+        if not sep or len(head) < 5 or len(tail) < 3 or tail[0] != "cgroup":
+            continue
+        if "cpu" not in tail[2].split(","):
+            continue
+        root, point = _unescape(head[3]), Path(_unescape(head[4]))
+        if own != root and not own.startswith(root.rstrip("/") + "/"):
+            continue  # the mount shows another part of the hierarchy
+        here = point / own[len(root) :].strip("/")
+        best: int | None = None
+        while True:
+            try:
+                quota = int((here / "cpu.cfs_quota_us").read_text())
+                period = int((here / "cpu.cfs_period_us").read_text())
+                if quota > 0 and period > 0:
+                    cores = max(1, math.ceil(quota / period))
+                    best = cores if best is None else min(best, cores)
+            except (OSError, ValueError):
+                pass
+            if here == point or point not in here.parents:
+                return best
+            here = here.parent
+    return None
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are written as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
 
 
 def input_bytes(spec: str) -> int | None:

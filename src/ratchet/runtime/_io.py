@@ -1048,10 +1048,19 @@ class JsonlSink(Sink):
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._recover(job)
-            self._fh = open(self.path, "ab")  # noqa: SIM115 - the sink's lifetime
+            fh = open(self.path, "ab")  # noqa: SIM115 - the sink's lifetime
         except OSError as exc:
             raise ConfigError(f"--output {self.path} cannot be written: {exc}") from exc
+        try:
+            _hold_exclusively(fh, self.path)
+            self._recover(job)
+        except OSError as exc:
+            fh.close()
+            raise ConfigError(f"--output {self.path} cannot be written: {exc}") from exc
+        except BaseException:
+            fh.close()
+            raise
+        self._fh = fh
         self._job = job.id if job is not None else None
 
     def _recover(self, job: JobIdentity | None) -> None:
@@ -1195,6 +1204,45 @@ class JsonlSink(Sink):
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def _hold_exclusively(fh: IO[bytes], path: Path) -> None:
+    """Lock the output file for as long as `fh` is open (released by the OS when the process
+    ends, `kill -9` too): one job at a time writes an output file. A second writer would
+    interleave with the first, and its opening repair (cutting a line a crash left half
+    written) could cut a line the first is writing. Where the file system has no such lock
+    (some network file systems), the file is used without one."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _flock_holder(fh.fileno())
+        raise ConfigError(
+            f"--output {path} is being written by another running job"
+            + (f" (process {holder})" if holder else "")
+            + ": one job at a time writes an output file. Wait for it to end, stop it, or "
+            "write to another --output file"
+        ) from None
+    except OSError as exc:
+        log.debug("--output %s: no file lock on this file system (%s)", path, exc)
+
+
+def _flock_holder(fd: int) -> int | None:
+    """The process holding a `flock` on the file open as `fd` (Linux `/proc/locks`)."""
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == want:
+                    return int(parts[4])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 class CallbackSink(Sink):

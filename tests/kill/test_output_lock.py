@@ -5,6 +5,7 @@ that writes it) instead of writing beside it, and a SIGKILL of the first ends it
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import ratchet
+from ratchet import Agent, InputEvent, OutputEvent, action
+from ratchet.runtime._io import IterableSource
 
 pytestmark = pytest.mark.kill
 
@@ -30,7 +35,11 @@ def command(inputs: Path, out: Path, state: Path, workers: int, *extra: str) -> 
 
 
 def lines(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    """The whole lines of `out` (one being appended may be read half written)."""
+    if not out.exists():
+        return []
+    text = out.read_text()
+    return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines()]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -40,19 +49,22 @@ def test_a_second_job_is_refused_while_the_first_writes(tmp_path: Path, workers:
         "".join(json.dumps({"key": f"k{i % 2}", "i": i, "sleep": 0.03}) + "\n" for i in range(N))
     )
     with open(tmp_path / "a.log", "ab") as err:
+        # --follow: it ends only when killed, however slowly the second one starts.
         first = subprocess.Popen(
-            command(inputs, out, tmp_path / "a", workers), stdout=subprocess.DEVNULL, stderr=err
+            command(inputs, out, tmp_path / "a", workers, "--follow"),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
         )
     try:
         deadline = time.monotonic() + 60
         while not lines(out) and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert first.poll() is None, "the first job ended before the second could start"
+        assert first.poll() is None, "the first job ended"
         second = subprocess.run(
             command(inputs, out, tmp_path / "b", workers, "--append-output"),
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        assert first.poll() is None, "the first job ended while the second was refused"
+        assert first.poll() is None, "the first job ended"
         assert second.returncode == 2, second.stderr
         assert "is being written by another running job" in second.stderr, second.stderr
         assert f"(process {first.pid})" in second.stderr, second.stderr
@@ -64,7 +76,8 @@ def test_a_second_job_is_refused_while_the_first_writes(tmp_path: Path, workers:
         if first.poll() is None:
             first.kill()
             first.wait()
-    # The kill ended the first job's hold: it resumes into the same file, then the second runs.
+    # The kill ended the first job's hold: it resumes into the same file (to the end of its
+    # input, without --follow), then the second runs.
     for state, extra in (("a", ()), ("b", ("--append-output",))):
         done = subprocess.run(
             command(inputs, out, tmp_path / state, workers, *extra),
@@ -77,3 +90,54 @@ def test_a_second_job_is_refused_while_the_first_writes(tmp_path: Path, workers:
     assert len(per_job) == 2
     for job, got in per_job.items():
         assert sorted(got) == list(range(N)), f"job {job}: each input's output once"
+
+
+def test_the_holder_is_found_by_inode_and_confirmed_by_its_open_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/locks prints the file system's device; on btrfs `stat` gives another one (a
+    subvolume's), and another file system's file can have the same inode number. The holder
+    is the process whose open file is the same file."""
+    from ratchet.runtime import _io
+
+    held = tmp_path / "out.jsonl"
+    with open(held, "ab") as mine, open(tmp_path / "other", "ab") as other_file:
+        ino = os.fstat(mine.fileno()).st_ino
+        other_ino = os.fstat(other_file.fileno()).st_ino
+        locks = tmp_path / "locks"
+        locks.write_text(
+            f"1: FLOCK  ADVISORY  WRITE 1 00:99:{other_ino} 0 EOF\n"
+            f"1: FLOCK  ADVISORY  WRITE 1 00:98:{ino} 0 EOF\n"  # same inode, another file system
+            f"2: FLOCK  ADVISORY  WRITE {os.getpid()} 00:2f:{ino} 0 EOF\n"
+            f"2: -> FLOCK  ADVISORY  WRITE 77 00:2f:{ino} 0 EOF\n"
+        )
+        monkeypatch.setattr(_io, "_PROC_LOCKS", str(locks))
+        with open(held, "ab") as probe:
+            assert _io._flock_holder(probe.fileno()) == os.getpid()
+
+
+class _Echo(Agent):
+    @action(InputEvent)
+    def go(self, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output=event.input))
+
+
+class _CloseFails(IterableSource):
+    def close(self) -> None:
+        raise RuntimeError("the source's close failed")
+
+
+def test_the_hold_ends_with_the_job_in_process(tmp_path: Path) -> None:
+    """In one process (the Python API): a job whose source fails to close, and a `Job` built
+    and closed without running, leave the output file to the next job."""
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(RuntimeError, match="close failed"):
+        ratchet.run(
+            _Echo(), inputs=_CloseFails([{"key": "a"}]), output=out, state_dir=tmp_path / "a"
+        )
+    job = ratchet.Job(_Echo(), inputs=[{"key": "b"}], output=out, state_dir=tmp_path / "b",
+                      append_output=True)  # fmt: skip
+    job.close()
+    ratchet.run(_Echo(), inputs=[{"key": "b"}], output=out, state_dir=tmp_path / "b",
+                append_output=True)  # fmt: skip
+    assert sorted(r["key"] for r in lines(out)) == ["a", "b"]

@@ -278,8 +278,11 @@ class Job:
             self.close()
 
     def close(self) -> None:
-        self.store.close()
-        self._lock.release()
+        try:
+            self.engine.close_io()  # a job built and never run still holds its output file
+        finally:
+            self.store.close()
+            self._lock.release()
 
 
 class _NoWaitExecutor(concurrent.futures.ThreadPoolExecutor):

@@ -203,8 +203,10 @@ def _coordinate(
         finally:
             coordinator.end_workers()
     finally:
-        source.close()
-        sink.close()
+        try:
+            source.close()
+        finally:
+            sink.close()  # releases the output file's lock
 
 
 def _change_workers(

@@ -642,6 +642,7 @@ class Engine:
         self.store = store
         self.source = source
         self.sink = sink
+        self._io_closed = False
         self.config = config or EngineConfig()
         self.config.validate()
         self.on_progress = on_progress
@@ -1363,9 +1364,20 @@ class Engine:
         self._writer.stop()
         self._writer.join(timeout=30)
         self._sink_thread.shutdown(wait=True)
-        self.source.close()
-        self.sink.close()
+        self.close_io()
         self._loop = None
+
+    def close_io(self) -> None:
+        """Close the source and the sink, once: the sink also when the source's close fails,
+        for a JSONL sink holds a lock on its file until it is closed (a later job into the
+        same file in this process would be refused)."""
+        if self._io_closed:
+            return
+        self._io_closed = True
+        try:
+            self.source.close()
+        finally:
+            self.sink.close()
 
     def status(self) -> dict[str, Any]:
         m = self.machine

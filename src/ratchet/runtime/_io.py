@@ -1230,19 +1230,37 @@ def _hold_exclusively(fh: IO[bytes], path: Path) -> None:
         log.debug("--output %s: no file lock on this file system (%s)", path, exc)
 
 
+_PROC_LOCKS = "/proc/locks"
+
+
 def _flock_holder(fd: int) -> int | None:
-    """The process holding a `flock` on the file open as `fd` (Linux `/proc/locks`)."""
+    """The process holding a `flock` on the file open as `fd` (Linux: `/proc/locks`, then
+    that process's open files). `/proc/locks` prints the file system's device, which on btrfs
+    is not the one `stat` gives, so a line is matched by its inode and confirmed by a
+    descriptor of its process that is the same file."""
     st = os.fstat(fd)
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids: list[int] = []
     try:
-        with open("/proc/locks") as f:
-            for line in f:
+        with open(_PROC_LOCKS) as f:
+            for line in f:  # "1: FLOCK  ADVISORY  WRITE 12345 fe:00:2163861 0 EOF"
                 parts = line.split()
-                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == want:
-                    return int(parts[4])
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5].endswith(f":{st.st_ino}"):
+                    pids.append(int(parts[4]))
     except (OSError, ValueError):
-        pass
-    return None
+        return None
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                other = os.stat(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                return pid
+    return pids[0] if len(pids) == 1 else None
 
 
 class CallbackSink(Sink):

@@ -6,6 +6,7 @@ every process it starts, and every Python worker under a TaskManager, is ended b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -377,6 +378,33 @@ class Cluster:
         for p in list(pids):
             pids += descendants(p)
         kill_pids(pids)
+
+
+@contextlib.contextmanager
+def reporting_cluster(base: Path, interval: str, log_reports: bool) -> Iterator[Cluster]:
+    """A started cluster whose TaskManager runs Flink's SLF4J metric reporter (in the pip
+    package's plugins) every `interval`, reading every metric; its reports go to the
+    TaskManager's log only with `log_reports`."""
+    c = Cluster(
+        base,
+        settings={
+            "metrics.reporter.slf4j.factory.class": (
+                "org.apache.flink.metrics.slf4j.Slf4jReporterFactory"
+            ),
+            "metrics.reporter.slf4j.interval": interval,
+        },
+    )
+    if not log_reports:
+        with open(c.conf / "log4j.properties", "a") as f:
+            f.write(
+                "\nlogger.metricreports.name = org.apache.flink.metrics.slf4j.Slf4jReporter\n"
+                "logger.metricreports.level = OFF\n"
+            )
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
 
 
 _ENDED = ("FINISHED", "CANCELED", "FAILED")

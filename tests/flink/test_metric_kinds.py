@@ -24,7 +24,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import Cluster, wait_for  # noqa: E402
+from .cluster import Cluster, reporting_cluster, wait_for  # noqa: E402
 from .support import THREAD_MODE, submit_metered, write_inputs  # noqa: E402
 
 pytestmark = pytest.mark.flink
@@ -35,20 +35,8 @@ SECTION = re.compile(r"^-- (\w+) -+$")
 
 @pytest.fixture
 def logged_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(
-        Path(tmp_path_factory.mktemp("logged-metrics-cluster")),
-        settings={
-            "metrics.reporter.slf4j.factory.class": (
-                "org.apache.flink.metrics.slf4j.Slf4jReporterFactory"
-            ),
-            "metrics.reporter.slf4j.interval": "200 ms",
-        },
-    )
-    try:
-        c.start()
+    with reporting_cluster(tmp_path_factory.mktemp("logged-metrics-cluster"), "200 ms", True) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def reports(log_dir: Path) -> list[dict[str, tuple[str, float]]]:

@@ -26,7 +26,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 
 from ratchet.flink import read_output_dir  # noqa: E402
 
-from .cluster import Cluster, wait_for  # noqa: E402
+from .cluster import Cluster, reporting_cluster, wait_for  # noqa: E402
 from .support import THREAD_MODE, submit_metered, write_inputs  # noqa: E402
 
 pytestmark = [
@@ -42,27 +42,10 @@ ROUNDS = 4
 
 @pytest.fixture
 def reported_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A cluster of its own whose TaskManager reads every metric every 5 ms (the SLF4J reporter
-    of the pip package's plugins, its log lines switched off: it reads them all the same)."""
-    c = Cluster(
-        Path(tmp_path_factory.mktemp("reported-cluster")),
-        settings={
-            "metrics.reporter.slf4j.factory.class": (
-                "org.apache.flink.metrics.slf4j.Slf4jReporterFactory"
-            ),
-            "metrics.reporter.slf4j.interval": "5 ms",
-        },
-    )
-    with open(c.conf / "log4j.properties", "a") as f:
-        f.write(
-            "\nlogger.metricreports.name = org.apache.flink.metrics.slf4j.Slf4jReporter\n"
-            "logger.metricreports.level = OFF\n"
-        )
-    try:
-        c.start()
+    """A cluster of its own whose TaskManager reads every metric every 5 ms (its log lines
+    switched off: the reporter reads them all the same)."""
+    with reporting_cluster(tmp_path_factory.mktemp("reported-cluster"), "5 ms", False) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_cancelling_jobs_whose_metrics_are_being_read(

@@ -18,6 +18,7 @@ import glob
 import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 # A bounded input smaller than this runs in one process: workload 1's break-even between one
@@ -55,17 +56,35 @@ def _cgroup_cores(lines: list[str]) -> int | None:
     """The tightest CPU quota (`cpu.max`) from this process's cgroup up to the root, in whole
     cores rounded up; None without one (or without cgroup v2). `lines`: /proc/self/cgroup."""
     own = next((line[3:] for line in lines if line.startswith("0::")), "/")
-    here = _CGROUP_ROOT / own.strip("/")
+    return _tightest(_CGROUP_ROOT / own.strip("/"), _CGROUP_ROOT, _v2_quota)
+
+
+def _v2_quota(group: Path) -> tuple[int, int] | None:
+    quota, period = (group / "cpu.max").read_text().split()[:2]
+    return None if quota == "max" else (int(quota), int(period))
+
+
+def _v1_quota(group: Path) -> tuple[int, int] | None:
+    quota = int((group / "cpu.cfs_quota_us").read_text())
+    return None if quota < 0 else (quota, int((group / "cpu.cfs_period_us").read_text()))
+
+
+def _tightest(
+    here: Path, top: Path, quota_of: Callable[[Path], tuple[int, int] | None]
+) -> int | None:
+    """The tightest CPU quota of the cgroup `here` and those above it up to `top`, in whole
+    cores rounded up; None without one. `quota_of`: a cgroup's (quota, period), None for no
+    quota; an unreadable or malformed one counts as none."""
     best: int | None = None
     while True:
         try:
-            quota, period = (here / "cpu.max").read_text().split()[:2]
-            if quota != "max":
-                cores = max(1, math.ceil(int(quota) / int(period)))
+            found = quota_of(here)
+            if found is not None and found[0] > 0 and found[1] > 0:
+                cores = max(1, math.ceil(found[0] / found[1]))
                 best = cores if best is None else min(best, cores)
         except (OSError, ValueError):
             pass
-        if here == _CGROUP_ROOT or _CGROUP_ROOT not in here.parents:
+        if here == top or top not in here.parents:
             return best
         here = here.parent
 
@@ -98,20 +117,7 @@ def _cgroup_v1_cores(lines: list[str]) -> int | None:
         root, point = _unescape(head[3]), Path(_unescape(head[4]))
         if own != root and not own.startswith(root.rstrip("/") + "/"):
             continue  # the mount shows another part of the hierarchy
-        here = point / own[len(root) :].strip("/")
-        best: int | None = None
-        while True:
-            try:
-                quota = int((here / "cpu.cfs_quota_us").read_text())
-                period = int((here / "cpu.cfs_period_us").read_text())
-                if quota > 0 and period > 0:
-                    cores = max(1, math.ceil(quota / period))
-                    best = cores if best is None else min(best, cores)
-            except (OSError, ValueError):
-                pass
-            if here == point or point not in here.parents:
-                return best
-            here = here.parent
+        return _tightest(point / own[len(root) :].strip("/"), point, _v1_quota)
     return None
 
 

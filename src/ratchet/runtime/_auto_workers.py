@@ -8,8 +8,8 @@ The rules, from the measurements in docs/benchmarks.md ("How many workers `auto`
 - a new job whose input is a bounded file set smaller than `SMALL_INPUT_BYTES` gets one
   process: below it, a second worker's start costs more than it saves;
 - otherwise one worker per usable core (the process's CPU affinity, and a cgroup's CPU quota
-  where one is set, cgroup v2 or v1), at most `MAX_AUTO_WORKERS`: the one coordinator reads, parses and routes
-  every input, which bounds what more workers can add.
+  where one is set, cgroup v2 or v1), at most `MAX_AUTO_WORKERS`: the one coordinator reads,
+  parses and routes every input, which bounds what more workers can add.
 """
 
 from __future__ import annotations

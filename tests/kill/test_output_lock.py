@@ -23,7 +23,7 @@ pytestmark = pytest.mark.kill
 
 AGENT = f"{Path(__file__).with_name('io_agent.py')}:Relay"
 RATCHET = [sys.executable, "-m", "ratchet.cli"]
-N = 300
+N = 120
 
 
 def command(inputs: Path, out: Path, state: Path, workers: int, *extra: str) -> list[str]:

@@ -86,7 +86,7 @@ def kill_test_args(tmp: Path, agent: str, inputs: Path, *extra: str) -> list[str
     ]
 
 
-def submit_metered(
+def submit_detached(
     cluster: Any, tmp: Path, inputs: Path, out: Path, *extra: str, agent: str = "MeteredCounter"
 ) -> str:
     """`ratchet flink run` of `agent` from agents.py (its memory to `tmp/mem`) submitted

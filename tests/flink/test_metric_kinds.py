@@ -25,7 +25,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import Cluster, reporting_cluster, wait_for  # noqa: E402
-from .support import THREAD_MODE, submit_metered, write_inputs  # noqa: E402
+from .support import THREAD_MODE, submit_detached, write_inputs  # noqa: E402
 
 pytestmark = pytest.mark.flink
 
@@ -71,7 +71,7 @@ def test_levels_are_gauges_that_go_up_and_down(logged_cluster: Cluster, tmp_path
     (tmp_path / "in").mkdir()
     rows = [{"key": f"k{i % KEYS}", "v": i} for i in range(KEYS * PER_KEY)]
     write_inputs(tmp_path / "in" / "a.jsonl", rows)
-    job = submit_metered(c, tmp_path, tmp_path / "in", tmp_path / "out", agent="Slow")
+    job = submit_detached(c, tmp_path, tmp_path / "in", tmp_path / "out", agent="Slow")
     wait_for(
         f"{len(rows)} outputs",
         lambda: len(read_output_dir(tmp_path / "out")) >= len(rows),

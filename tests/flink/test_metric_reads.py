@@ -27,7 +27,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import Cluster, reporting_cluster, wait_for  # noqa: E402
-from .support import THREAD_MODE, submit_metered, write_inputs  # noqa: E402
+from .support import THREAD_MODE, submit_detached, write_inputs  # noqa: E402
 
 pytestmark = [
     pytest.mark.flink,
@@ -58,7 +58,7 @@ def test_cancelling_jobs_whose_metrics_are_being_read(
         tmp = tmp_path / f"round{r}"
         (tmp / "in").mkdir(parents=True)
         write_inputs(tmp / "in" / "a.jsonl", [{"key": f"k{i % 5}", "v": i} for i in range(30)])
-        job = submit_metered(c, tmp, tmp / "in", tmp / "out")
+        job = submit_detached(c, tmp, tmp / "in", tmp / "out")
         wait_for(
             "30 outputs",
             lambda: len(read_output_dir(tmp / "out")) >= 30,  # noqa: B023 - called in the loop

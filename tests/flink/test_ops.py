@@ -19,7 +19,7 @@ pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import wait_for  # noqa: E402
-from .support import flink_env, submit_metered, write_inputs  # noqa: E402
+from .support import flink_env, submit_detached, write_inputs  # noqa: E402
 
 pytestmark = pytest.mark.flink
 
@@ -46,7 +46,7 @@ def test_status_savepoint_stop_resume_and_inspect(cluster: Any, tmp_path: Path) 
     out = tmp_path / "out"
     first = [{"key": k, "v": i} for i, k in enumerate(["a", "b", 7] * 10)]
     write_inputs(inputs / "a.jsonl", first)
-    job = submit_metered(cluster, tmp_path, inputs, out)
+    job = submit_detached(cluster, tmp_path, inputs, out)
     try:
         wait_for(
             "30 outputs",
@@ -110,7 +110,7 @@ def test_status_savepoint_stop_resume_and_inspect(cluster: Any, tmp_path: Path) 
     # Resume from the stop's savepoint with more input; then stop it draining: its memory.
     second = [{"key": k, "v": 100 + i} for i, k in enumerate(["a", 7, "c"] * 5)]
     write_inputs(inputs / "b.jsonl", second)
-    job = submit_metered(cluster, tmp_path, inputs, out, "--from-savepoint", stopped["savepoint"])
+    job = submit_detached(cluster, tmp_path, inputs, out, "--from-savepoint", stopped["savepoint"])
     try:
         wait_for(
             "45 outputs",

@@ -261,10 +261,8 @@ class _Published:
         self.timer_set = False  # a timer will call back by then
 
     def add(self, group: Any, name: str, read: Callable[[], float], level: bool = False) -> None:
-        if level:
-            gauge = group.distribution(name)
-            gauge.update(0)
-            self._metrics.append([gauge, read, 0, True])
+        if level:  # its value starts at 0, as a counter's does
+            self._metrics.append([group.distribution(name), read, 0, True])
         else:
             self._metrics.append([group.counter(name), read, 0, False])
 

@@ -33,6 +33,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
+sys.path.insert(0, str(HERE / "peers"))
+
+import _common as c  # noqa: E402
+
 KEYS = 7
 AGENT_SRC = textwrap.dedent(
     """
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--cpu", type=int, default=0, help="the core to pin children to (-1: none)")
     a = ap.parse_args()
+    c.compile_ratchet(sys.executable)  # children start as from a user's install
     cpu = None if a.cpu < 0 else a.cpu
     tmp = Path(tempfile.mkdtemp(prefix="ratchet-perstep-"))
     steps: dict[str, list[float]] = {"ratchet": [], "asyncio": []}

@@ -37,6 +37,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
+
+import _common as c  # noqa: E402
+
 AGENT = f"{HERE / 'peers' / 'ratchet_agents.py'}:Keyed"
 _IN_MODIFY, _IN_CREATE, _IN_MOVED_TO, _IN_CLOEXEC = 0x2, 0x100, 0x80, 0o2000000
 
@@ -133,10 +137,9 @@ def time_cli(wd: Path, new_id: str, interval_ms: float) -> float:
 
 def time_in_process(wd: Path, new_id: str, interval_ms: float) -> tuple[float, float]:
     """(seconds to the first output, the engine's own restore_seconds)."""
-    from ratchet import EngineConfig, run
-
-    sys.path.insert(0, str(HERE / "peers"))
     import ratchet_agents
+
+    from ratchet import EngineConfig, run
 
     watch = OutputWatch(wd / "out.jsonl")
     seen: list[float | None] = []
@@ -159,6 +162,7 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=5)
     a = ap.parse_args()
+    c.compile_ratchet(sys.executable)  # children start as from a user's install
     import ratchet
 
     tmp = Path(tempfile.mkdtemp(prefix="ratchet-restart-"))

@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
+
+import _common as c  # noqa: E402
+
 AGENT = f"{HERE / 'peers' / 'ratchet_agents.py'}:ThreeSteps"
 
 
@@ -78,6 +82,7 @@ def main() -> int:
         help="how the workers start (RATCHET_WORKER_START); both: each, alternating",
     )  # fmt: skip
     a = ap.parse_args()
+    c.compile_ratchet(sys.executable)  # children start as from a user's install
     starts = ("exec", "fork") if a.start == "both" else (a.start,)
     with tempfile.TemporaryDirectory(prefix="ratchet-workers-") as tmp:
         wd = Path(tmp)

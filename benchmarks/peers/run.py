@@ -135,7 +135,7 @@ def start(peer: Peer, workload: str, wd: Path, extra: list[str] | None = None,
           env: dict[str, str] | None = None, capture: bool = True) -> subprocess.Popen[Any]:  # fmt: skip
     cmd = [str(peer.python), str(HERE / peer.module), workload, "--workdir", str(wd),
            "--mode", peer.mode, *(extra or [])]  # fmt: skip
-    e = {**os.environ, **peer.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    e = c.installed_env({**os.environ, **peer.env, **(env or {}), "PYTHONUNBUFFERED": "1"})
     wd.mkdir(parents=True, exist_ok=True)
     log_fh = open(wd.parent / f"{wd.name}.log", "ab")
     return subprocess.Popen(
@@ -275,6 +275,8 @@ def measure(peer: Peer, repeat: int, quick: bool, root: Path, url: str,
     if not res["installed"]:
         return res
     res["versions"] = versions(peer)
+    if "ratchet" in peer.packages:  # the other peers are pip-installed, so compiled already
+        c.compile_ratchet(peer.python, {**os.environ, **peer.env})
     tag = peer.name.replace(" ", "-").lower()
     if "w1" in workloads and "w1" in peer.workloads:
         n = peer.w1_inputs // (10 if quick else 1)

@@ -576,25 +576,31 @@ class AgentCore:
     def _persist(self, key: Any, info: _Key, store: KeyStore, step: Step) -> None:
         m = self.machine
         m.discard_changes()
-        memory, next_dispatch, run = m.key_snapshot(key)
         ks = m.keys[key]
-        enc = codec.encode
+        live = ks.run
         b = self.binding
         if info.key_dirty:
-            store.put_key(enc({"m": encode_memory(memory), "d": next_dispatch, "n": info.next_seq}))
+            store.put_key(
+                codec.encode(
+                    {"m": encode_memory(ks.memory), "d": ks.next_dispatch, "n": info.next_seq}
+                )
+            )
             info.key_dirty = False
-        # Queued inputs: what the key's queue holds now, apart from its in-flight run's input
-        # (the run state carries that one).
-        running = run.seq if run is not None else None
-        want = {seq: ev for seq, ev in ks.queue if seq != running}
-        for seq in info.stored_inputs - want.keys():
-            store.remove_input(seq)
-        for seq in want.keys() - info.stored_inputs:
-            store.put_input(seq, encode_event(b, want[seq]))
-        info.stored_inputs = set(want)
-        with self._lock:
-            calls = self._calls.pop(key, None)
-        if run is None:
+        if ks.queue or info.stored_inputs:
+            # Queued inputs: what the key's queue holds now, apart from its in-flight run's
+            # input (the run state carries that one).
+            running = live.seq if live is not None else None
+            want = {seq: ev for seq, ev in ks.queue if seq != running}
+            for seq in info.stored_inputs - want.keys():
+                store.remove_input(seq)
+            for seq in want.keys() - info.stored_inputs:
+                store.put_input(seq, encode_event(b, want[seq]))
+            info.stored_inputs = set(want)
+        calls = None
+        if self._calls:  # filled by action threads; one added after this look waits for the
+            with self._lock:  # key's next callback, as one added after the pop would
+                calls = self._calls.pop(key, None)
+        if live is None:
             if info.written_run is not None:
                 store.clear_run()
                 info.written_run = None
@@ -603,19 +609,21 @@ class AgentCore:
                 info.calls_written = False
             info.recorded.clear()
         else:
-            sig = (run.seq, len(run.journal))
+            sig = (live.seq, len(live.journal))
             if info.written_run != sig:
-                if info.written_run is not None and info.written_run[0] != run.seq:
+                if info.written_run is not None and info.written_run[0] != live.seq:
                     if info.calls_written:
                         store.clear_calls()
                         info.calls_written = False
+                run = m.key_snapshot(key)[2]
+                assert run is not None
                 store.put_run(encode_run(b, run))
                 info.written_run = sig
             for rec in calls or ():
-                if rec.seq == run.seq:
+                if rec.seq == live.seq:
                     store.put_call(f"{rec.task_id}#{rec.idx}", encode_call(rec))
                     info.calls_written = True
-        step.active = run is not None or bool(ks.queue)
+        step.active = live is not None or bool(ks.queue)
         if step.active != info.registered:
             step.wake = 1 if step.active else -1
             info.registered = step.active

@@ -152,3 +152,34 @@ def test_a_sigkilled_run_loses_its_stage_and_recover_stops_what_it_left(
     resumed = ws.run(resume=run_id)
     assert resumed["status"] == "passed"
     assert by_id(resumed)["quick"]["reused_from"] == run_id
+
+
+def test_recover_stops_nothing_of_a_run_that_is_still_alive(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`recover --stop-stages` on a run whose ratchet process lives: refused before any
+    group is killed (it used to kill the live run's stage, then refuse); the run ends well."""
+    ws = two_repos
+    proc, receipt_path, stage_pid, helper_pid = _start(ws)
+    try:
+        run_id = receipt_path.parent.name
+        common = ["checks", "--workspace-root", str(ws.root), "--state-dir", str(ws.state_dir)]
+        apply = [*common, "recover", run_id, "--apply", "--json", "--stop-stages"]
+        for extra in ([], ["--confirm-processes-stopped"]):
+            assert ratchet_main([*apply, *extra]) == 1
+            refused = json.loads(capsys.readouterr().out)
+            assert refused["action"] == "refused"
+            assert not _dead(stage_pid) and not _dead(helper_pid)
+        assert f"pid {proc.pid}) is still alive" in refused["error"]
+        assert _group_members(stage_pid) != []
+        (ws.control / "block").unlink()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        (ws.control / "block").unlink(missing_ok=True)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    receipt = runner.read_receipt(ws.root, ws.state_dir, run_id)
+    assert receipt["status"] == "passed"
+    assert by_id(receipt)["slow"]["status"] == "passed"

@@ -108,12 +108,6 @@ def recover(
         "verified_checkpoints_kept": kept,
         "live_process_groups": live,
     }
-    if live and apply and stop_stages:
-        for group in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group["pgid"], signal.SIGKILL)
-        live = _wait_gone(receipt, clock)
-        plan["live_process_groups"] = live
     if not apply:
         return {
             **base,
@@ -140,6 +134,27 @@ def recover(
                 "and its stage processes are stopped first"
             ),
         }
+    # Only a run whose own process is gone has stage groups to stop: those of a live run are
+    # its work, not leftovers (checked before --stop-stages kills anything).
+    if _still_alive(receipt, run_id):
+        return {
+            **base,
+            **plan,
+            "ok": False,
+            "action": "refused",
+            "status": "running",
+            "error": (
+                f"refusing to recover run {run_id}: its process (pid {receipt.get('pid')}) "
+                "is still alive, so the run is not over and nothing was stopped; wait for it "
+                "to end, or stop it (Ctrl-C, or `kill PID`) and recover it then"
+            ),
+        }
+    if live and stop_stages:
+        for group in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group["pgid"], signal.SIGKILL)
+        live = _wait_gone(receipt, clock)
+        plan["live_process_groups"] = live
     if live:
         names = ", ".join(f"{g['stage']} (process group {g['pgid']})" for g in live)
         return {
@@ -151,18 +166,6 @@ def recover(
             "error": (
                 f"refusing to recover run {run_id}: stage process groups are still alive: "
                 f"{names}; stop them (`kill -KILL -- -PGID`) or pass --stop-stages"
-            ),
-        }
-    if _still_alive(receipt, run_id):
-        return {
-            **base,
-            **plan,
-            "ok": False,
-            "action": "refused",
-            "status": "running",
-            "error": (
-                f"refusing to recover run {run_id}: its process (pid {receipt.get('pid')}) "
-                "is still alive"
             ),
         }
     new_stages = []

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from checks_helpers import Workspace, by_id, check
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ratchet.checks import runner
 from ratchet.checks.common import read_json
@@ -152,3 +154,130 @@ def test_the_cli_uses_the_cache_by_default_and_gc_bounds_it(
     assert len(list((ws.state_dir / "runs").iterdir())) == 1
     assert ratchet_main([*common, "gc", "--keep-runs", "-1"]) == 2
     assert "must not be negative" in capsys.readouterr().err
+
+
+def _built(ws: Workspace) -> Path:
+    """A passed, cached `build` whose declared output `app/out` is then deleted; the path
+    of its (unsigned) cache entry."""
+    ws.repo("app", {"src.txt": "good", ".gitignore": "out\n"})  # a folder or a link
+    ws.project([check("build", _BUILD, cwd="app", repos=["app"], outputs=["app/out"])])
+    assert ws.run(cache=True)["status"] == "passed"
+    (entry,) = _entries(ws.state_dir / "cache")
+    for f in (ws.root / "app" / "out").iterdir():
+        f.unlink()
+    (ws.root / "app" / "out").rmdir()
+    return entry
+
+
+def _forge(entry: Path, extra: dict[str, str], redigest: bool) -> None:
+    """What a writer of an unsigned cache can do: name more files in an entry's outputs
+    manifest (with the outputs digest made to match, or not) and seal it again."""
+    from ratchet.checks._decide import digest
+
+    forged = read_json(entry)
+    forged.pop("seal")
+    forged["outputs"] = {**forged["outputs"], **extra}
+    if redigest:
+        forged["outputs_digest"] = digest(forged["outputs"])
+    entry.write_text(json.dumps(seal(forged)))
+
+
+@pytest.mark.parametrize("redigest", [True, False], ids=["digest-matched", "digest-kept"])
+@pytest.mark.parametrize("target", ["escape", "absolute", "source"])
+def test_a_cache_entry_restores_nothing_but_the_stage_declared_outputs(
+    ws: Workspace, tmp_path: Path, target: str, redigest: bool
+) -> None:
+    """A forged manifest naming a file out of the workspace (by `..` or an absolute path)
+    or a file the stage does not declare (the repository's own source) writes nothing: the
+    entry is a miss and the stage runs. (Restoring wrote any named file.)"""
+    entry = _built(ws)
+    outside = tmp_path / "escaped"
+    rel = {
+        "escape": "../" * len(ws.root.relative_to(tmp_path).parts) + "escaped",
+        "absolute": str(outside),
+        "source": "app/src.txt",
+    }[target]
+    ident = read_json(entry)["outputs"]["app/out/data.txt"]  # the bytes "GOOD"
+    _forge(entry, {rel: ident}, redigest)
+    result = ws.run(cache=True)
+    build = by_id(result)["build"]
+    assert result["status"] == "passed"
+    assert not build.get("cache_hit")
+    why = build["explain"]["cache"]
+    if redigest:
+        assert f"it names {rel!r}, which is not among the stage's declared outputs" in why
+    else:
+        assert "its outputs manifest does not match its outputs digest" in why
+    assert not outside.exists()
+    assert (ws.root / "app" / "src.txt").read_text() == "good"
+    assert (ws.root / "app" / "out" / "data.txt").read_text() == "GOOD"  # the stage's own
+
+
+def test_a_cache_entry_restores_nothing_through_a_link_out_of_the_workspace(
+    ws: Workspace, tmp_path: Path
+) -> None:
+    entry = _built(ws)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (ws.root / "app" / "out").symlink_to(elsewhere)  # the declared output, now a link
+    dry = by_id(ws.run(cache=True, dry_run=True))["build"]
+    assert dry["prediction"] == "run"
+    assert any("leads out of the workspace" in r for r in dry["reasons"])
+    assert list(elsewhere.iterdir()) == []
+    assert "leads out of the workspace" in by_id(ws.run(cache=True))["build"]["explain"]["cache"]
+    assert entry.exists()
+
+
+def test_a_dry_run_re_hashes_the_cached_outputs_it_would_restore(ws: Workspace) -> None:
+    """--dry-run predicts `run`, as the run then does, when an output blob it would restore
+    was altered (it predicted `reuse`)."""
+    entry = _built(ws)
+    sha = read_json(entry)["outputs"]["app/out/data.txt"].removeprefix("sha256:")
+    blob = ws.state_dir / "cache" / "blobs" / sha[:2] / sha
+    blob.chmod(0o644)
+    blob.write_text("BAD")
+    dry = by_id(ws.run(cache=True, dry_run=True))["build"]
+    assert dry["prediction"] == "run"
+    assert any("the cached output app/out/data.txt was altered" in r for r in dry["reasons"])
+    build = by_id(ws.run(cache=True))["build"]
+    assert not build.get("cache_hit")
+    assert "was altered" in build["explain"]["cache"]
+
+
+_NAMES = st.sampled_from(["a", "b.txt", "c.log", ".h", "d"])
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    files=st.lists(st.lists(_NAMES, min_size=1, max_size=4), min_size=1, max_size=8),
+    patterns=st.lists(
+        st.lists(
+            st.sampled_from(["a", "d", "b.txt", "*", "*.txt", "**", "[ab]*", "."]),
+            min_size=1,
+            max_size=4,
+        ).map("/".join),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_declared_output_admits_every_path_the_manifest_lists(
+    tmp_path_factory: pytest.TempPathFactory, files: list[list[str]], patterns: list[str]
+) -> None:
+    """Whatever a stage's patterns make `outputs_manifest` list, `declared_output` admits
+    (so a genuine entry always restores); a path out of the workspace never."""
+    from ratchet.checks.checkpoints import declared_output, outputs_manifest
+
+    root = tmp_path_factory.mktemp("outputs")
+    for parts in files:
+        path = root.joinpath(*parts)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("x")
+        except (IsADirectoryError, NotADirectoryError, FileExistsError):
+            continue  # a name used both as a file and as a folder: one of them wins
+    for rel in outputs_manifest(root, patterns):
+        assert declared_output(rel, patterns), (rel, patterns)
+    for bad in ("../a", "a/../../b", "/a", "", "a//b", "./../a", "a/./b"):
+        assert not declared_output(bad, patterns)

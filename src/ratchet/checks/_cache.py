@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ratchet.checks._receipts import seal_receipt
 from ratchet.checks._signing import signing_key
+from ratchet.checks.checkpoints import declared_output
 from ratchet.checks.common import atomic_json, read_json
 from ratchet.store import sha256_file, verify_seal
 
@@ -96,28 +97,28 @@ class CheckCache:
         blob.parent.mkdir(parents=True, exist_ok=True)
         return _write_atomic(blob, chunks, sha256=sha256)
 
-    def restore_outputs(self, workspace_root: Path, manifest: Mapping[str, str]) -> str | None:
-        """Write the files of an outputs manifest from blobs; None, or why it cannot."""
-        plan: list[tuple[Path, str, bool]] = []
-        for rel, ident in manifest.items():
-            if rel.endswith(" [non-UTF-8 name]"):
-                return f"output {rel} has a name the cache cannot restore"
-            target = workspace_root / rel
-            if rel.endswith("/") and ident == "dir:empty":
-                plan.append((target, "", False))
-                continue
-            executable = ident.startswith("x:")
-            body = ident[2:] if executable else ident
-            if not body.startswith("sha256:"):
-                return f"output {rel} ({ident.split(':', 1)[0]}) cannot be restored from blobs"
-            sha = body[len("sha256:") :]
-            blob = self.blob_path(sha)
-            try:
-                if sha256_file(blob) != sha:
-                    return f"the cached output {rel} was altered"
-            except OSError:
-                return f"the cached output {rel} is missing"
-            plan.append((target, sha, executable))
+    def undeclared_output(
+        self, workspace_root: Path, manifest: Mapping[str, str], patterns: list[str]
+    ) -> str | None:
+        """Why the manifest names a file the stage does not declare (or one reached through
+        a link out of the workspace), or None: nothing else is ever written."""
+        root = os.path.realpath(workspace_root)
+        for rel in manifest:
+            if not declared_output(rel, patterns):
+                return f"it names {rel!r}, which is not among the stage's declared outputs"
+            parent = os.path.realpath(workspace_root / rel.rstrip("/"), strict=False)
+            if os.path.commonpath([root, os.path.dirname(parent)]) != root:
+                return f"its output {rel!r} leads out of the workspace (through a link)"
+        return None
+
+    def restore_outputs(
+        self, workspace_root: Path, manifest: Mapping[str, str], patterns: list[str]
+    ) -> str | None:
+        """Write the files of an outputs manifest from blobs, each a declared output of the
+        stage (`patterns`); None, or why it cannot (then nothing was written)."""
+        plan, problem = self._restore_plan(workspace_root, manifest, patterns)
+        if plan is None:
+            return problem
         for target, sha, executable in plan:
             if not sha:
                 target.mkdir(parents=True, exist_ok=True)
@@ -128,6 +129,43 @@ class CheckCache:
             _copy_atomic(self.blob_path(sha), target)
             os.chmod(target, 0o755 if executable else 0o644)
         return None
+
+    def check_restore(
+        self, workspace_root: Path, manifest: Mapping[str, str], patterns: list[str]
+    ) -> str | None:
+        """What `restore_outputs` would refuse, without writing anything (a dry run)."""
+        return self._restore_plan(workspace_root, manifest, patterns)[1]
+
+    def _restore_plan(
+        self, workspace_root: Path, manifest: Mapping[str, str], patterns: list[str]
+    ) -> tuple[list[tuple[Path, str, bool]] | None, str | None]:
+        """(target, blob sha or "" for an empty folder, executable) per output, every blob
+        re-hashed; or None and why the manifest cannot be restored."""
+        problem = self.undeclared_output(workspace_root, manifest, patterns)
+        if problem is not None:
+            return None, problem
+        plan: list[tuple[Path, str, bool]] = []
+        for rel, ident in manifest.items():
+            if rel.endswith(" [non-UTF-8 name]"):
+                return None, f"output {rel} has a name the cache cannot restore"
+            target = workspace_root / rel
+            if rel.endswith("/") and ident == "dir:empty":
+                plan.append((target, "", False))
+                continue
+            executable = ident.startswith("x:")
+            body = ident[2:] if executable else ident
+            if not body.startswith("sha256:"):
+                kind = ident.split(":", 1)[0]
+                return None, f"output {rel} ({kind}) cannot be restored from blobs"
+            sha = body[len("sha256:") :]
+            blob = self.blob_path(sha)
+            try:
+                if sha256_file(blob) != sha:
+                    return None, f"the cached output {rel} was altered"
+            except OSError:
+                return None, f"the cached output {rel} is missing"
+            plan.append((target, sha, executable))
+        return plan, None
 
     # --- writing ------------------------------------------------------------------------
     def store(

@@ -173,14 +173,19 @@ class RemoteCheckCache(CheckCache):
             self.write_entry_bytes(cache_key, raw)  # verified: kept in the mirror
         return entry, why
 
-    def restore_outputs(self, workspace_root: Path, manifest: Mapping[str, str]) -> str | None:
+    def _restore_plan(
+        self, workspace_root: Path, manifest: Mapping[str, str], patterns: list[str]
+    ) -> tuple[list[tuple[Path, str, bool]] | None, str | None]:
+        problem = self.undeclared_output(workspace_root, manifest, patterns)
+        if problem is not None:
+            return None, problem  # nothing fetched for it either
         for ident in manifest.values():
             body = ident[2:] if ident.startswith("x:") else ident
             if body.startswith("sha256:") and is_digest(body[len("sha256:") :]):
                 problem = self._fetch_blob(body[len("sha256:") :])
                 if problem is not None:
-                    return problem
-        return super().restore_outputs(workspace_root, manifest)
+                    return None, problem
+        return super()._restore_plan(workspace_root, manifest, patterns)
 
     def store(
         self,

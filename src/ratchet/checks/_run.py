@@ -610,20 +610,9 @@ def _reuse_from_cache(
     if entry is None:
         explanation["cache"] = why
         return False
-    restored = False
-    patterns = list(stage.get("outputs") or [])
-    if entry.get("outputs_digest"):
-        if digest(outputs_manifest(run.workspace_root, patterns)) != entry["outputs_digest"]:
-            problem = run.cache.restore_outputs(run.workspace_root, entry.get("outputs") or {})
-            on_disk = digest(outputs_manifest(run.workspace_root, patterns))
-            if problem is None and on_disk != entry["outputs_digest"]:
-                problem = "the declared outputs hold other files besides the cached ones"
-            if problem is not None:
-                explanation["cache"] = f"cache entry not usable: {problem}"
-                return False
-            restored = True
-    elif patterns:
-        explanation["cache"] = "cache entry has no outputs digest"
+    problem, restored = _cached_outputs(run, entry, list(stage.get("outputs") or []), True)
+    if problem is not None:
+        explanation["cache"] = problem
         return False
     origin = entry.get("origin_run_id")
     how = "its log re-hashed" + ("; its outputs were restored from the cache" if restored else "")
@@ -655,6 +644,30 @@ def _reuse_from_cache(
     )
     _persist_checkpoint(run, sid, rec, reused=True)
     return True
+
+
+def _cached_outputs(
+    run: _Run, entry: Mapping[str, Any], patterns: list[str], write: bool
+) -> tuple[str | None, bool]:
+    """Whether a cache entry's declared outputs are on disk or can be restored from its
+    blobs (restored when `write`; a dry run only re-hashes them): why not, or None; and
+    whether they were (would be) restored."""
+    assert run.cache is not None
+    want = entry.get("outputs_digest")
+    if not want:
+        return ("cache entry has no outputs digest" if patterns else None), False
+    if digest(outputs_manifest(run.workspace_root, patterns)) == want:
+        return None, False
+    manifest = entry.get("outputs") or {}
+    if digest(manifest) != want:
+        problem: str | None = "its outputs manifest does not match its outputs digest"
+    elif not write:
+        problem = run.cache.check_restore(run.workspace_root, manifest, patterns)
+    else:
+        problem = run.cache.restore_outputs(run.workspace_root, manifest, patterns)
+        if problem is None and digest(outputs_manifest(run.workspace_root, patterns)) != want:
+            problem = "the declared outputs hold other files besides the cached ones"
+    return (None if problem is None else f"cache entry not usable: {problem}"), True
 
 
 def _shared_locks_dir(
@@ -1022,10 +1035,11 @@ def _predict(
         if entry is not None:
             note = f"cache hit: run {entry.get('origin_run_id')} left a verified checkpoint"
             patterns = list(stage.get("outputs") or [])
-            if entry.get("outputs_digest") and patterns:
-                on_disk = digest(outputs_manifest(run.workspace_root, patterns))
-                if on_disk != entry["outputs_digest"]:
+            problem, restore = _cached_outputs(run, entry, patterns, False)
+            if problem is None:
+                if restore:
                     note += " (its outputs would be restored from the cache)"
-            return "reuse", [note], _produced(entry)
+                return "reuse", [note], _produced(entry)
+            why = problem
         reasons.append(f"cache: {why}")
     return "run", reasons, None

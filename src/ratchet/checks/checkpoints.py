@@ -144,7 +144,7 @@ def _entry(path: str, root: str | None = None) -> str:
     """
     try:
         fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no such path (or one through a file)
         return "missing"
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: its target is its content
@@ -580,6 +580,33 @@ def outputs_manifest(workspace_root: str | os.PathLike[str], patterns: list[str]
             else:
                 out[rel_key] = _entry(str(full), str(root))
     return out
+
+
+def declared_output(rel: str, patterns: list[str]) -> bool:
+    """Whether `outputs_manifest` could list `rel` for `patterns`: a plain relative path that
+    a pattern matches, or that lies in a folder a pattern matches. What a cache entry names
+    outside this is not the stage's to restore (an entry's writer could name any file)."""
+    import fnmatch
+
+    # An empty folder's key ends with "/"; the pattern "." (the whole workspace) lists "./x".
+    parts = rel.removeprefix("./").rstrip("/").split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return False
+
+    def match(pat: tuple[str, ...], at: int) -> bool:
+        if not pat:
+            return True  # matched a folder the rest lies in (or the path itself)
+        if at == len(parts):
+            return all(p == "**" for p in pat)
+        if pat[0] == "**":
+            return match(pat[1:], at) or match(pat, at + 1)
+        return fnmatch.fnmatchcase(parts[at], pat[0]) and match(pat[1:], at + 1)
+
+    return any(match(_pattern_parts(p), 0) for p in patterns)
+
+
+def _pattern_parts(pattern: str) -> tuple[str, ...]:
+    return tuple(p for p in pattern.split("/") if p not in ("", "."))
 
 
 def runtime_identity(

@@ -136,3 +136,18 @@ def test_append_output_is_a_documented_flag(tmp_path: Path) -> None:
     appended = ratchet_run(tmp_path, out, "--append-output")
     assert appended.returncode == EXIT_OK, appended.stderr
     assert [json.loads(x)["job"] for x in out.read_text().splitlines()] == [job, new]
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["new", "append-output"])
+def test_an_output_file_holding_one_foreign_line_without_a_newline_is_kept(
+    tmp_path: Path, append: bool
+) -> None:
+    """A file that is not ratchet's, one line long and unterminated (a saved JSON document):
+    refused, byte for byte as it was (the unterminated line was cut as if a crash had torn
+    it, and the job went on with exit 0)."""
+    out = tmp_path / "data.json"
+    doc = json.dumps({"users": list(range(5000))}).encode()
+    out.write_bytes(doc)
+    proc = ratchet_run(tmp_path, out, *(["--append-output"] if append else []))
+    assert_refused(proc, "not a ratchet output", str(out))
+    assert out.read_bytes() == doc

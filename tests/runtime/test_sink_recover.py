@@ -92,3 +92,45 @@ def test_blocks_decide_what_lines_do(
         sink.open(job)
         sink.close()
         assert sink._ids == want[0] and path.stat().st_size == want[2]
+
+
+@pytest.mark.parametrize("tail", [b'{"note":1}', b"plain text", b"[1, 2]", b'{"users":[1,2]} '])
+@pytest.mark.parametrize("append", [False, True])
+def test_a_foreign_last_line_without_its_newline_is_refused_and_left_alone(
+    tmp_path: Path, tail: bytes, append: bool
+) -> None:
+    path = tmp_path / "o.jsonl"
+    body = b'{"id":"a","job":"ab12","key":1}\n' + tail
+    path.write_bytes(body)
+    with pytest.raises(ConfigError, match="not a ratchet output"):
+        JsonlSink(path, append=append).open(JobIdentity(JOB, tmp_path))
+    assert path.read_bytes() == body
+
+
+@pytest.mark.parametrize("job", [JOB, OTHER])
+def test_a_whole_last_line_that_only_lacks_its_newline_is_kept_and_ended(
+    tmp_path: Path, job: str
+) -> None:
+    """Another job's whole line (or this job's) that lost only its newline is an output
+    that was written: kept, its id known, the line ended before the next one is appended."""
+    path = tmp_path / "o.jsonl"
+    path.write_bytes(
+        b'{"id":"a","job":"ab12","key":1}\n{"id":"b","job":"%s","key":2}' % job.encode()
+    )
+    sink = JsonlSink(path, append=True)
+    sink.open(JobIdentity(JOB, tmp_path))
+    sink.write_lines([("c", '{"id":"c","job":"ab12","key":3}')])
+    sink.close()
+    assert sink._ids >= ({"a", "b", "c"} if job == JOB else {"a", "c"})
+    got = [_line_id(raw) for raw in path.read_bytes().splitlines()]
+    assert got == [("a", JOB), ("b", job), ("c", JOB)]
+
+
+def test_a_cut_ratchet_line_is_dropped(tmp_path: Path) -> None:
+    for cut in (b"{", b'{"id', b'{"id":"x","job":"ab12","ke'):
+        path = tmp_path / "o.jsonl"
+        path.write_bytes(b'{"id":"a","job":"ab12","key":1}\n' + cut)
+        sink = JsonlSink(path, append=False)
+        sink.open(JobIdentity(JOB, tmp_path))
+        sink.close()
+        assert path.read_bytes() == b'{"id":"a","job":"ab12","key":1}\n'

@@ -940,6 +940,20 @@ _PLAIN_LINE = re.compile(
 _RECOVER_BLOCK = 1 << 22
 
 
+def _torn_line(tail: bytes) -> bool:
+    """Whether an unterminated last line is the start of a ratchet output line that a crash
+    cut short: it begins as ratchet begins every line (or is a start of that) and is not
+    a whole JSON value."""
+    start = b'{"id":"'
+    if not (tail.startswith(start) or start.startswith(tail)):
+        return False
+    try:
+        json.loads(tail)
+    except ValueError:
+        return True
+    return False
+
+
 def _line_id(raw: bytes) -> tuple[str, str | None]:
     """The id and job id of an output line. ratchet writes them first, so only those two
     strings are decoded; a line written some other way is read whole."""
@@ -1073,14 +1087,24 @@ class JsonlSink(Sink):
             while block := fh.read(_RECOVER_BLOCK):
                 data = tail + block
                 end = data.rfind(b"\n") + 1
-                tail = data[end:]  # a line cut by a crash stays here: dropped, written again
+                tail = data[end:]  # what follows the last newline: see below
                 if end:
                     keep += end
                     mine += self._read_lines(data[:end], job, others)
+        # A last line without its newline is a ratchet line a crash cut (dropped: its job
+        # writes it again), or a whole line that only lacks the newline (kept, and ended).
+        # Anything else is not ratchet's to cut: refused, as any other foreign line is.
+        end_it = bool(tail) and not _torn_line(tail)
+        if end_it:
+            mine += self._read_lines(tail + b"\n", job, others)  # refuses a foreign line
+            keep += len(tail)
         if others and not mine and not self.append:
             assert job is not None
             raise ConfigError(self._refusal(job, others))
-        if keep != self.path.stat().st_size:
+        if end_it:
+            with open(self.path, "ab") as fh:
+                fh.write(b"\n")
+        elif keep != self.path.stat().st_size:
             with open(self.path, "r+b") as fh:
                 fh.truncate(keep)
 

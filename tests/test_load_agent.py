@@ -101,3 +101,54 @@ def test_a_changed_file_without_registered_types_is_loaded_again(tmp_path: Path)
 def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_agent(f"{tmp_path / 'nope.py'}:A")
+
+
+GOOD_HEAD = "from ratchet import Agent, InputEvent, action\n"
+BROKEN = {
+    "syntax": ("class A(Agent)\n    pass\n", "failed to load: SyntaxError at {path}:2"),
+    "import": (
+        "import ratchet_no_such_module\n",
+        "failed to load: ModuleNotFoundError: No module named 'ratchet_no_such_module' "
+        "(at {path}:2)",
+    ),
+    "raises": ("raise RuntimeError('no key set')\n", "RuntimeError: no key set (at {path}:2)"),
+    "arguments": (
+        "class A(Agent):\n    def __init__(self, x):\n        super().__init__()\n"
+        "    @action(InputEvent)\n    def a(self, e, ctx):\n        pass\n",
+        "creating A() failed: TypeError: ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_an_agent_file_that_fails_is_a_config_error_naming_where(tmp_path: Path, case: str) -> None:
+    """Through `ratchet run` too: exit 2 and one line, no traceback, no state made."""
+    body, expected = BROKEN[case]
+    path = tmp_path / f"broken_{case}.py"
+    path.write_text(GOOD_HEAD + body)
+    with pytest.raises(ConfigError) as e:
+        load_agent(f"{path}:A")
+    assert expected.format(path=path) in str(e.value)
+    if case != "arguments":  # a module that failed to load is not kept half made
+        assert f"ratchet_user_broken_{case}" not in sys.modules
+    (tmp_path / "in.jsonl").write_text('{"key": "a"}\n')
+    argv = [sys.executable, "-m", "ratchet.cli", "run", f"{path}:A", "--input"]
+    argv += [str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
+    proc = subprocess.run([*argv, "--state", str(tmp_path / "st")], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert expected.format(path=path) in proc.stderr
+    assert not (tmp_path / "st").exists()
+
+
+def test_a_module_spec_that_fails_or_is_a_file_name_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ratchet_raising_mod.py").write_text("raise ValueError('bad config')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"'ratchet_raising_mod' failed to load: ValueError"):
+        load_agent("ratchet_raising_mod:A")
+    with pytest.raises(ConfigError, match=r"for a file, give its path: 'my_agents.py:Counter'"):
+        load_agent("my_agents:Counter")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_agent(f"{tmp_path}{'/'}:A")

@@ -89,9 +89,14 @@ def load_agent(spec: str, *, loaded: bool = False) -> Agent:
         path = Path(target)
         if not path.exists():
             raise ConfigError(f"agent file {path} does not exist")
+        if path.is_dir():
+            raise ConfigError(f"agent file {path} is a directory; name a .py file in it")
         mod_name = f"ratchet_user_{path.stem}"
         had = sys.modules.get(mod_name)
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ConfigError(f"agent file {path} cannot be read: {exc}") from exc
         if (
             had is not None
             and _same_file(getattr(had, "__file__", None), path)
@@ -121,12 +126,36 @@ def load_agent(spec: str, *, loaded: bool = False) -> Agent:
                 f"version cannot replace the old one here ({exc}); run it in a new process "
                 "(on Flink in thread mode: restart the TaskManagers)"
             ) from exc
+        except Exception as exc:  # noqa: BLE001 - the user's file failed: said in one line
+            if had is None:
+                sys.modules.pop(mod_name, None)
+            else:
+                sys.modules[mod_name] = had
+            raise ConfigError(f"agent file {path} failed to load: {_failure(exc)}") from exc
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ConfigError(f"cannot import agent module {target!r}: {exc}") from exc
+        except ModuleNotFoundError as exc:
+            hint = (
+                f"; for a file, give its path: '{target.replace('.', os.sep)}.py:{attr}'"
+                if exc.name == target.partition(".")[0]
+                else ""
+            )
+            raise ConfigError(f"cannot import agent module {target!r}: {exc}{hint}") from exc
+        except Exception as exc:  # noqa: BLE001 - the user's module failed: said in one line
+            raise ConfigError(f"agent module {target!r} failed to load: {_failure(exc)}") from exc
     return _instance(spec, target, attr, module)
+
+
+def _failure(exc: BaseException) -> str:
+    """An exception raised by the user's code, with where it was raised (file:line)."""
+    if isinstance(exc, SyntaxError):
+        return f"{type(exc).__name__} at {exc.filename}:{exc.lineno}: {exc.msg}"
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 # The sha256 of an agent file's bytes, kept on the module `load_agent` made from it.
@@ -142,7 +171,14 @@ def _instance(spec: str, target: str, attr: str, module: Any) -> Agent:
     if obj is None:
         raise ConfigError(f"{target} has no attribute {attr!r}")
     if isinstance(obj, type) and issubclass(obj, Agent):
-        return obj()
+        try:
+            return obj()
+        except Exception as exc:  # noqa: BLE001 - the user's constructor failed
+            raise ConfigError(
+                f"agent {spec}: creating {attr}() failed: {_failure(exc)}; ratchet creates "
+                "an agent class with no arguments (give its parameters defaults, or name an "
+                "agent instance made at module level)"
+            ) from exc
     if isinstance(obj, Agent):
         return obj
     raise ConfigError(f"{spec} is {obj!r}, not a ratchet.Agent subclass or instance")

@@ -151,3 +151,42 @@ def test_an_output_file_holding_one_foreign_line_without_a_newline_is_kept(
     proc = ratchet_run(tmp_path, out, *(["--append-output"] if append else []))
     assert_refused(proc, "not a ratchet output", str(out))
     assert out.read_bytes() == doc
+
+
+@pytest.mark.parametrize("kind", ["fifo", "stdin-pipe"])
+def test_an_input_that_is_a_pipe_is_refused_before_anything_is_made(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO with no writer made `ratchet run` block in open() (deaf to SIGTERM); a pipe
+    raised a traceback when it was read at an offset."""
+    argv = [*RATCHET, "run", agent_file(tmp_path), "--output", str(tmp_path / "o.jsonl")]
+    argv += ["--state", str(tmp_path / "state"), "--input"]
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "ff")
+        proc = subprocess.run(
+            [*argv, str(tmp_path / "ff")], capture_output=True, text=True, timeout=60
+        )
+    else:
+        proc = subprocess.run(
+            [*argv, "/dev/stdin"],
+            input='{"key": "a"}\n',
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert_refused(proc, "is not a regular file (a pipe, a device or a socket)")
+    assert not (tmp_path / "state").exists()
+
+
+def test_the_api_refuses_a_pipe_as_input(tmp_path: Path) -> None:
+    from ratchet import ConfigError, run
+    from ratchet.agents._run import load_agent
+
+    os.mkfifo(tmp_path / "ff")
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        run(
+            load_agent(agent_file(tmp_path)),
+            inputs=tmp_path / "ff",
+            output=tmp_path / "o.jsonl",
+            state_dir=tmp_path / "s",
+        )

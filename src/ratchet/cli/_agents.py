@@ -388,11 +388,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import Job, load_agent, run_owned
     from ratchet.cli import end_startup
     from ratchet.connectors import is_uri
-    from ratchet.runtime._io import check_output_path
+    from ratchet.runtime._io import check_input_path, check_output_path
 
     # Refused before anything is created (the supervisor creates the state directory).
     if not is_uri(args.output):
         check_output_path(args.output)
+    if args.input is not None and not is_uri(args.input):
+        check_input_path(args.input)
     if args.from_savepoint is not None:
         from pathlib import Path
 

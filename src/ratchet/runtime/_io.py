@@ -321,7 +321,34 @@ class _File:
             self.fh = None
 
 
+def check_input_path(value: str | os.PathLike[str]) -> None:
+    """Refuse an --input that is a pipe, a device or a socket, before anything is created
+    (a file, a folder, a pattern or a missing path are the source's to judge)."""
+    try:
+        mode = os.stat(value).st_mode
+    except (OSError, ValueError):
+        return
+    _refuse_special(Path(value), mode)
+
+
+def _refuse_special(path: Path, mode: int) -> None:
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        raise ConfigError(
+            f"--input {path} is not a regular file (a pipe, a device or a socket): a job "
+            "resumes its input at a byte offset after a crash, which a pipe cannot give "
+            "back; write the lines to a file and pass that (with --follow to keep reading "
+            "what is appended to it)"
+        )
+
+
 def _open_checked(path: Path) -> tuple[IO[bytes], os.stat_result] | None:
+    try:
+        mode = os.stat(path).st_mode  # before open(): opening a pipe with no writer blocks
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"--input {path} cannot be read: {exc}") from exc
+    _refuse_special(path, mode)
     try:
         fh = open(path, "rb")  # noqa: SIM115 - kept open across reads
     except FileNotFoundError:

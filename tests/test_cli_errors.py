@@ -190,3 +190,26 @@ def test_the_api_refuses_a_pipe_as_input(tmp_path: Path) -> None:
             output=tmp_path / "o.jsonl",
             state_dir=tmp_path / "s",
         )
+
+
+@pytest.mark.parametrize("command", [["status"], ["runs", "list"], ["dead-letters"]])
+def test_reading_a_damaged_state_database_is_an_error_not_a_traceback(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """A page SQLite finds malformed only when a command reads it (opening passed)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"key": f"k{i}", "v": "x" * 200}) + "\n" for i in range(300)))
+    assert ratchet_run(tmp_path, tmp_path / "o.jsonl").returncode == EXIT_OK
+    db = tmp_path / "state" / "ratchet.db"
+    with open(db, "r+b") as fh:
+        fh.seek(8192)
+        fh.write(b"\xff" * 4096)
+    damaged = db.read_bytes()
+    proc = subprocess.run(
+        [*RATCHET, *command, "--state", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_refused(proc, "could not be read (database disk image is malformed)", "is damaged")
+    assert db.read_bytes() == damaged

@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from ratchet._errors import EXIT_INTERRUPTED, EXIT_OK, RatchetError, exit_code_for
+from ratchet._errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RatchetError, exit_code_for
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -198,6 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_for(exc)
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except Exception as exc:
+        # A state database damaged past what opening it checks, met while a command reads
+        # it (`status`, `runs list`, `dead-letters` on a page SQLite finds malformed).
+        sqlite3 = sys.modules.get("sqlite3")
+        if sqlite3 is None or not isinstance(exc, sqlite3.DatabaseError):
+            raise
+        where = f" in {state}" if isinstance(state, str) else ""
+        print(
+            f"ratchet: error: the state database{where} could not be read ({exc}): it is "
+            "damaged, and nothing was changed; restore it from a backup or a savepoint, or "
+            "point --state at another directory",
+            file=sys.stderr,
+        )
+        code = EXIT_USAGE
     except BrokenPipeError:
         # The reader went away (`ratchet trace --json | head`): not an error of ours. Point
         # stdout at /dev/null so the interpreter's final flush does not raise again.

@@ -213,3 +213,27 @@ def test_reading_a_damaged_state_database_is_an_error_not_a_traceback(
     )
     assert_refused(proc, "could not be read (database disk image is malformed)", "is damaged")
     assert db.read_bytes() == damaged
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://[bad"])
+def test_status_with_a_malformed_url_is_an_error(tmp_path: Path, url: str) -> None:
+    proc = subprocess.run(
+        [*RATCHET, "status", "--url", url], capture_output=True, text=True, timeout=60
+    )
+    assert_refused(proc, "is not a URL a job's API answers at", "http://HOST:PORT")
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "git+ssh", "x-y.z"])
+def test_an_output_uri_of_an_unknown_scheme_is_refused_not_written_as_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """`s3://bucket/out.jsonl` was taken for a local path (its scheme holds a digit), so the
+    job wrote ./s3:/bucket/out.jsonl and exited 0."""
+    from ratchet.connectors import is_uri
+
+    assert is_uri(f"{scheme}://bucket/out.jsonl")
+    assert not is_uri("C://out.jsonl") and not is_uri("3d://x") and not is_uri("a b://x")
+    monkeypatch.chdir(tmp_path)
+    proc = ratchet_run(tmp_path, f"{scheme}://bucket/out.jsonl")
+    assert_refused(proc, f"unknown connector {scheme!r}")
+    assert not (tmp_path / f"{scheme}:").exists()

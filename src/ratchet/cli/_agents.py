@@ -797,10 +797,10 @@ def _get(url: str, model: Any, timeout: float = 5.0, token: str | None = None) -
 
     from ratchet._errors import ConfigError
 
-    request = urllib.request.Request(url)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
     try:
+        request = urllib.request.Request(url)
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             body = resp.read()
     except urllib.error.HTTPError as exc:
@@ -812,6 +812,11 @@ def _get(url: str, model: Any, timeout: float = 5.0, token: str | None = None) -
         raise ConfigError(f"GET {url} failed: {exc}") from exc
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         raise ConfigError(f"GET {url} failed: {exc}") from exc
+    except ValueError as exc:  # not a URL urllib can take: "notaurl", "http://[bad"
+        raise ConfigError(
+            f"{url!r} is not a URL a job's API answers at ({exc}); give its address as "
+            "http://HOST:PORT, as the job printed it"
+        ) from exc
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

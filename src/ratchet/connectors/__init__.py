@@ -26,7 +26,14 @@ def is_uri(text: Any) -> bool:
     if not isinstance(text, str) or "://" not in text:
         return False
     scheme = text.split("://", 1)[0]
-    return len(scheme) > 1 and scheme.isalpha()  # not a drive letter
+    # RFC 3986: a letter, then letters, digits, "+", "-" or "." (s3://, git+ssh://); one
+    # letter alone is a drive letter, not a scheme.
+    return (
+        len(scheme) > 1
+        and scheme.isascii()
+        and scheme[0].isalpha()
+        and all(c.isalnum() or c in "+-." for c in scheme)
+    )
 
 
 def redact(uri: str) -> str:

@@ -172,3 +172,28 @@ def test_inspect_registers_every_type_ratchet_defines_without_provider_sdks(
     )
     result = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
     assert result == {"code": 0, "missing": [], "sdks": []}
+
+
+def test_the_integer_key_1_and_the_string_key_1_are_both_shown_and_read(tmp_path: Path) -> None:
+    """They are two keys (the engine keeps both); inspect showed one of them, and
+    `open_state(...).memory(1)` gave the string key's memory."""
+    from ratchet import open_state
+
+    (tmp_path / "typed.py").write_text(
+        "from ratchet import Agent, InputEvent, OutputEvent, action\n"
+        "class T(Agent):\n"
+        "    @action(InputEvent, inline=True)\n"
+        "    def a(self, e, ctx):\n"
+        "        ctx.short_term_memory.set('t', type(e.input['key']).__name__)\n"
+        "        ctx.send_event(OutputEvent(output=1))\n"
+    )
+    (tmp_path / "in.jsonl").write_text('{"key": 1}\n{"key": "1"}\n{"key": 2}\n')
+    state = str(tmp_path / "st")
+    ratchet("run", f"{tmp_path / 'typed.py'}:T", "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "o.jsonl"), "--state", state)  # fmt: skip
+    shown = json.loads(ratchet("inspect", "--state", state, "--json").stdout)
+    assert shown == {"1": {"t": "str"}, "1 (int)": {"t": "int"}, "2": {"t": "int"}}
+    one = json.loads(ratchet("inspect", "--state", state, "--json", "--key", "1").stdout)
+    assert one == {"1": {"t": "str"}, "1 (int)": {"t": "int"}}
+    s = open_state(state)
+    assert (s.memory(1), s.memory("1"), s.memory(2)) == ({"t": "int"}, {"t": "str"}, {"t": "int"})

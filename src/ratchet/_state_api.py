@@ -173,8 +173,14 @@ class State:
         rows = self._read(lambda s: s.memories(str(key)))
         if not rows:
             return None
+        # Every key that reads as `key` (the string "1" and the integer 1 are two keys):
+        # the one of `key`'s own type, else the only one there is.
+        exact = [m for k, m in rows if _same_key(codec.decode(k, unknown="generic"), key)]
+        if not exact and len(rows) > 1:
+            return None
+        raw = exact[0] if exact else rows[0][1]
         try:
-            memory = nested(from_wire(codec.decode(rows[0][1], unknown="generic")))
+            memory = nested(from_wire(codec.decode(raw, unknown="generic")))
         except (RatchetError, TypeError, KeyError, ValueError) as exc:
             raise StateError(
                 f"{self._dir / DB_NAME}: the memory of key {str(key)!r} cannot be decoded ({exc})"
@@ -550,3 +556,7 @@ def _key_text(key: Any, seen: set[str] | None = None) -> str:
     if isinstance(key, Enum):
         return f"{type(key).__name__}.{key.name}"
     return repr(key)
+
+
+def _same_key(stored: Any, key: Any) -> bool:
+    return type(stored) is type(key) and stored == key

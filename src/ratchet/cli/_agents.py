@@ -716,12 +716,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.key is not None and not rows:
         print(f"ratchet: no committed memory for key {args.key!r}", file=sys.stderr)
         return EXIT_FAILED
-    memories = {
-        str(codec.decode(k, unknown="generic")): nested(
-            from_wire(codec.decode(m, unknown="generic"))
-        )
-        for k, m in rows
-    }
+    decoded = [(codec.decode(k, unknown="generic"), m) for k, m in rows]
+    texts: dict[str, int] = {}
+    for k, _m in decoded:
+        texts[str(k)] = texts.get(str(k), 0) + 1
+
+    def label(k: Any) -> str:
+        """A key as text; a key that is not a string and reads as another key does (the
+        integer 1 beside the string "1") says its type, so neither hides the other."""
+        text = str(k)
+        return text if type(k) is str or texts[text] == 1 else f"{text} ({type(k).__name__})"
+
+    memories = {label(k): nested(from_wire(codec.decode(m, unknown="generic"))) for k, m in decoded}
     unregistered: set[str] = set()
 
     class Unregistered:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +214,16 @@ def test_random_command_lines_read_as_argparse_reads_them_or_are_left_to_it(
         assert vars(plain) == theirs, rest
     capsys.readouterr()
     assert plain_count > 1000  # the sample reaches the reader, not only argparse
+
+
+@pytest.mark.parametrize("jobs", ["0", "-3", "two"])
+def test_jobs_below_one_or_not_a_number_is_refused(tmp_path: Path, jobs: str) -> None:
+    """--jobs 0 and --jobs -3 ran one stage at a time without a word."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "checks", "--workspace-root", str(tmp_path),
+         "run", f"--jobs={jobs}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "argument --jobs/-j" in proc.stderr

@@ -152,3 +152,65 @@ def test_dogfood_project_file_describes_the_repositorys_own_checks() -> None:
     assert stages["lint"]["argv"] == [".venv/bin/ruff", "check", "src", "tests"]
     assert stages["unit"]["argv"] == [".venv/bin/pytest", "-q", "tests", "-m", "not kill"]
     assert stages["kill"]["argv"] == [".venv/bin/pytest", "-q", "tests", "-m", "kill"]
+
+
+def test_a_project_file_inside_a_repository_is_not_an_input_of_its_checks(ws: Workspace) -> None:
+    """With a repository at the workspace root (ratchet's own layout), editing one check in
+    the project file re-ran every check: the file was hashed as one of their inputs."""
+    from checks_helpers import _git
+
+    ws.write("src.txt", "v1\n")
+    _git(ws.root, "init", "-q")
+    ws.repos.append({"name": "main", "path": "."})
+    ws.project([check("build", repos=["main"]), check("lint", repos=["main"])])
+    _git(ws.root, "add", "-A")
+    _git(ws.root, "-c", "commit.gpgsign=false", "commit", "-q", "-m", "init")
+    first = ws.run()
+    assert first["status"] == "passed"
+    ws.project([check("build", repos=["main"]), check("lint", "print('lint 2')", repos=["main"])])
+    second = ws.run(resume=first["run_id"])
+    stages = {s["id"]: s for s in second["stages"]}
+    assert stages["build"]["reused_from"] == first["run_id"]
+    assert stages["build"]["explain"]["reasons"][0].startswith(  # it was empty
+        f"cache key matched run {first['run_id']}"
+    )
+    assert not stages["lint"].get("reused_from")
+    ws.write("src.txt", "v2\n")  # a real input still counts
+    third = ws.run(resume=second["run_id"])
+    assert not any(s.get("reused_from") for s in third["stages"])
+
+
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_a_repository_path_that_is_not_a_folder_is_refused(ws: Workspace, kind: str) -> None:
+    """It was hashed as one constant, so its checks' results stayed valid whatever happened."""
+    ws.repo("api", {"src.txt": "v1\n"})
+    ws.repos[0]["path"] = "apii"  # a typo
+    if kind == "a file":
+        ws.write("apii", "not a folder\n")
+    ws.project([check("test", repos=["api"])])
+    with pytest.raises(
+        ProjectError, match=r"repository 'api' at .*apii (does not exist|is not a folder)"
+    ):
+        ws.run()
+
+
+def test_changed_looks_only_at_each_repository_folder_of_a_shared_work_tree(
+    ws: Workspace,
+) -> None:
+    """Two repositories in one git work tree (a monorepo): --changed marked both as changed
+    when one was edited (git status saw the whole work tree)."""
+    from checks_helpers import _git
+
+    for name in ("api", "web"):
+        (ws.root / name).mkdir()
+        ws.write(f"{name}/src.txt", "v1\n")
+        ws.repos.append({"name": name, "path": name})
+    _git(ws.root, "init", "-q")
+    ws.project([check("a", repos=["api"]), check("w", repos=["web"])])
+    _git(ws.root, "add", "-A")
+    _git(ws.root, "-c", "commit.gpgsign=false", "commit", "-q", "-m", "init")
+    project = load_project(ws.root / "checks.project.json")
+    assert plan_stages(project, workspace_root=ws.root, changed=True) == []
+    ws.write("web/src.txt", "v2\n")
+    planned = plan_stages(project, workspace_root=ws.root, changed=True)
+    assert [s["id"] for s in planned] == ["w"]

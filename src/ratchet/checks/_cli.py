@@ -39,6 +39,19 @@ _DESCRIPTION = (
 )
 
 
+def _jobs(text: str) -> int:
+    """--jobs: a whole number of stages at once, at least 1 (0 or less used to mean 1)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: at least one stage must be able to run")
+    return n
+
+
 def configure(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> None:
     """Give `parser` the workspace options and the run/recover/explain/list subcommands.
 
@@ -355,7 +368,7 @@ _RUN_OPTIONS: tuple[Option, ...] = (
         },
     ),
     (("--junit",), {"default": None, "metavar": "PATH", "help": "also write JUnit XML here"}),
-    (("--jobs", "-j"), {"type": int, "default": 1, "help": "stages run in parallel"}),
+    (("--jobs", "-j"), {"type": _jobs, "default": 1, "help": "stages run in parallel (>= 1)"}),
     (
         ("--lock-timeout",),
         {
@@ -496,7 +509,7 @@ def read_plain_run(rest: Sequence[str]) -> SimpleNamespace | None:
         if convert is not None:
             try:
                 value = convert(value)
-            except ValueError:
+            except Exception:  # noqa: BLE001 - argparse then reads it and says what is wrong
                 return None
         dest = _dest(name, options)
         if action == "append":

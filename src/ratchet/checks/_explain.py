@@ -151,18 +151,23 @@ def summarize(changes: list[dict[str, Any]]) -> str:
     return "; ".join(describe(c) for c in changes) or "identity changed"
 
 
+def reused_reason(resumed_from: Any) -> str:
+    """Why a stage was reused from the run it resumed."""
+    return (
+        f"cache key matched run {resumed_from} (command, cwd, declared scope, input bytes, "
+        "dependency checkpoints, environment) and its log re-hashed to the sha256 the "
+        "receipt sealed"
+    )
+
+
 def explain_record(receipt: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
     """The `explain` answer for one stage record of a receipt."""
     info = record.get("explain") or {}
     status = record.get("status")
     decision = info.get("decision")
     reasons = list(info.get("reasons") or [])
-    if decision == "reused" and not reasons:
-        reasons.append(
-            f"cache key matched run {info.get('resumed_from')} (command, cwd, declared scope, "
-            "input bytes, dependency checkpoints, environment) and its log re-hashed to the "
-            "sha256 the receipt sealed"
-        )
+    if decision == "reused" and not reasons:  # a receipt written before reasons were kept
+        reasons.append(reused_reason(info.get("resumed_from")))
     if decision is None:
         decision = "skipped" if status in ("skipped", "pending") else "unknown"
         if record.get("error"):

@@ -400,7 +400,8 @@ def _dirty_repos(
     for repo in project["repositories"]:
         path = workspace_root / repo["path"]
         if base is None:
-            proc = _git_out(path, "status", "--porcelain", "--untracked-files=all")
+            # `-- .`: only this repository's folder (repositories may share one work tree)
+            proc = _git_out(path, "status", "--porcelain", "--untracked-files=all", "--", ".")
             # Not a git repository, or git failed: we cannot tell, so treat it as changed.
             if proc.returncode != 0 or proc.stdout.strip():
                 dirty.add(repo["name"])

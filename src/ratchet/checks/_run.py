@@ -391,6 +391,8 @@ def _decide_stage(
         on_disk = digest(outputs_manifest(run.workspace_root, patterns)) if patterns else ""
         decision = decide(facts._replace(outputs=on_disk))
     explanation = decision.explanation(run.previous_id)
+    if decision.action == "reuse" and not explanation.get("reasons"):
+        explanation["reasons"] = [_explain.reused_reason(run.previous_id)]
     if decision.key_changed:
         assert old is not None and run.previous is not None
         changes = _explain.diff_components(

@@ -841,7 +841,14 @@ class Checkpoints:
             return sha256_bytes(canonical_json(manifest)), manifest
         root = self.repositories[name]
         if not root.is_dir():
-            return MISSING_REPOSITORY, {}
+            # Hashed as one constant, a missing folder would keep its stages' results valid
+            # forever, whatever the commands now do: the same mistake as an empty one.
+            what = "is not a folder" if root.exists() else "does not exist"
+            raise ProjectError(
+                f"repository {name!r} at {root} {what}: its checks would have no input to "
+                "invalidate them; fix its path in the project file's repositories, or check "
+                "it out there"
+            )
         with self._guard:
             raw = self._listings.pop(root, _NOT_LISTED)
         if raw is _NOT_LISTED:
@@ -863,6 +870,13 @@ class Checkpoints:
             git_listing=(None if raw is None else _parse_listing(raw),),
         )
         self.stat_cache.save()
+        for project in self._exclude_files:
+            # The project file, inside this repository: each check is keyed by its own
+            # definition, so editing another check must not change this one's inputs.
+            try:
+                manifest.pop(project.resolve().relative_to(root.resolve()).as_posix(), None)
+            except ValueError:
+                pass
         if not manifest:
             raise ProjectError(
                 f"repository {name!r} at {root} has no files to hash: an empty input set "

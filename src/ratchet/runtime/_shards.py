@@ -27,7 +27,7 @@ from ratchet._errors import ConfigError, StateError
 from ratchet.store import codec
 from ratchet.store._base import CheckpointRows
 from ratchet.store._files import atomic_json
-from ratchet.store._sqlite import DB_NAME, SqliteStore
+from ratchet.store._sqlite import DB_NAME, RESHARD_TRIGGER, SqliteStore
 
 SHARDS_DIR = "shards"
 LAYOUT_FILE = "layout.json"
@@ -288,7 +288,7 @@ def reshard(
             finally:
                 src.close()
         for store, rows in zip(stores, moved, strict=True):
-            store.write_checkpoint(rows, 0.0)
+            store.write_checkpoint(rows, RESHARD_TRIGGER)
         for i, store in enumerate(stores):
             store.ensure_tables()  # a new shard makes traces on first use: they come now
             _copy_per_key_text(store.conn, old.dirs, _placer(texts, i, workers))
@@ -401,10 +401,15 @@ def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
     latest = [
         p["checkpoints"]["latest_completed"] for p in per if p["checkpoints"]["latest_completed"]
     ]
+    restored = [
+        p["checkpoints"]["latest_restored"] for p in per if p["checkpoints"].get("latest_restored")
+    ]
     total["checkpoints"] = {
         "counts": counts,
         "latest_completed": max(latest, key=lambda c: c["trigger_timestamp"]) if latest else None,
-        "latest_restored": None,
+        "latest_restored": max(restored, key=lambda c: c.get("restored_at") or 0)
+        if restored
+        else None,
     }
     total["source"] = {p["shard"]: p["source"].get("position", {}).get("next") for p in per}
     total["workers"] = layout.workers

@@ -1,0 +1,59 @@
+"""`ratchet status` of a job run with `--workers 2`: what re-sharding wrote into the new
+shards is not a restore (a brand-new sharded job reported one per shard), and a restart's
+restores are shown with the latest of them (it was always `-`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RATCHET = [sys.executable, "-m", "ratchet.cli"]
+
+
+def _run(tmp_path: Path) -> None:
+    agent = tmp_path / "echo.py"
+    if not agent.exists():
+        agent.write_text(
+            "from ratchet import Agent, InputEvent, OutputEvent, action\n"
+            "class Echo(Agent):\n"
+            "    @action(InputEvent, inline=True)\n"
+            "    def echo(self, event, ctx):\n"
+            "        ctx.send_event(OutputEvent(output=event.input))\n"
+        )
+    argv = [*RATCHET, "run", f"{agent}:Echo", "--input", str(tmp_path / "in.jsonl"), "--output"]
+    argv += [str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "st"), "--workers", "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _checkpoints(tmp_path: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [*RATCHET, "status", "--state", str(tmp_path / "st"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    found: dict[str, Any] = json.loads(proc.stdout)["checkpoints"]
+    return found
+
+
+def test_a_new_sharded_job_restored_nothing_and_a_restart_says_what_it_restored(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "in.jsonl").write_text('{"key": "a"}\n{"key": "b"}\n{"key": "c"}\n')
+    _run(tmp_path)
+    first = _checkpoints(tmp_path)
+    assert first["counts"]["restored"] == 0
+    assert first["latest_restored"] is None
+    with open(tmp_path / "in.jsonl", "a") as fh:
+        fh.write('{"key": "d"}\n')
+    _run(tmp_path)
+    second = _checkpoints(tmp_path)
+    assert second["counts"]["restored"] == 2  # each worker restored its shard's checkpoint
+    latest = second["latest_restored"]
+    assert latest is not None and latest["trigger_timestamp"] > 0
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 4

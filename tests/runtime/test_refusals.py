@@ -336,3 +336,38 @@ def test_a_sync_action_that_returns_an_awaitable_fails_naming_the_fix(
     assert (
         line["error"]["message"] == "sync action go returned an awaitable; declare it `async def`"
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "max_concurrent_runs",
+            0,
+            "--max-concurrent-runs (max_concurrent_runs=) must be at least 1, not 0",
+        ),
+        (
+            "max_tasks_per_run",
+            -2,
+            "--max-tasks-per-run (max_tasks_per_run=) must be at least 1, not -2",
+        ),
+        ("sync_batch", 0, "(sync_batch=) must be at least 1, not 0"),
+        (
+            "tolerable_checkpoint_failures",
+            -1,
+            "(tolerable_checkpoint_failures=) must be at least 0",
+        ),
+    ],
+)
+def test_a_limit_out_of_range_is_named_alone_as_the_user_gave_it(
+    field: str, value: int, message: str
+) -> None:
+    """The message named five settings at once (one of them no flag); -1 tolerable failures
+    was accepted."""
+    from ratchet import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**{field: value}).validate()
+    assert message in str(e.value)
+    if field == "sync_batch":
+        assert "--" not in str(e.value)

@@ -101,21 +101,21 @@ class EngineConfig:
     def validate(self) -> None:
         if self.checkpoint_interval < 0:
             raise ConfigError(f"checkpoint_interval must be >= 0, not {self.checkpoint_interval!r}")
-        if (
-            min(
-                self.max_concurrent_runs,
-                self.max_buffered_inputs,
-                self.sync_workers,
-                self.sync_batch,
-                self.max_tasks_per_run,
-            )
-            < 1
+        for name in (
+            "max_concurrent_runs",
+            "max_buffered_inputs",
+            "sync_workers",
+            "sync_batch",
+            "max_tasks_per_run",
         ):
+            value = getattr(self, name)
+            if value < 1:  # named as the command line (where it has a flag) and the API say it
+                flag = "" if name == "sync_batch" else f"--{name.replace('_', '-')} "
+                raise ConfigError(f"{flag}({name}=) must be at least 1, not {value!r}")
+        if self.tolerable_checkpoint_failures < 0:
             raise ConfigError(
-                "max_concurrent_runs, max_buffered_inputs, sync_workers, sync_batch and "
-                f"max_tasks_per_run must be >= 1 (got {self.max_concurrent_runs}, "
-                f"{self.max_buffered_inputs}, {self.sync_workers}, {self.sync_batch}, "
-                f"{self.max_tasks_per_run})"
+                "--tolerable-checkpoint-failures (tolerable_checkpoint_failures=) must be at "
+                f"least 0, not {self.tolerable_checkpoint_failures!r}"
             )
         if self.on_bad_input not in ("stop", "skip", "dead-letter"):
             raise ConfigError(

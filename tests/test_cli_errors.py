@@ -117,9 +117,22 @@ def test_rest_port_without_the_server_extra(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists() and not (tmp_path / "o.jsonl").exists()
 
 
-def test_rest_port_without_supervise_is_refused_not_ignored(tmp_path: Path) -> None:
-    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", "--rest-port", "8765")
-    assert_refused(proc, "--rest-port serves a supervised job's REST API; add --supervise")
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--rest-port", "8765"],
+        ["--rest-token", "t"],
+        ["--rest-host", "0.0.0.0"],
+        ["--restart-attempts", "3"],
+        ["--restart-delay", "2"],
+    ],
+)
+def test_a_supervision_option_without_supervise_is_refused_not_ignored(
+    tmp_path: Path, flag: list[str]
+) -> None:
+    """Only --rest-port was refused; the others were silently ignored."""
+    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", *flag)
+    assert_refused(proc, f"{flag[0]} is an option of a supervised job", "add --supervise")
     assert not (tmp_path / "state").exists()
 
 

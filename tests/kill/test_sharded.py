@@ -302,7 +302,7 @@ def test_a_worker_that_fails_stops_the_job_naming_its_shard(tmp_path: Path) -> N
     ("extra", "message"),
     [
         (["--workers", "0"], "--workers must be >= 1 or auto, not 0"),
-        (["--rest-port", "1"], "--rest-port serves a supervised job's REST API; add --supervise"),
+        (["--rest-port", "1"], "--rest-port is an option of a supervised job"),
     ],
 )
 def test_what_a_sharded_run_cannot_do_is_refused(

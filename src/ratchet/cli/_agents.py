@@ -25,6 +25,8 @@ from ratchet.runtime._io import to_json_line
 # derive its worker's command line from the parsed arguments (a new flag cannot be forgotten).
 _RUN_PARSER: argparse.ArgumentParser | None = None
 _SUPERVISION_DESTS: frozenset[str] = frozenset()
+# Each supervision option but --supervise: its destination -> (its flag, its default).
+_SUPERVISOR_ONLY: dict[str, tuple[str, Any]] = {}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -155,6 +157,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _RUN_PARSER = run
     # A worker restarts on the state the first start restored: the savepoint is not its flag.
     _SUPERVISION_DESTS = frozenset(a.dest for a in sup._group_actions) | {"from_savepoint"}
+    _SUPERVISOR_ONLY.update(
+        (a.dest, (a.option_strings[0], a.default))
+        for a in sup._group_actions
+        if a.dest != "supervise"
+    )
 
     status = sub.add_parser(
         "status", help="checkpoints, in-flight runs and queued inputs of a state"
@@ -418,10 +425,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             require_rest_server()
         return _supervise(args)  # its worker is this `ratchet run`, with --workers N if given
-    if args.rest_port is not None:  # a worker's command line never carries it
-        raise ConfigError(
-            "--rest-port serves a supervised job's REST API; add --supervise (or drop --rest-port)"
-        )
+    for dest, (flag, default) in _SUPERVISOR_ONLY.items():
+        if getattr(args, dest, default) != default:  # a worker's command line never has one
+            raise ConfigError(
+                f"{flag} is an option of a supervised job (with the REST API it serves); add "
+                f"--supervise (or drop {flag})"
+            )
     from ratchet.runtime._shards import is_sharded
 
     if args.workers != 1 or is_sharded(args.state):

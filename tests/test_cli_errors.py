@@ -250,3 +250,21 @@ def test_an_output_uri_of_an_unknown_scheme_is_refused_not_written_as_a_path(
     proc = ratchet_run(tmp_path, f"{scheme}://bucket/out.jsonl")
     assert_refused(proc, f"unknown connector {scheme!r}")
     assert not (tmp_path / f"{scheme}:").exists()
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["runs", "list"], ["dead-letters"], ["run"]])
+def test_a_state_that_is_a_file_is_named_as_one(tmp_path: Path, command: list[str]) -> None:
+    """They said `shards/layout.json cannot be read ...; restore it from a backup`, or
+    `[Errno 17] File exists`."""
+    (tmp_path / "statefile").write_text("x\n")
+    if command == ["run"]:
+        (tmp_path / "in.jsonl").write_text('{"key": "a"}\n')
+        command = ["run", agent_file(tmp_path), "--input", str(tmp_path / "in.jsonl")]
+        command += ["--output", str(tmp_path / "o.jsonl")]
+    proc = subprocess.run(
+        [*RATCHET, *command, "--state", str(tmp_path / "statefile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_refused(proc, f"--state {tmp_path / 'statefile'}", "is a file, not a")

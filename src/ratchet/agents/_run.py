@@ -262,8 +262,14 @@ class Job:
             source.close()
             sink.close()
             if isinstance(exc, OSError):
+                why = (
+                    "it is a file, not a directory; point --state at a directory (a new one "
+                    "for a new job)"
+                    if self.state_dir.exists() and not self.state_dir.is_dir()
+                    else str(exc)
+                )
                 raise StateError(
-                    f"--state {self.state_dir} cannot be used as a state directory: {exc}"
+                    f"--state {self.state_dir} cannot be used as a state directory: {why}"
                 ) from exc
             raise
         store: SqliteStore | None = None

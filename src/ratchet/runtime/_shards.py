@@ -66,6 +66,11 @@ def read_layout(state_dir: str | os.PathLike[str]) -> Layout:
     """The layout in force; a state without `shards/layout.json` is a single-process state."""
     sdir = Path(state_dir)
     path = sdir / SHARDS_DIR / LAYOUT_FILE
+    if sdir.exists() and not sdir.is_dir():
+        raise StateError(
+            f"--state {sdir} is a file, not a state directory; point --state at the directory "
+            "a job wrote (or at a new one)"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

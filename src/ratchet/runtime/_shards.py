@@ -27,7 +27,7 @@ from ratchet._errors import ConfigError, StateError
 from ratchet.store import codec
 from ratchet.store._base import CheckpointRows
 from ratchet.store._files import atomic_json
-from ratchet.store._sqlite import DB_NAME, RESHARD_TRIGGER, SqliteStore
+from ratchet.store._sqlite import DB_NAME, SqliteStore
 
 SHARDS_DIR = "shards"
 LAYOUT_FILE = "layout.json"
@@ -293,7 +293,8 @@ def reshard(
             finally:
                 src.close()
         for store, rows in zip(stores, moved, strict=True):
-            store.write_checkpoint(rows, RESHARD_TRIGGER)
+            store.write_checkpoint(rows, 0.0)
+            store.mark_reshard_seed()
         for i, store in enumerate(stores):
             store.ensure_tables()  # a new shard makes traces on first use: they come now
             _copy_per_key_text(store.conn, old.dirs, _placer(texts, i, workers))

@@ -42,9 +42,6 @@ from ratchet.store._traces import unpack_trace
 
 DB_NAME = "ratchet.db"
 LOCK_NAME = "ratchet.lock"
-# The trigger time of the checkpoint re-sharding writes into each new shard: what it moved
-# in, not a checkpoint of the job's own (starting from it is a first start, not a restore).
-RESHARD_TRIGGER = 0.0
 
 # Append-only: _MIGRATIONS[i] takes schema i to i + 1 (0 is an empty database). Never edit a
 # shipped entry: databases in the field were made by it. One statement per string.
@@ -878,11 +875,20 @@ class SqliteStore:
         except sqlite3.Error:
             pass
 
+    def mark_reshard_seed(self) -> None:
+        """Mark the latest completed checkpoint as the one re-sharding wrote into this new
+        shard: what it moved in, not a checkpoint of the job's own (starting from it is a
+        first start, not a restore)."""
+        with self._transaction():
+            latest = self.stats()["latest_completed"]
+            if latest is not None:
+                self._set_meta("reshard_seed", latest["id"])
+
     def record_restore(self) -> dict[str, Any] | None:
         """Count a restore of the latest completed checkpoint; returns it (None on a fresh start)."""
         with self._transaction():
             latest = self.stats()["latest_completed"]
-            if latest is None or latest.get("trigger_timestamp") == RESHARD_TRIGGER:
+            if latest is None or latest["id"] == self._meta_or("reshard_seed", None):
                 # Nothing, or only what re-sharding moved in (a new shard): a first start.
                 return None
             counts = self.meta("counts")

@@ -71,8 +71,10 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    assert proc.stdout is not None and proc.stdout.readline()
-    proc.stdout.close()  # like `| head -1`: the output (300 KB) outlives its reader
+    assert proc.stdout is not None and proc.stdout.read(10)
+    # Like `| head -c 10`: the output (one 300 KB line) outlives its reader. (`readline`
+    # read all of it, so the pipe never closed under the writer.)
+    proc.stdout.close()
     assert proc.stderr is not None
     with proc.stderr:
         err = proc.stderr.read()

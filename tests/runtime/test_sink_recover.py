@@ -134,3 +134,19 @@ def test_a_cut_ratchet_line_is_dropped(tmp_path: Path) -> None:
         sink.open(JobIdentity(JOB, tmp_path))
         sink.close()
         assert path.read_bytes() == b'{"id":"a","job":"ab12","key":1}\n'
+
+
+@pytest.mark.parametrize("zeros", [1, 37, 4096])
+def test_a_last_line_of_nul_bytes_is_dropped_as_a_crash_leaves_it(
+    tmp_path: Path, zeros: int
+) -> None:
+    """A machine that stops between a write and its fsync can leave the file's new end as
+    NUL bytes (XFS; ext4 with delayed allocation): torn, dropped, written again."""
+    path = tmp_path / "o.jsonl"
+    whole = b'{"id":"a","job":"ab12","key":1}\n'
+    for tail in (b"\0" * zeros, b'{"id":"b","job":"ab12","ke' + b"\0" * zeros):
+        path.write_bytes(whole + tail)
+        sink = JsonlSink(path, append=False)
+        sink.open(JobIdentity(JOB, tmp_path))
+        sink.close()
+        assert path.read_bytes() == whole

@@ -198,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_for(exc)
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`ratchet trace --json | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_OK
     except Exception as exc:
         # A state database damaged past what opening it checks, met while a command reads
         # it (`status`, `runs list`, `dead-letters` on a page SQLite finds malformed).
@@ -212,11 +217,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         code = EXIT_USAGE
-    except BrokenPipeError:
-        # The reader went away (`ratchet trace --json | head`): not an error of ours. Point
-        # stdout at /dev/null so the interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = EXIT_OK
     finally:
         end_startup()  # a command that ended before its start-up was over
     if as_program and args.command == "run" and threading.active_count() > 1:

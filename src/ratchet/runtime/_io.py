@@ -970,7 +970,10 @@ _RECOVER_BLOCK = 1 << 22
 def _torn_line(tail: bytes) -> bool:
     """Whether an unterminated last line is the start of a ratchet output line that a crash
     cut short: it begins as ratchet begins every line (or is a start of that) and is not
-    a whole JSON value."""
+    a whole JSON value; or it is only NUL bytes (what a file system may show of a write
+    that was not synced when the machine stopped)."""
+    if not tail.strip(b"\0"):
+        return True  # a crash between a write and its fsync can leave the new end zeroed
     start = b'{"id":"'
     if not (tail.startswith(start) or start.startswith(tail)):
         return False

@@ -268,3 +268,16 @@ def test_a_state_that_is_a_file_is_named_as_one(tmp_path: Path, command: list[st
         timeout=60,
     )
     assert_refused(proc, f"--state {tmp_path / 'statefile'}", "is a file, not a")
+
+
+@pytest.mark.parametrize("supervise", [[], ["--supervise"]], ids=["plain", "supervised"])
+def test_more_workers_than_the_machine_can_use_is_refused(
+    tmp_path: Path, supervise: list[str]
+) -> None:
+    """`--workers 1000` forked a thousand processes for one input (still running 20 s on)."""
+    from ratchet.runtime._auto_workers import usable_cores
+
+    most = max(16, 4 * usable_cores())
+    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", "--workers", str(most + 1), *supervise)
+    assert_refused(proc, f"--workers {most + 1} is more than {most}", "--workers auto")
+    assert not (tmp_path / "state").exists()

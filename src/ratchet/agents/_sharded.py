@@ -99,6 +99,21 @@ class _NoInput(Source):
         self.inner.close()
 
 
+def refuse_too_many(workers: int) -> None:
+    """Refuse more worker processes than this machine can use: four per usable core, at
+    least 16 (`--workers 1000` forked a thousand processes for three inputs)."""
+    from ratchet.runtime._auto_workers import usable_cores
+
+    most = max(16, 4 * usable_cores())
+    if workers > most:
+        raise ConfigError(
+            f"--workers {workers} is more than {most}, four worker processes per usable core "
+            f"of this machine (at least 16): past that each worker only adds its start-up, "
+            f"its files and its checkpoints; pass --workers auto, or at most {most} (more "
+            f"than one machine gives: the Flink engine, docs/flink.md)"
+        )
+
+
 def run_sharded(
     agent: Agent | str,
     *,
@@ -122,6 +137,7 @@ def run_sharded(
     is the engine's hook when the job runs in one process (workers == 1)."""
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}")
+    refuse_too_many(workers)
     if workers > 1:
         start_method()  # a bad $RATCHET_WORKER_START is refused before anything runs
     config = config or EngineConfig()

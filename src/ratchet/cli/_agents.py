@@ -419,6 +419,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"ratchet: --workers auto: {args.workers} ({why})", file=sys.stderr)
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1 or auto, not {args.workers}")
+    if args.workers > 1:
+        from ratchet.agents._sharded import refuse_too_many
+
+        refuse_too_many(args.workers)  # before a supervisor starts (its worker would refuse)
     if args.supervise:
         if args.rest_port is not None:
             from ratchet.runtime._supervisor import require_rest_server

@@ -281,3 +281,26 @@ def test_more_workers_than_the_machine_can_use_is_refused(
     proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", "--workers", str(most + 1), *supervise)
     assert_refused(proc, f"--workers {most + 1} is more than {most}", "--workers auto")
     assert not (tmp_path / "state").exists()
+
+
+def test_a_savepoint_that_cannot_be_made_says_why(tmp_path: Path) -> None:
+    """Both said `fix the cause (disk space, permissions)`."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"key": f"k{i}", "v": "x" * 200}) + "\n" for i in range(300)))
+    assert ratchet_run(tmp_path, tmp_path / "o.jsonl").returncode == EXIT_OK
+    (tmp_path / "afile").write_text("x\n")
+    state = str(tmp_path / "state")
+    proc = subprocess.run(
+        [*RATCHET, "savepoint", "--state", state, str(tmp_path / "afile" / "sp.db")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert_refused(proc, "a part of the path is a file, not a folder")
+    with open(tmp_path / "state" / "ratchet.db", "r+b") as fh:
+        fh.seek(8192)
+        fh.write(b"\xff" * 4096)
+    proc = subprocess.run(
+        [*RATCHET, "savepoint", "--state", state, str(tmp_path / "sp.db")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert_refused(proc, "the state's database is damaged", "nothing was written")
+    assert not (tmp_path / "sp.db").exists()

@@ -445,10 +445,18 @@ def _copy_into(source: sqlite3.Connection, dest_path: Path) -> sqlite3.Connectio
 
 
 def _copy_failed(what: str, exc: BaseException) -> StateError:
-    return StateError(
-        f"{what} failed ({type(exc).__name__}: {exc}); nothing was written; fix the cause (disk "
-        f"space, permissions) and run again"
-    )
+    import sqlite3
+
+    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+        fix = (
+            "the state's database is damaged, so no consistent copy of it can be made; "
+            "restore it from a backup or an earlier savepoint"
+        )
+    elif isinstance(exc, (FileExistsError, NotADirectoryError)):
+        fix = "a part of the path is a file, not a folder; choose another path"
+    else:
+        fix = "fix the cause (disk space, permissions) and run again"
+    return StateError(f"{what} failed ({type(exc).__name__}: {exc}); nothing was written; {fix}")
 
 
 # -- savepoints ------------------------------------------------------------------------------------

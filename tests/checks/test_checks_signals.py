@@ -71,6 +71,14 @@ def _slow_stage(ws: Workspace) -> str:
     )
 
 
+def _end(ws: Workspace, proc: subprocess.Popen[bytes]) -> None:
+    """Unblock the slow stage, and make sure the run's process is gone."""
+    (ws.control / "block").unlink(missing_ok=True)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _start(ws: Workspace) -> tuple[subprocess.Popen[bytes], Path, int, int]:
     ws.project([check("quick", repos=["app"]), check("slow", _slow_stage(ws), after=["quick"])])
     proc = subprocess.Popen(
@@ -104,10 +112,7 @@ def test_sigterm_and_sighup_interrupt_the_run_and_kill_the_stage_group(
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
-        (ws.control / "block").unlink(missing_ok=True)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end(ws, proc)
     assert proc.returncode == 128 + sig  # the old runner: killed, receipt left "running"
     assert f"interrupted by {sig.name}".encode() in err
     assert b"Traceback" not in err
@@ -175,10 +180,7 @@ def test_recover_stops_nothing_of_a_run_that_is_still_alive(
         (ws.control / "block").unlink()
         _, err = proc.communicate(timeout=60)
     finally:
-        (ws.control / "block").unlink(missing_ok=True)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end(ws, proc)
     assert proc.returncode == 0, err.decode()[-2000:]
     receipt = runner.read_receipt(ws.root, ws.state_dir, run_id)
     assert receipt["status"] == "passed"

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ratchet.store._sqlite import SqliteStore
 
 AGENT_SRC = """
@@ -165,3 +167,36 @@ def test_a_worker_does_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
         proc.stderr.close()
     # It stopped cleanly: its final checkpoint holds the input's output.
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
+
+
+def _children(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().strip()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("moment", ["rest-api-starting", "worker-starting"])
+def test_sigterm_early_in_the_supervisor_stops_it_cleanly(tmp_path: Path, moment: str) -> None:
+    """SIGTERM while the supervisor started its worker hung it for good (its handler waited
+    on a lock the interrupted code held); while the REST API started, the worker started
+    anyway; while the worker imported, the supervisor exited 1."""
+    port = free_port()
+    proc = supervised(tmp_path, [{"key": "a"}], "--follow", "--rest-port", str(port))
+    try:
+        deadline = time.monotonic() + 30
+        if moment == "rest-api-starting":
+            while not (tmp_path / "state" / "supervisor.lock").exists():
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.002)
+        else:
+            while not _children(proc.pid):
+                assert time.monotonic() < deadline and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"Traceback" not in err

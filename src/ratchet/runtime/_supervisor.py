@@ -419,9 +419,11 @@ class Supervisor:
                             self.s.state = "running"
 
     def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
+        # A signal handler: it runs between two bytecodes of the main thread, which may hold
+        # `_lock` (starting a worker), so it takes no lock (it hung there); a worker being
+        # started meanwhile is stopped by `_supervise` once it exists.
         self._stop.set()
-        with self._lock:
-            w = self.s.worker
+        w = self.s.worker
         if w is not None and w.proc.poll() is None:
             w.proc.send_signal(signal.SIGTERM)
 
@@ -442,9 +444,15 @@ class Supervisor:
 
     def _supervise(self) -> int:
         while True:
+            if self._stop.is_set():  # asked to stop before a worker started: none starts
+                with self._lock:
+                    self.s.state = "finished"
+                return EXIT_OK
             with self._lock:
                 self.s.worker = self._spawn()
                 worker = self.s.worker
+            if self._stop.is_set():  # asked while it started: the handler did not see it
+                worker.proc.send_signal(signal.SIGTERM)
             rc = worker.proc.wait()
             self._end_worker(worker)
             how = f"exit code {rc}" if rc >= 0 else f"killed by {signal.Signals(-rc).name}"
@@ -455,6 +463,12 @@ class Supervisor:
                     self.s.state = "finished"
                 return EXIT_OK
             if self._stop.is_set():
+                if rc == -signal.SIGTERM:
+                    # Our SIGTERM ended it before it had set up its own stop (still starting):
+                    # nothing of it was committed that a restart would not find.
+                    with self._lock:
+                        self.s.state = "finished"
+                    return EXIT_OK
                 with self._lock:
                     self.s.state = "failed"
                 return rc if rc > 0 else EXIT_FAILED

@@ -180,6 +180,24 @@ def test_a_signal_wait_times_out_at_its_recorded_deadline_across_a_restart() -> 
     assert [o["at"] for o in again.outputs()] == [restart]
 
 
+def test_a_signal_sent_after_the_deadline_while_no_job_ran_does_not_beat_the_timeout() -> None:
+    """The wait's deadline passed while the job was down and a signal came after it: the
+    wait times out at the restart, as the docs say (the late signal was delivered instead),
+    and the signal is kept for a later wait."""
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    rows = [{"key": "a", "timeout": 60}]
+    first = Drive(Approver(clock), rows, store)
+    assert first.run().stopped_by == "1 run(s) waiting for signals"
+    clock.advance(120)  # the deadline (60 s) passes while no job runs ...
+    store.add_signal("a", "ok", "late")  # ... and then the signal comes
+    again = Drive(Approver(clock), rows, store.reopen())
+    again.run()
+    (out,) = again.outputs()
+    assert "no signal 'ok' for key 'a'" in out["timeout"]
+    assert [(k, n) for _i, (k, n, _v, _t) in sorted(again.store.signals.items())] == [("a", "ok")]
+
+
 def test_a_signal_sent_while_the_job_runs_wakes_the_run() -> None:
     clock = FakeClock(START)
     store = MemoryStore(clock)

@@ -578,7 +578,19 @@ class _EngineWaits:
         pending = self.signals.get(where)
         waiters = self.waiters.get(where)
         while pending and waiters:
-            wait = next((w for w in waiters if not w.closing and not w.done.done()), None)
+            sent_at = pending[0][2]
+            # A signal sent after a wait's deadline is not that wait's: it times out (as it
+            # does when the deadline passed while no job ran), the signal waits for the next.
+            wait = next(
+                (
+                    w
+                    for w in waiters
+                    if not w.closing
+                    and not w.done.done()
+                    and (w.until is None or sent_at <= w.until)
+                ),
+                None,
+            )
             if wait is None:
                 return
             sid, value, _sent_at = pending.popleft()

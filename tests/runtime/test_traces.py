@@ -157,3 +157,34 @@ def test_model_calls_are_in_the_trace_with_their_tokens(tmp_path: Path) -> None:
         text=True,
     )
     assert json.loads(shown.stdout)["tasks"][0]["action"] == "ask"
+
+
+class Noted(Agent):
+    @action(InputEvent, inline=True)
+    def go(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("note", event.input["note"])
+        ctx.send_event(OutputEvent(output=1))
+
+
+def test_ratchet_trace_prints_square_brackets_as_they_were_stored(tmp_path: Path) -> None:
+    """Keys and values are the user's text, not rich markup: `[/docs]` raised MarkupError
+    (a traceback), `[bold]x` printed as `x`; a seq past 64 bits was an OverflowError."""
+    state = tmp_path / "s"
+    rows = [
+        {"key": "plain", "note": "see [/docs] for help"},
+        {"key": "user[/x]", "note": "[bold]x"},
+    ]
+    ratchet.run(Noted(), inputs=rows, output=tmp_path / "o.jsonl", state_dir=state)
+    for key, note in (("plain", "see [/docs] for help"), ("user[/x]", "[bold]x")):
+        proc = subprocess.run(
+            [*RATCHET, "trace", "--state", str(state), "--key", key],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"key {key} input" in proc.stdout
+        assert f"memory set note = {note!r}" in proc.stdout
+    proc = subprocess.run(
+        [*RATCHET, "trace", "--state", str(state), "--key", "plain", "--seq", str(1 << 63)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "is not an input seq" in proc.stderr, proc.stderr

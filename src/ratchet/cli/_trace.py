@@ -10,6 +10,19 @@ from typing import Any
 from ratchet._errors import EXIT_FAILED, EXIT_OK
 
 
+def seq_number(text: str) -> int:
+    """An input seq as the state stores it: a whole number from 0 to 2**63 - 1."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= n < 1 << 63:
+        raise argparse.ArgumentTypeError(f"{n} is not an input seq (0 to 2**63 - 1)")
+    return n
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "trace",
@@ -21,7 +34,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--state", required=True)
     p.add_argument("--key", required=True, help="the key, as `ratchet inspect` shows it")
-    p.add_argument("--seq", type=int, default=None, help="the run's input seq (default: latest)")
+    p.add_argument(
+        "--seq", type=seq_number, default=None, help="the run's input seq (default: latest)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)
 
@@ -53,12 +68,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(json.dumps(run, indent=2, default=str))
         return EXIT_OK
     from rich.console import Console
+    from rich.markup import escape as e
     from rich.tree import Tree
 
     starts = [t["started"] for t in run["tasks"] if t.get("started") is not None]
     origin = min(starts) if starts else None
     title = (
-        f"[bold]key {run['key']} input {run['seq']}[/]: {run['status']}, {len(run['tasks'])} "
+        f"[bold]key {e(str(run['key']))} input {run['seq']}[/]: {run['status']}, "
+        f"{len(run['tasks'])} "
         f"task(s), completed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['completed_at']))}"
     )
     tree = Tree(title)
@@ -76,6 +93,13 @@ def _ms(seconds: Any) -> str:
 
 
 def tree_task(tree: Any, t: dict[str, Any], origin: float | None) -> None:
+    """One task as tree nodes: rich markup is ratchet's own; every text of the user's (keys,
+    events, values, errors, notes) is escaped, so `[bold]x` prints as it was stored."""
+    from rich.markup import escape
+
+    def e(value: Any) -> str:
+        return escape(str(value))
+
     if t.get("replayed"):
         how = "[dim]replayed from the journal[/]"
     else:
@@ -84,17 +108,19 @@ def tree_task(tree: Any, t: dict[str, Any], origin: float | None) -> None:
         how = f"executed {offset}, took {_ms(t.get('duration'))}"
         if t.get("attempts"):
             how += f", in {t['attempts']} attempts"
-    node = tree.add(f"[bold]{t['action']}[/] on {t['on']} ({t['task']}, #{t['index']}): {how}")
+    node = tree.add(
+        f"[bold]{e(t['action'])}[/] on {e(t['on'])} ({e(t['task'])}, #{t['index']}): {how}"
+    )
     for c in t.get("calls", []):
         state = "[dim]replayed[/]" if c.get("replayed") else f"{_ms(c.get('duration'))}"
-        err = f" [red]{c['error']}[/]" if c.get("error") else ""
-        node.add(f"call {c['fn']}: {state}{err}")
+        err = f" [red]{e(c['error'])}[/]" if c.get("error") else ""
+        node.add(f"call {e(c['fn'])}: {state}{err}")
     for n in t.get("notes", []):
         fields = ", ".join(f"{k}={v}" for k, v in n.items() if k != "kind" and v is not None)
-        node.add(f"{n['kind']}: {fields}")
+        node.add(f"{e(n['kind'])}: {e(fields)}")
     for op in t.get("memory", []):
         kind = {"s": "set", "d": "delete", "o": "new object", "e": "expire"}.get(op[0], op[0])
         value = f" = {op[2]!r}" if len(op) > 2 else ""
-        node.add(f"memory {kind} {op[1]}{value}")
+        node.add(f"memory {e(kind)} {e(op[1])}{e(value)}")
     if t.get("events"):
-        node.add(f"sent {', '.join(t['events'])}")
+        node.add(f"sent {e(', '.join(t['events']))}")

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ratchet._errors import EXIT_OK
+from ratchet.cli._trace import seq_number
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,7 +46,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p = runs_sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--state", required=True, help="the stopped job's state directory")
         p.add_argument("--key", required=True, help="the run's key, as `ratchet runs list` shows")
-        p.add_argument("--seq", type=int, default=None, help="the run's input seq (optional)")
+        p.add_argument(
+            "--seq", type=seq_number, default=None, help="the run's input seq (optional)"
+        )
         if name == "abandon":
             p.add_argument(
                 "--reason", default="abandoned by `ratchet runs abandon`", help="kept with it"

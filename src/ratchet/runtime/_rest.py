@@ -72,6 +72,8 @@ class JobInfo(BaseModel):
 
 
 class SignalBody(BaseModel):
+    # Only `value`: `{"approved": true}` without it was taken as a signal of null.
+    model_config = ConfigDict(extra="forbid")
     value: Any = Field(None, description="any JSON value; the waiting action receives it")
 
 
@@ -438,7 +440,7 @@ def create_app(
         send = signal
 
         @app.post(
-            "/v1/keys/{key}/signals/{name}",
+            "/v1/keys/{key:path}/signals/{name}",
             status_code=202,
             response_model=SignalSent,
             responses=bad_request,
@@ -571,7 +573,7 @@ def _state_endpoints(
         return read(lambda s: {"total": s.count_keys(contains), "keys": s.keys(contains, limit)})
 
     @app.get(
-        "/v1/keys/{key}/memory",
+        "/v1/keys/{key:path}/memory",
         response_model=KeyMemory,
         responses=not_found,
         summary="a key's committed memory: each field with its type, and the whole as JSON",
@@ -586,7 +588,7 @@ def _state_endpoints(
         return read(fn)
 
     @app.get(
-        "/v1/keys/{key}/runs",
+        "/v1/keys/{key:path}/runs",
         response_model=list[RunSummary],
         responses=no_state,
         summary="a key's completed runs that have a kept trace, newest first",
@@ -601,7 +603,7 @@ def _state_endpoints(
         )
 
     @app.get(
-        "/v1/keys/{key}/runs/{seq}/trace",
+        "/v1/keys/{key:path}/runs/{seq}/trace",
         response_model=Trace,
         responses=not_found,
         summary="the trace of one completed run (`ratchet trace --key K --seq N --json`)",

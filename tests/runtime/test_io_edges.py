@@ -349,6 +349,34 @@ def test_a_followed_file_that_is_rotated_stops_with_the_fix(tmp_path: Path) -> N
         src.close()
 
 
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_followed_file_truncated_and_written_past_the_position_is_bad_input(
+    tmp_path: Path, aligned: bool
+) -> None:
+    """Copytruncate, then more lines than were read before the reader looked: the size never
+    fell below the position, so the new file's first lines were skipped without a word (lines
+    of the same length), or a line cut in two was called invalid JSON."""
+    c = tmp_path / "c.jsonl"
+    write_lines(c, [{"key": "k", "i": i} for i in range(3)])
+    src = JsonlSource(c, follow=True)
+    try:
+        for _ in range(3):
+            assert src.next_record() is not None
+        assert src.next_record() is None  # caught up: at the end of the file
+        width = 1 if aligned else 3  # the same line length as before, or not
+        lines = [{"key": "k", "i": 10**width + j} for j in range(8)]
+        with open(c, "r+b") as fh:  # copytruncate: the same file, cut, then written again
+            fh.truncate(0)
+        write_lines(c, lines)
+        with pytest.raises(BadInputError, match=rf"{c} was rewritten in place .*copytruncate"):
+            src.next_record()
+        with pytest.raises(BadInputError):  # and again: nothing after it is taken
+            src.next_record()
+    finally:
+        src.close()
+
+
 # -- rotation: a pattern or a directory source ----------------------------------------------------
 
 

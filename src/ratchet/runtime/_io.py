@@ -391,6 +391,9 @@ class JsonlSource(Source):
         if not self.path.exists() and not follow:
             raise ConfigError(f"--input {self.path} does not exist")
         self._file = _File(self.path)
+        # At the end of a followed file: (start, end, digest) of the last line read, to see
+        # whether the file was rewritten in place (copytruncate) when it grows again.
+        self._last_line: tuple[int, int, str] | None = None
         self._recorded: _File | None = None  # the restored position, until checked
         self._prev = (0, 0)
 
@@ -462,6 +465,33 @@ class JsonlSource(Source):
             f"pattern that tracks each file: --input '{rec.path}*'"
         )
 
+    def _prev_span(self) -> tuple[int, int]:
+        return self._prev[0], self._file.offset
+
+    def _span_digest(self) -> str:
+        start, end = self._prev_span()
+        fh = self._file.fh
+        assert fh is not None
+        return _digest(os.pread(fh.fileno(), end - start, start))
+
+    def _still_the_same(self) -> None:
+        """A followed file grew after its end was reached: the last line read must still be
+        where it was, or the file was rewritten in place (copytruncate, `cat new > file`)
+        and what follows the position is not what comes after what was read."""
+        start, end, seen = self._last_line  # type: ignore[misc]
+        fh = self._file.fh
+        assert fh is not None
+        if _digest(os.pread(fh.fileno(), end - start, start)) == seen:
+            self._last_line = None
+        else:  # kept: every later read is refused the same way
+            f = self._file
+            f.rewind(f.offset, f.line)  # the line read is not taken: the position stays
+            raise BadInputError(
+                f"{self.path} was rewritten in place while it was followed (the line before "
+                f"byte {end} changed): it was truncated and written again, so lines after the "
+                f"position may be lost to ratchet. Use rotation by renaming, not copytruncate"
+            )
+
     def _rotated(self) -> None:
         """At the end of a followed file: refuse if the path now names another file."""
         f = self._file
@@ -493,7 +523,11 @@ class JsonlSource(Source):
             if raw is None:
                 if self.follow:
                     self._rotated()
+                    if self._last_line is None and self._prev[0] < f.offset:
+                        self._last_line = (*self._prev_span(), self._span_digest())
                 return None
+            if self._last_line is not None:
+                self._still_the_same()
             self._prev = (f.offset, f.line)
             f.offset += len(raw)
             f.line += 1

@@ -349,7 +349,6 @@ def test_a_followed_file_that_is_rotated_stops_with_the_fix(tmp_path: Path) -> N
         src.close()
 
 
-
 @pytest.mark.parametrize("aligned", [True, False])
 def test_a_followed_file_truncated_and_written_past_the_position_is_bad_input(
     tmp_path: Path, aligned: bool

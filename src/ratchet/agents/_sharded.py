@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -328,6 +329,8 @@ def worker_main(argv: list[str] | None = None, *, forked: bool = False) -> int:
                 except RuntimeError:
                     pass
 
+        stop_asked = threading.Event()  # the coordinator's "stop" came (not a signal)
+
         def stop() -> None:
             loop = engine._loop
             if loop is not None and not loop.is_closed():
@@ -349,11 +352,20 @@ def worker_main(argv: list[str] | None = None, *, forked: bool = False) -> int:
                 elif kind == "nack":
                     sink.answered(msg[1], msg[2])
                 elif kind == "stop":
+                    stop_asked.set()
                     stop()
 
         source.wake = wake
         threading.Thread(target=read, name="ratchet-shard-reader", daemon=True).start()
         result = run_owned(job, handle_signals=True)
+        how = result.stopped_by
+        if how.startswith("signal SIG") and not stop_asked.is_set():
+            # Sent to this worker alone (the coordinator stops its workers by message): its
+            # work is checkpointed; it ends by that signal, so the coordinator restarts it as
+            # any killed worker (a "done" would have retired its shard, keys and all).
+            sig = signal.Signals[how.removeprefix("signal ")]
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
         conn.send(["done", asdict(result)])
     except RatchetError as exc:
         conn.send(["error", type(exc).__name__, str(exc)])

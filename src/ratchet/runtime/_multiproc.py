@@ -586,8 +586,10 @@ class Coordinator:
         shard.room.set()
         if shard.result is not None:
             log.debug("shard %d finished", shard.index)
-        elif rc < 0 and self._fatal and shard.restarts < RESTARTS:
-            shard.gone = True  # killed while the job stops for another reason: not restarted
+        elif rc < 0 and (self._fatal or self._stopping) and shard.restarts < RESTARTS:
+            # Killed while the job stops (for another reason, or a Ctrl-C that reached every
+            # process of the group): not restarted; its state is a checkpoint like any other.
+            shard.gone = True
         elif rc < 0 and not self._fatal and shard.restarts < RESTARTS:
             shard.restarts += 1
             for name, value in counts_of(shard.report).items():  # the next worker counts from 0

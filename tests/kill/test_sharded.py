@@ -339,3 +339,46 @@ def test_single_database_commands_refuse_a_sharded_job_naming_the_fix(tmp_path: 
         assert done.returncode == 2, done.stderr
         assert why in done.stderr and "Run the job once with --workers 1" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+FAILING_AGENT = """
+import time
+from ratchet import Agent, InputEvent, action
+
+class Failing(Agent):
+    @action(InputEvent)
+    def go(self, event, ctx):
+        time.sleep(0.02)
+        raise ValueError(f"input {event.input['i']} fails")
+"""
+
+
+def test_changing_the_number_of_workers_counts_what_finishing_the_old_state_did(
+    tmp_path: Path,
+) -> None:
+    """A single-process job SIGKILLed with runs in flight and inputs queued, then run with
+    --workers 2: the old state is finished first (every run fails here). Those runs were left
+    out of the result, so the job exited 0 with nothing counted; now exit 4, all counted."""
+    agent = tmp_path / "failing.py"
+    agent.write_text(FAILING_AGENT)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"key": f"k{i % 4}", "i": i}) + "\n" for i in range(60)))
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    base = [*RATCHET, "run", f"{agent}:Failing", "--input", str(inp), "--output", str(out)]
+    base += ["--state", str(state), "--allow-errors", "--checkpoint-interval", "50"]
+    first = subprocess.Popen(base, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (out.exists() and len(out.read_text().splitlines()) >= 5):
+        assert first.poll() is None and time.monotonic() < deadline, "ended before the kill"
+        time.sleep(0.01)
+    first.kill()
+    first.wait()
+    failed_before = len(out.read_text().splitlines())
+    assert failed_before < 60
+    again = [*RATCHET, "run", f"{agent}:Failing", "--input", str(inp), "--output", str(out)]
+    again += ["--state", str(state), "--workers", "2", "--json"]
+    second = subprocess.run(again, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 4, second.stderr[-2000:]
+    summary = json.loads(second.stdout)
+    assert summary["runs_failed"] == 60 - failed_before, summary
+    assert len(out.read_text().splitlines()) == 60  # each input's error output, once

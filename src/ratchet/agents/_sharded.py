@@ -34,6 +34,7 @@ from ratchet.runtime._multiproc import (
     PipeSink,
     PipeSource,
     WorkerConn,
+    add_counts,
     die_with_parent,
     wait_for_lock,
 )
@@ -163,24 +164,33 @@ def run_sharded(
     lock.acquire()
     try:
         layout = read_layout(sdir)
+        drained: EngineResult | None = None
         if layout.workers != workers:
-            layout = _change_workers(
+            changed, drained = _change_workers(
                 spec, instance, binding, layout, workers, sdir, lock,
                 inputs=inputs, output=output, key=key, config=config, append=append_output,
                 no_fork=no_fork,
             )  # fmt: skip
+            if changed is None:
+                assert drained is not None
+                return drained  # it stopped before the old shards were done (--max-errors)
+            layout = changed
         if workers == 1:
             lock.release()
             job = Job(
                 instance, inputs=inputs, output=output, state_dir=sdir, key=key, follow=follow,
                 config=config, append_output=append_output, on_progress=on_progress,
             )  # fmt: skip
-            return run_owned(job, handle_signals=handle_signals)
-        return _coordinate(
-            spec, layout, sdir, inputs=inputs, output=output, key=key, follow=follow,
-            config=config, append=append_output, handle_signals=handle_signals,
-            on_report=on_report, no_fork=no_fork,
-        )  # fmt: skip
+            result = run_owned(job, handle_signals=handle_signals)
+        else:
+            result = _coordinate(
+                spec, layout, sdir, inputs=inputs, output=output, key=key, follow=follow,
+                config=config, append=append_output, handle_signals=handle_signals,
+                on_report=on_report, no_fork=no_fork,
+            )  # fmt: skip
+        if drained is not None:  # what the old shards finished counts in this run's result
+            add_counts(result, asdict(drained))
+        return result
     finally:
         lock.release()
 
@@ -241,21 +251,25 @@ def _change_workers(
     config: EngineConfig,
     append: bool,
     no_fork: str | None,
-) -> Layout:
+) -> tuple[Layout | None, EngineResult | None]:
     """Bring every shard of `layout` to one input position with nothing in flight, then move
-    the keys to `workers` shards (at that checkpoint, before any new input is admitted)."""
+    the keys to `workers` shards (at that checkpoint, before any new input is admitted).
+    Returns the new layout and what finishing the old shards did; no layout when that
+    stopped early (`--max-errors`): the job stops there, as it would have."""
     if layout.workers == 1:
         if not (sdir / DB_NAME).exists():
             return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
-                           binding.action_names, position=(0, {}))  # fmt: skip
+                           binding.action_names, position=(0, {})), None  # fmt: skip
         # Finish what the single-process state holds, admitting nothing new.
         lock.release()
         job = Job(
             agent, inputs=_NoInput(_source(inputs, key, False)), output=output, state_dir=sdir,
             config=config, append_output=append,
         )  # fmt: skip
-        run_owned(job)
+        drained = run_owned(job)
         lock.acquire()
+        if drained.stopped_by.startswith("more than"):  # --max-errors: the job stops
+            return None, drained
         store = SqliteStore.open_readonly(sdir)
         try:
             src = store.meta("source") or {}
@@ -265,11 +279,13 @@ def _change_workers(
     else:
         # Every shard reads on to where the furthest one is, and finishes what it holds.
         furthest = max(read_position(d)[0] for d in layout.dirs)
-        _coordinate(
+        drained = _coordinate(
             spec, layout, sdir, inputs=inputs, output=output, key=key, follow=False,
             config=config, append=append, handle_signals=False, stop_at=furthest,
             no_fork=no_fork,
         )  # fmt: skip
+        if drained.stopped_by.startswith("more than"):  # --max-errors: the job stops
+            return None, drained
         spots = [read_position(d) for d in layout.dirs]
         aligned = {(n, f) for n, f, _at in spots}
         if aligned != {(furthest, furthest)}:
@@ -283,7 +299,7 @@ def _change_workers(
     with frozen(layout.dirs):  # a signal sent now waits, then goes to the new layout
         check_quiet(layout.dirs, workers)
         return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
-                       binding.action_names, position=position)  # fmt: skip
+                       binding.action_names, position=position), drained  # fmt: skip
 
 
 def _forked_main(argv: list[str]) -> int:

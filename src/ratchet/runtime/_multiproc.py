@@ -889,16 +889,21 @@ class Coordinator:
     def _sum(self) -> None:
         r = self.result
         for s in self.shards:
-            got = s.result or {}
-            for name in (
-                "inputs", "runs_completed", "outputs", "tasks_executed", "tasks_replayed",
-                "restored_runs", "runs_failed", "dead_letters", "redriven",
-            ):  # fmt: skip
-                setattr(r, name, getattr(r, name) + int(got.get(name) or 0))
-            r.bad_inputs.extend(got.get("bad_inputs") or [])
+            add_counts(r, s.result or {})
         r.stopped_by = self._stop_reason or "end of input"
         r.checkpoints = {str(s.index): (s.result or {}).get("checkpoints", {}) for s in self.shards}
         r.metrics = {"workers": float(len(self.shards))}
+
+
+def add_counts(into: EngineResult, got: dict[str, Any]) -> None:
+    """Add what another engine's result (`asdict`) counted to `into`: a shard's, or the
+    drain before a change of the number of workers."""
+    for name in (
+        "inputs", "runs_completed", "outputs", "tasks_executed", "tasks_replayed",
+        "restored_runs", "runs_failed", "dead_letters", "redriven",
+    ):  # fmt: skip
+        setattr(into, name, getattr(into, name) + int(got.get(name) or 0))
+    into.bad_inputs.extend(got.get("bad_inputs") or [])
 
 
 __all__ = [

@@ -304,3 +304,14 @@ def test_a_savepoint_that_cannot_be_made_says_why(tmp_path: Path) -> None:
     )  # fmt: skip
     assert_refused(proc, "the state's database is damaged", "nothing was written")
     assert not (tmp_path / "sp.db").exists()
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_rest_port_that_is_not_a_port_is_refused_before_anything_is_made(
+    tmp_path: Path, port: str
+) -> None:
+    """70000 printed uvicorn's thread tracebacks, then left a supervisor.lock behind."""
+    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", "--supervise", "--rest-port", port)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "argument --rest-port" in proc.stderr
+    assert not (tmp_path / "state").exists()

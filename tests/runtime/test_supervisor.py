@@ -200,3 +200,20 @@ def test_sigterm_early_in_the_supervisor_stops_it_cleanly(tmp_path: Path, moment
             proc.wait()
     assert proc.returncode == 0, err.decode()[-2000:]
     assert b"Traceback" not in err
+
+
+def test_rest_port_0_prints_the_port_it_got(tmp_path: Path) -> None:
+    """It printed `http://127.0.0.1:0/v1/job`."""
+    import re
+
+    proc = supervised(tmp_path, [{"key": "a"}], "--follow", "--rest-port", "0")
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline().decode()
+        found = re.search(r"REST API on http://127\.0\.0\.1:(\d+)/v1/job", line)
+        assert found and int(found[1]) != 0, line
+        assert wait_running(int(found[1]))["state"] == "running"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0

@@ -29,6 +29,17 @@ _SUPERVISION_DESTS: frozenset[str] = frozenset()
 _SUPERVISOR_ONLY: dict[str, tuple[str, Any]] = {}
 
 
+def _port(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port (0 to 65535)")
+    return n
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     global _RUN_PARSER, _SUPERVISION_DESTS
     run = sub.add_parser("run", help="run an agent over a JSONL input, durably")
@@ -139,7 +150,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sup.add_argument(
         "--restart-delay", type=float, default=1.0, metavar="SECONDS", help="default 1"
     )
-    sup.add_argument("--rest-port", type=int, default=None, help="serve the REST status API here")
+    sup.add_argument(
+        "--rest-port",
+        type=_port,
+        default=None,
+        help="serve the REST status API here (0: a free port, printed)",
+    )
     sup.add_argument(
         "--rest-host",
         default="127.0.0.1",

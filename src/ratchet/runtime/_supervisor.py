@@ -14,6 +14,7 @@ the supervisor lives. Checkpoint counts are durable (kept in the state) and expo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import ipaddress
 import json
@@ -374,6 +375,9 @@ class Supervisor:
             self.clock.sleep_sync(0.01)
         if not server.started:
             raise ConfigError(f"the REST API could not listen on {self.rest_host}:{self.rest_port}")
+        with contextlib.suppress(AttributeError, IndexError, OSError):
+            # --rest-port 0: the port the system chose (it printed ":0")
+            self.rest_port = int(server.servers[0].sockets[0].getsockname()[1])
         base = f"http://{self.rest_host}:{self.rest_port}"
         print(f"ratchet: REST API on {base}/v1/job, dashboard on {base}/", file=sys.stderr)
 

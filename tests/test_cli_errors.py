@@ -315,3 +315,16 @@ def test_a_rest_port_that_is_not_a_port_is_refused_before_anything_is_made(
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "argument --rest-port" in proc.stderr
     assert not (tmp_path / "state").exists()
+
+
+def test_the_json_summary_of_a_job_stopped_by_a_bad_line_says_what_it_did(tmp_path: Path) -> None:
+    """It said `"stopped_by": "end of input"`, 0 tasks executed and no checkpoints."""
+    src = tmp_path / "in.jsonl"
+    good = "".join(json.dumps({"key": f"k{i % 3}"}) + "\n" for i in range(30))
+    src.write_text(good + "{bad\n" + json.dumps({"key": "z"}) + "\n")
+    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", "--json")
+    assert proc.returncode == 3, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["stopped_by"] == "a bad input" and "invalid JSON" in summary["error"]
+    assert summary["inputs"] == 30 and summary["tasks_executed"] == 30
+    assert summary["checkpoints"]["counts"]["completed"] >= 1

@@ -877,16 +877,18 @@ class Engine:
                 raise self._bad
         finally:
             self._shutdown()
+            # Filled in also when the job stops on a bad input (exit 3): `--json` prints it.
+            self.result.tasks_executed = self.machine.tasks_executed
+            self.result.tasks_replayed = self.machine.tasks_replayed
+            stopped = "a bad input" if self._bad is not None else "end of input"
+            self.result.stopped_by = self._stop_reason or stopped
+            self.result.checkpoints = self.stats.as_dict()
+            self.result.metrics = self.metrics_totals()
         log.info(
             "stopped (%s): %d input(s), %d run(s) completed (%d ended in error), %d output(s)",
-            self._stop_reason or "end of input", self.result.inputs,
+            self.result.stopped_by, self.result.inputs,
             self.result.runs_completed, self.result.runs_failed, self.result.outputs,
         )  # fmt: skip
-        self.result.tasks_executed = self.machine.tasks_executed
-        self.result.tasks_replayed = self.machine.tasks_replayed
-        self.result.stopped_by = self._stop_reason or "end of input"
-        self.result.checkpoints = self.stats.as_dict()
-        self.result.metrics = self.metrics_totals()
         return self.result
 
     def request_stop(self, reason: str = "stop requested") -> None:

@@ -144,6 +144,27 @@ def test_retention_keeps_the_last_n_runs_per_key_or_none(tmp_path: Path) -> None
             EngineConfig(trace_retention=bad).validate()
 
 
+def test_retention_holds_across_restarts_that_each_run_fewer_than_n_runs_of_a_key(
+    tmp_path: Path,
+) -> None:
+    """Each start counted a key's new traces from 0, so a job restarted before a key had N
+    new runs never cut it: 8 starts of 2 runs a key with N = 3 kept all 16."""
+    TRIES.clear()
+    state = tmp_path / "s"
+    rows: list[dict[str, Any]] = []
+    for start in range(8):
+        rows += [{"key": k, "n": 0} for k in ("a", "b")]  # the same file, two lines more
+        ratchet.run(
+            Traced(), inputs=list(rows), output=tmp_path / "o.jsonl", state_dir=state,
+            config=EngineConfig(trace_retention="3"),
+        )  # fmt: skip
+        for key in ("a", "b"):
+            kept = [t["seq"] for t in traces_of(state, key)]
+            assert len(kept) <= 6, f"start {start}: key {key} keeps {len(kept)} traces"
+    newest = [t["seq"] for t in traces_of(state, "a")]
+    assert newest[:3] == [14, 12, 10]
+
+
 def test_model_calls_are_in_the_trace_with_their_tokens(tmp_path: Path) -> None:
     state = tmp_path / "s"
     ratchet.run(Asker(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=state)

@@ -723,6 +723,7 @@ class Engine:
         self.redrive_seqs: Iterator[int] | None = None
         self._written_report: dict[str, Any] = {"paused": []}
         self._traces_since_prune: dict[str, int] = {}
+        self._traces_pruned: set[str] = set()  # keys pruned once by this process
         self._dispatcher = Dispatcher(
             binding,
             spawn=self._spawn,
@@ -1287,10 +1288,17 @@ class Engine:
                 fresh[text] = fresh.get(text, 0) + 1
             if keep is not None:
                 # A key is cut down to its last N once it has N new traces (amortised: one
-                # DELETE per N runs, not per run); at most 2N are kept meanwhile.
-                rows.trace_prune = [k for k, n in fresh.items() if n >= max(keep, 1)]
+                # DELETE per N runs, not per run), and at its first new trace in this
+                # process (what earlier processes left: a job restarted more often than it
+                # runs N runs of a key grew without bound); at most 2N are kept meanwhile.
+                seen = self._traces_pruned
+                rows.trace_prune = [
+                    k for k, n in fresh.items() if n >= max(keep, 1) or k not in seen
+                ]
                 for k in rows.trace_prune:
-                    del fresh[k]
+                    seen.add(k)
+                    if fresh[k] >= max(keep, 1):
+                        del fresh[k]
         for key, (memory, next_dispatch, version) in delta.keys.items():
             rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory), version))
         for seq, (key, event) in delta.new_inputs.items():

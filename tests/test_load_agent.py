@@ -5,6 +5,7 @@ a change that cannot replace what the interpreter holds is a ConfigError saying 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,57 @@ def test_a_module_spec_that_fails_or_is_a_file_name_is_a_config_error(
         load_agent("my_agents:Counter")
     with pytest.raises(ConfigError, match="is a directory"):
         load_agent(f"{tmp_path}{'/'}:A")
+
+
+MOVING = """
+import os
+from ratchet import Agent, InputEvent, OutputEvent, action
+
+def charge(amount):
+    with open(os.environ["CHARGES"], "a") as fh:
+        fh.write(f"{amount}\\n")
+    return amount
+
+class Shop(Agent):
+    @action(InputEvent)
+    async def buy(self, event, ctx):
+        paid = await ctx.durable_execute_async(charge, event.input["amount"])
+        ok = await ctx.wait_for_signal("ship")
+        ctx.send_event(OutputEvent(output={"paid": paid, "shipped": ok}))
+"""
+
+
+def test_an_agent_file_moved_with_a_run_in_flight_replays_its_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recorded call names its function with the module, which for a file is its name
+    (`ratchet_user_orders.charge`): after `mv orders.py pkg/shop.py` the replay met
+    `ratchet_user_shop.charge`, refused the run (NonDeterminismError) and the charge was
+    made again. Now the same function with the same arguments takes its record."""
+    charges = tmp_path / "charges.log"
+    monkeypatch.setenv("CHARGES", str(charges))
+    old = tmp_path / "orders.py"
+    old.write_text(MOVING)
+    (tmp_path / "in.jsonl").write_text('{"key": "a", "amount": 12}\n')
+
+    def run(agent: Path) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "ratchet.cli", "run", f"{agent}:Shop", "--input"]
+        argv += [str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
+        return subprocess.run([*argv, "--state", str(tmp_path / "st")], capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    first = run(old)  # the run charges, then parks waiting for "ship": the job ends
+    assert first.returncode == 0 and "waiting for signals" in first.stderr, first.stderr
+    (tmp_path / "pkg").mkdir()
+    moved = old.rename(tmp_path / "pkg" / "shop.py")
+    sent = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "signal", "--state", str(tmp_path / "st"),
+         "--key", "a", "ship", "--value", "true"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    second = run(moved)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert charges.read_text().splitlines() == ["12"]  # charged once
+    (line,) = (tmp_path / "o.jsonl").read_text().splitlines()
+    assert json.loads(line)["output"] == {"paid": 12, "shipped": True}

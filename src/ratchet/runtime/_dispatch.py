@@ -194,11 +194,25 @@ class TaskCalls:
         if self._lock is None or self._by_call is None:
             return self._index(), None
         with self._lock:
+            claimed = self._claimed
             pending = self._by_call.get((fn, digest))
-            if pending:
+            while pending:
                 rec = pending.pop(0)
-                self._claimed.add(rec.idx)
-                return rec.idx, rec
+                if rec.idx not in claimed:  # (one taken below, under another name, is not)
+                    claimed.add(rec.idx)
+                    return rec.idx, rec
+            # The same function under another module name, with the same arguments: the agent
+            # file was moved or renamed (`ratchet_user_<file name>`), or its module moved.
+            name = fn.rsplit(".", 1)[-1]
+            for idx, rec in sorted(self._recorded.items()):
+                if (
+                    idx not in claimed
+                    and rec.digest == digest
+                    and not rec.fn.startswith("ratchet.")  # ratchet's own records
+                    and rec.fn.rsplit(".", 1)[-1] == name
+                ):
+                    claimed.add(idx)
+                    return idx, rec
             return self._index(), None
 
     def unclaimed(self) -> list[CallRecord]:

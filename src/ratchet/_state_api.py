@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from ratchet._errors import CodecError, CorruptDataError, RatchetError, StateError
 from ratchet.store import codec
 from ratchet.store._sqlite import DB_NAME, SqliteStore
+from ratchet.store._traces import unpack_trace
 
 __all__ = ["State", "open_state"]
 
@@ -219,9 +220,9 @@ class State:
             ).fetchall()
             out = []
             for key_text, seq, at, status, blob in rows:
-                try:
-                    tasks = len(codec.decode(blob, unknown="generic").get("tasks", []))
-                except (RatchetError, TypeError, AttributeError):
+                try:  # either stored format (it read only the older, so it was always None)
+                    tasks: int | None = len(unpack_trace(blob)[1])
+                except (RatchetError, TypeError, AttributeError, ValueError):
                     tasks = None
                 out.append(
                     {"key": key_text, "seq": seq, "completed_at": at, "status": status,

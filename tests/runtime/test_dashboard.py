@@ -105,6 +105,8 @@ def test_runs_traces_dead_letters_and_approvals(job: Job) -> None:
     assert sorted((r["key"], r["seq"], r["status"]) for r in recent) == [
         ("alice", 0, "ok"), ("alice", 2, "ok"), ("bob", 1, "ok"), ("carol", 3, "error"),
     ]  # fmt: skip
+    # How many tasks each ran (it was always null: the count read an older trace format).
+    assert all(isinstance(r["tasks"], int) and r["tasks"] >= 1 for r in recent), recent
     # Newest first: by the checkpoint that completed them, then by input.
     order = [(r["completed_at"], r["seq"]) for r in recent]
     assert order == sorted(order, reverse=True)

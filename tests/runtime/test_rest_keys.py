@@ -1,6 +1,7 @@
 """The REST API on keys a URL path cannot hold as they are: a key holding `/` (the dashboard
 sends it encoded as %2F, which the server decodes before routing) reached no route (404),
-and a signal body without `value` was taken as a signal of null (an approval's rejection)."""
+and a signal body without `value` was taken as a signal of null (an approval's rejection);
+and a run parked in a wait counts as in flight in /v1/job (it said 0)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_a_key_holding_a_slash_is_reached_and_a_signal_body_needs_its_value(
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         key = urllib.parse.quote("team/a[1]", safe="")
-        poll("the wait", lambda: get_json(port, "/v1/job")["waiting"])
+        job = poll("the wait", lambda: (j := get_json(port, "/v1/job"))["waiting"] and j)
+        assert job["in_flight_runs"] == 1, job  # a parked run is in flight (it said 0)
         status, body, _ = request(port, "POST", f"/v1/keys/{key}/signals/go", body={"ok": 1})
         assert status == 422, body
         status, body, _ = request(port, "POST", f"/v1/keys/{key}/signals/go", body={"value": 7})

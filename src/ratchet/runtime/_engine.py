@@ -1409,7 +1409,7 @@ class Engine:
             "outputs": self.result.outputs,
             "runs_failed": self.result.runs_failed,
             "dead_letters": self.result.dead_letters,
-            "in_flight_runs": m.active_runs,
+            "in_flight_runs": m.active_runs + m.parked_runs,  # parked ones are in flight too
             "buffered_inputs": m.buffered_inputs,
             "checkpoints": self.stats.as_dict(),
             "source": self.source.position(),

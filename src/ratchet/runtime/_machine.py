@@ -307,6 +307,7 @@ class Machine:
         self.stored_key: Callable[[Any], tuple[dict[str, Any], int, int] | None] | None = None
         self._ready: deque[Any] = deque()
         self.active_runs = 0
+        self.parked_runs = 0  # runs whose every task waits (they hold no slot): in flight too
         self.buffered_inputs = 0
         # Effects for the engine to take.
         self.dispatched: list[Task] = []
@@ -439,9 +440,11 @@ class Machine:
         run.parked = parked
         if parked:
             self.active_runs -= 1
+            self.parked_runs += 1
             self._fill_slots()
         else:
             self.active_runs += 1  # past the cap if need be: it held the slot before
+            self.parked_runs -= 1
 
     def fire(self, run: Run, event_id: str) -> bool:
         """Deliver a delayed event that fell due (the engine calls this at its time)."""
@@ -649,6 +652,7 @@ class Machine:
         if run.parked:  # a run completes from a fire or a finish: it holds its slot again
             run.parked = False
             self.active_runs += 1
+            self.parked_runs -= 1
         if run.replay:
             missing = sorted(run.replay)
             raise NonDeterminismError(

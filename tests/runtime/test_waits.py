@@ -5,6 +5,9 @@ that wait for signals parked. (The SIGKILL versions: tests/kill/test_waits_kill.
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -314,3 +317,24 @@ def test_a_ttl_is_checked() -> None:
     d = Drive(Bad(), [{"key": "a"}], store)
     d.run()
     assert d.outputs() == ["set('v', ttl=) takes seconds > 0"] * 3
+
+
+def test_a_parked_wait_with_a_timeout_is_not_blamed_on_the_action(tmp_path: Path) -> None:
+    """Ratchet's own timer for the timeout was counted as a task the action left running:
+    every stop with such a wait warned 'returned with 1 asyncio task(s) it did not await'."""
+    (tmp_path / "agent.py").write_text(
+        "from ratchet import Agent, InputEvent, action\n"
+        "class W(Agent):\n"
+        "    @action(InputEvent)\n"
+        "    async def go(self, event, ctx):\n"
+        "        await ctx.wait_for_signal('go', timeout=30)\n"
+    )
+    (tmp_path / "in.jsonl").write_text('{"key": "a"}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "run", f"{tmp_path / 'agent.py'}:W",
+         "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+         "--state", str(tmp_path / "st")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "1 run(s) waiting for signals" in proc.stderr, proc.stderr
+    assert "did not await" not in proc.stderr, proc.stderr

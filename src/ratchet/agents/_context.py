@@ -1141,7 +1141,10 @@ def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
             t = previous(loop, coro, **kwargs)
         else:
             t = asyncio.Task(coro, loop=loop, **kwargs)
-        owner = _children.get()
+        # The task's own context says whose child it is (a task created with another
+        # `context=`, as ratchet's own timers are, belongs to no action).
+        ctx = kwargs.get("context")
+        owner = _children.get() if ctx is None else ctx.get(_children)
         if owner is not None:
             owner.add(t)  # type: ignore[arg-type]
         return t

@@ -15,7 +15,7 @@ def _non_default(action: argparse.Action) -> list[str]:
         return [opt]
     if action.choices:
         return [opt, next(c for c in action.choices if c != action.default)]
-    if action.type is int or action.type is _agents._workers_arg:  # a number (or auto)
+    if action.type in (int, _agents._workers_arg, _agents._port):  # a number (or auto)
         return [opt, str((action.default or 0) + 7)]
     if action.type is float:
         return [opt, repr((action.default or 0.0) + 0.25)]

@@ -207,3 +207,22 @@ def test_an_agent_file_moved_with_a_run_in_flight_replays_its_calls(
     assert charges.read_text().splitlines() == ["12"]  # charged once
     (line,) = (tmp_path / "o.jsonl").read_text().splitlines()
     assert json.loads(line)["output"] == {"paid": 12, "shipped": True}
+
+
+def test_only_a_function_of_a_moved_agent_file_is_matched_by_its_name() -> None:
+    """The fallback matches the same qualified name of an agent file (`ratchet_user_*`);
+    not a same-named function of another class or module (it took `Cache.get`'s record for
+    `Db.get`, and `Db.get`'s own record was then made again)."""
+    from ratchet.runtime._dispatch import TaskCalls
+    from ratchet.store._base import CallRecord
+
+    def calls(*fns: str) -> TaskCalls:
+        recorded = {i: CallRecord(0, "t", i, fn, "D", "ok", b"\xc0") for i, fn in enumerate(fns)}
+        return TaskCalls(0, "t", "k", recorded, writer=None)  # type: ignore[arg-type]
+
+    moved = calls("ratchet_user_orders.charge")
+    assert moved.claim("ratchet_user_shop.charge", "D")[1] is not None
+    other = calls("ratchet_user_orders.Cache.get", "myagent.xml_api.fetch")
+    assert other.claim("ratchet_user_shop.Db.get", "D") == (2, None)
+    assert other.claim("myagent.json_api.fetch", "D") == (3, None)
+    assert other.claim("myagent.xml_api.fetch", "D")[0] == 1  # its own record, still there

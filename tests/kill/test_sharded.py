@@ -50,21 +50,28 @@ def write_inputs(path: Path, lo: int, hi: int) -> None:
 
 
 def start(
-    tmp: Path, inp: Path, state: Path, out: Path, workers: int, niced: bool = False
+    tmp: Path,
+    inp: Path,
+    state: Path,
+    out: Path,
+    workers: int,
+    niced: bool = False,
+    summary: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """`niced`: the job runs at a lower priority than this test, whose loop watching the
     executions to kill at a chosen one must not be starved on a busy 2-core machine (CI once
     saw a whole run end before the loop noticed 10 executions)."""
     env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp / "exec.log"))
-    with open(tmp / "stderr.log", "ab") as err:
+    with open(tmp / "stderr.log", "ab") as err, open(summary or os.devnull, "wb") as stdout:
         return subprocess.Popen(
             [
                 *(["nice", "-n", "10"] if niced else []),
                 *RATCHET, "run", AGENT, "--input", str(inp), "--output", str(out),
                 "--state", str(state), "--checkpoint-interval", "20",
                 "--max-concurrent-runs", "16", "--workers", str(workers),
+                *(["--json"] if summary is not None else []),
             ],
-            env=env, stdout=subprocess.DEVNULL, stderr=err,
+            env=env, stdout=stdout, stderr=err,
         )  # fmt: skip
 
 
@@ -192,7 +199,7 @@ def test_killed_worker_restarts_while_the_other_keeps_running(
     rng = random.Random(seed)
     write_inputs(tmp_path / "in.jsonl", 0, N_INPUTS)
     state, out = tmp_path / "state", tmp_path / "out.jsonl"
-    proc = start(tmp_path, tmp_path / "in.jsonl", state, out, 2)
+    proc = start(tmp_path, tmp_path / "in.jsonl", state, out, 2, summary=tmp_path / "sum.json")
     target = rng.randint(100, 700)
     deadline = time.monotonic() + 60
     while len(log_lines(tmp_path)) < target:
@@ -220,6 +227,8 @@ def test_killed_worker_restarts_while_the_other_keeps_running(
     assert len(by_shard[0]) == 2, f"shard 0 ran in {by_shard[0]}: not killed and restarted once"
     after = json.loads((state / "shards" / PIDS_FILE).read_text())["workers"]
     assert after["1"] == pids["1"] and after["0"] != pids["0"]
+    if sig == signal.SIGTERM:  # what the stopped worker did counts (its result was lost)
+        assert json.loads((tmp_path / "sum.json").read_text())["outputs"] == N_INPUTS
 
 
 def test_workers_change_between_runs_1_2_3_1(tmp_path: Path, reference: dict[str, Any]) -> None:
@@ -382,3 +391,34 @@ def test_changing_the_number_of_workers_counts_what_finishing_the_old_state_did(
     summary = json.loads(second.stdout)
     assert summary["runs_failed"] == 60 - failed_before, summary
     assert len(out.read_text().splitlines()) == 60  # each input's error output, once
+
+
+@pytest.mark.parametrize("before", [1, 2])
+def test_max_errors_while_finishing_the_old_state_stops_the_job_there(
+    tmp_path: Path, before: int
+) -> None:
+    """From 2 workers the finishing coordinator's reason reads 'shard 0: more than ...': the
+    stop was missed and the re-shard was refused (exit 2, runs in flight)."""
+    agent = tmp_path / "failing.py"
+    agent.write_text(FAILING_AGENT)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"key": f"k{i % 6}", "i": i}) + "\n" for i in range(80)))
+    state, out = tmp_path / "state", tmp_path / "out.jsonl"
+    base = [*RATCHET, "run", f"{agent}:Failing", "--input", str(inp), "--output", str(out)]
+    base += ["--state", str(state)]
+    first = subprocess.Popen(
+        [*base, "--allow-errors", "--workers", str(before)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (out.exists() and len(out.read_text().splitlines()) >= 5):
+        assert first.poll() is None and time.monotonic() < deadline, "ended before the kill"
+        time.sleep(0.01)
+    first.kill()
+    first.wait()
+    second = subprocess.run(
+        [*base, "--workers", "3", "--max-errors", "0"], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert second.returncode == 4, second.stderr[-2000:]
+    assert "more than 0 run(s) ended in error" in second.stderr

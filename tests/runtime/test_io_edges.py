@@ -493,3 +493,37 @@ def test_an_iterable_input_the_state_cannot_store_is_bad_input_named(tmp_path: P
     )
     assert len(res.bad_inputs) == 1 and "input item 2" in res.bad_inputs[0]
     assert [r["output"]["key"] for r in lines(tmp_path / "out.jsonl")] == ["a", "c"]
+
+
+def test_a_followed_file_restored_reads_no_more_than_a_window_to_check_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restore the last line's start is not known: the check read the whole file up
+    to the position, twice (gigabytes for a long log)."""
+    from ratchet.runtime import _io
+
+    big = tmp_path / "big.jsonl"
+    write_lines(big, [{"key": "k", "i": i, "pad": "x" * 200} for i in range(2000)])
+    first = JsonlSource(big, follow=True)
+    while first.next_record() is not None:
+        pass
+    position = first.position()
+    first.close()
+    reads: list[int] = []
+    real = _io.os.pread
+
+    def spy(fd: int, n: int, at: int) -> bytes:
+        reads.append(n)
+        return real(fd, n, at)
+
+    monkeypatch.setattr(_io.os, "pread", spy)
+    src = JsonlSource(big, follow=True)
+    try:
+        src.restore(position)
+        assert src.next_record() is None
+        write_lines(big, [{"key": "k", "i": 2000}], mode="a")
+        rec = src.next_record()
+        assert rec is not None and rec.value["i"] == 2000
+    finally:
+        src.close()
+    assert reads and max(reads) <= _io.WINDOW, reads

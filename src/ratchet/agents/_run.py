@@ -21,6 +21,7 @@ from ratchet._errors import ConfigError, InvalidArgumentError, StateError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding, install_task_factory
 from ratchet.connectors import is_uri, sink_for, source_for
+from ratchet.runtime._dispatch import AGENT_FILE_MODULE_PREFIX
 from ratchet.runtime._engine import Engine, EngineConfig, EngineResult
 from ratchet.runtime._io import (
     CallbackSink,
@@ -91,7 +92,7 @@ def load_agent(spec: str, *, loaded: bool = False) -> Agent:
             raise ConfigError(f"agent file {path} does not exist")
         if path.is_dir():
             raise ConfigError(f"agent file {path} is a directory; name a .py file in it")
-        mod_name = f"ratchet_user_{path.stem}"
+        mod_name = f"{AGENT_FILE_MODULE_PREFIX}{path.stem}"
         had = sys.modules.get(mod_name)
         try:
             digest = hashlib.sha256(path.read_bytes()).hexdigest()

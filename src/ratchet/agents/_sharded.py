@@ -268,7 +268,7 @@ def _change_workers(
         )  # fmt: skip
         drained = run_owned(job)
         lock.acquire()
-        if drained.stopped_by.startswith("more than"):  # --max-errors: the job stops
+        if "more than" in drained.stopped_by:  # --max-errors ("shard N: more than ...")
             return None, drained
         store = SqliteStore.open_readonly(sdir)
         try:
@@ -284,7 +284,7 @@ def _change_workers(
             config=config, append=append, handle_signals=False, stop_at=furthest,
             no_fork=no_fork,
         )  # fmt: skip
-        if drained.stopped_by.startswith("more than"):  # --max-errors: the job stops
+        if "more than" in drained.stopped_by:  # --max-errors ("shard N: more than ...")
             return None, drained
         spots = [read_position(d) for d in layout.dirs]
         aligned = {(n, f) for n, f, _at in spots}
@@ -379,6 +379,7 @@ def worker_main(argv: list[str] | None = None, *, forked: bool = False) -> int:
             # Sent to this worker alone (the coordinator stops its workers by message): its
             # work is checkpointed; it ends by that signal, so the coordinator restarts it as
             # any killed worker (a "done" would have retired its shard, keys and all).
+            conn.send(["partial", asdict(result)])  # what it did counts in the job's result
             sig = signal.Signals[how.removeprefix("signal ")]
             signal.signal(sig, signal.SIG_DFL)
             os.kill(os.getpid(), sig)

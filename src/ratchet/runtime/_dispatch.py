@@ -31,6 +31,8 @@ _T = TypeVar("_T")
 
 # The function name of a `ctx.patched` marker among a task's call records (digest: the id).
 PATCH_FN = "ratchet.patched"
+# `load_agent` names the module of an agent file `ratchet_user_<file name>`.
+AGENT_FILE_MODULE_PREFIX = "ratchet_user_"
 # Durable waits among a task's call records: a sleep ("ok", {since, until}) and a signal wait
 # ("intent" {since, until} while waiting; "ok" with the value, or "error" {timeout} after).
 SLEEP_FN = "ratchet.sleep"
@@ -201,18 +203,18 @@ class TaskCalls:
                 if rec.idx not in claimed:  # (one taken below, under another name, is not)
                     claimed.add(rec.idx)
                     return rec.idx, rec
-            # The same function under another module name, with the same arguments: the agent
-            # file was moved or renamed (`ratchet_user_<file name>`), or its module moved.
-            name = fn.rsplit(".", 1)[-1]
-            for idx, rec in sorted(self._recorded.items()):
-                if (
-                    idx not in claimed
-                    and rec.digest == digest
-                    and not rec.fn.startswith("ratchet.")  # ratchet's own records
-                    and rec.fn.rsplit(".", 1)[-1] == name
-                ):
-                    claimed.add(idx)
-                    return idx, rec
+            # The same function of an agent file that was moved or renamed (its module is
+            # `ratchet_user_<file name>`), with the same arguments.
+            qual = _in_agent_file(fn)
+            if qual is not None:
+                for idx, rec in sorted(self._recorded.items()):
+                    if (
+                        idx not in claimed
+                        and rec.digest == digest
+                        and _in_agent_file(rec.fn) == qual
+                    ):
+                        claimed.add(idx)
+                        return idx, rec
             return self._index(), None
 
     def unclaimed(self) -> list[CallRecord]:
@@ -399,6 +401,15 @@ async def run_task_async(binding: Binding, task: Task, calls: TaskCalls) -> Outc
         return exc
     except BaseException as exc:  # noqa: BLE001 - a broken binding is fatal, not a user error
         return broken(task, exc)
+
+
+def _in_agent_file(fn: str) -> str | None:
+    """The qualified name of a function defined in an agent file (its module, as
+    `load_agent` names it, is `ratchet_user_<file name>`), or None."""
+    if not fn.startswith(AGENT_FILE_MODULE_PREFIX):
+        return None
+    _module, dot, qual = fn.partition(".")
+    return qual if dot else None
 
 
 def take_all(q: queue.SimpleQueue[_T]) -> list[_T]:

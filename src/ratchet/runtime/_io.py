@@ -466,7 +466,10 @@ class JsonlSource(Source):
         )
 
     def _prev_span(self) -> tuple[int, int]:
-        return self._prev[0], self._file.offset
+        """The last line read, or its last `WINDOW` bytes (after a restore the line's start is
+        not known: it would be the whole file read so far)."""
+        end = self._file.offset
+        return max(self._prev[0], end - WINDOW), end
 
     def _span_digest(self) -> str:
         start, end = self._prev_span()

@@ -13,6 +13,7 @@ Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over 
 coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's
 position `at` after input `end - 1`), ["eof"], ["stop"], ["ack", n], ["nack", n, why].
 worker -> coordinator: ["hello", next, from, at] (restored), ["took", frames],
+["partial", result] (before it ends by a signal sent to it alone),
 ["committed", next, from, at] (after each checkpoint), ["out", n, records] (or, for a JSONL
 sink, ["lines", n, [[id, line], ...]] rendered by the worker), ["report", json] (supervised),
 ["done", result], ["error", type, message].
@@ -381,6 +382,9 @@ class _Shard:
     gone: bool = False  # ended and not to be restarted
     report: dict[str, Any] | None = None  # the worker's latest status report (supervised jobs)
     carried: dict[str, float] = field(default_factory=dict)  # counts of its killed workers
+    # The results of its workers that ended by a signal sent to them alone (then restarted):
+    # what they did counts in the job's result.
+    partials: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Coordinator:
@@ -567,6 +571,8 @@ class Coordinator:
                     self._committed(shard, msg[1], msg[2], msg[3])
                 elif kind == "hello":
                     self._hello(shard, msg[1], msg[2], msg[3])
+                elif kind == "partial":
+                    shard.partials.append(msg[1])
                 elif kind == "done":
                     shard.result = msg[1]
                     why = str(msg[1].get("stopped_by") or "")
@@ -890,6 +896,8 @@ class Coordinator:
         r = self.result
         for s in self.shards:
             add_counts(r, s.result or {})
+            for got in s.partials:
+                add_counts(r, got)
         r.stopped_by = self._stop_reason or "end of input"
         r.checkpoints = {str(s.index): (s.result or {}).get("checkpoints", {}) for s in self.shards}
         r.metrics = {"workers": float(len(self.shards))}

@@ -362,31 +362,45 @@ class Failing(Agent):
 """
 
 
-def test_changing_the_number_of_workers_counts_what_finishing_the_old_state_did(
-    tmp_path: Path,
-) -> None:
-    """A single-process job SIGKILLed with runs in flight and inputs queued, then run with
-    --workers 2: the old state is finished first (every run fails here). Those runs were left
-    out of the result, so the job exited 0 with nothing counted; now exit 4, all counted."""
+def _killed_failing_job(
+    tmp_path: Path, inputs: int, keys: int, workers: int
+) -> tuple[list[str], Path]:
+    """A job of FAILING_AGENT SIGKILLed once 5 runs have failed (runs in flight, inputs
+    queued); the command line to run it again (without its --allow-errors and --workers),
+    and its output file."""
     agent = tmp_path / "failing.py"
     agent.write_text(FAILING_AGENT)
     inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"key": f"k{i % 4}", "i": i}) + "\n" for i in range(60)))
+    lines = (json.dumps({"key": f"k{i % keys}", "i": i}) + "\n" for i in range(inputs))
+    inp.write_text("".join(lines))
     state, out = tmp_path / "state", tmp_path / "out.jsonl"
     base = [*RATCHET, "run", f"{agent}:Failing", "--input", str(inp), "--output", str(out)]
-    base += ["--state", str(state), "--allow-errors", "--checkpoint-interval", "50"]
-    first = subprocess.Popen(base, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base += ["--state", str(state)]
+    first = subprocess.Popen(
+        [*base, "--allow-errors", "--workers", str(workers), "--checkpoint-interval", "50"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     deadline = time.monotonic() + 60
     while not (out.exists() and len(out.read_text().splitlines()) >= 5):
         assert first.poll() is None and time.monotonic() < deadline, "ended before the kill"
         time.sleep(0.01)
     first.kill()
     first.wait()
+    return base, out
+
+
+def test_changing_the_number_of_workers_counts_what_finishing_the_old_state_did(
+    tmp_path: Path,
+) -> None:
+    """A single-process job SIGKILLed with runs in flight and inputs queued, then run with
+    --workers 2: the old state is finished first (every run fails here). Those runs were left
+    out of the result, so the job exited 0 with nothing counted; now exit 4, all counted."""
+    base, out = _killed_failing_job(tmp_path, 60, 4, 1)
     failed_before = len(out.read_text().splitlines())
     assert failed_before < 60
-    again = [*RATCHET, "run", f"{agent}:Failing", "--input", str(inp), "--output", str(out)]
-    again += ["--state", str(state), "--workers", "2", "--json"]
-    second = subprocess.run(again, capture_output=True, text=True, timeout=120)
+    second = subprocess.run(
+        [*base, "--workers", "2", "--json"], capture_output=True, text=True, timeout=120
+    )
     assert second.returncode == 4, second.stderr[-2000:]
     summary = json.loads(second.stdout)
     assert summary["runs_failed"] == 60 - failed_before, summary
@@ -399,23 +413,7 @@ def test_max_errors_while_finishing_the_old_state_stops_the_job_there(
 ) -> None:
     """From 2 workers the finishing coordinator's reason reads 'shard 0: more than ...': the
     stop was missed and the re-shard was refused (exit 2, runs in flight)."""
-    agent = tmp_path / "failing.py"
-    agent.write_text(FAILING_AGENT)
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"key": f"k{i % 6}", "i": i}) + "\n" for i in range(80)))
-    state, out = tmp_path / "state", tmp_path / "out.jsonl"
-    base = [*RATCHET, "run", f"{agent}:Failing", "--input", str(inp), "--output", str(out)]
-    base += ["--state", str(state)]
-    first = subprocess.Popen(
-        [*base, "--allow-errors", "--workers", str(before)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not (out.exists() and len(out.read_text().splitlines()) >= 5):
-        assert first.poll() is None and time.monotonic() < deadline, "ended before the kill"
-        time.sleep(0.01)
-    first.kill()
-    first.wait()
+    base, _out = _killed_failing_job(tmp_path, 80, 6, before)
     second = subprocess.run(
         [*base, "--workers", "3", "--max-errors", "0"], capture_output=True, text=True,
         timeout=120,

@@ -328,3 +328,14 @@ def test_the_json_summary_of_a_job_stopped_by_a_bad_line_says_what_it_did(tmp_pa
     assert summary["stopped_by"] == "a bad input" and "invalid JSON" in summary["error"]
     assert summary["inputs"] == 30 and summary["tasks_executed"] == 30
     assert summary["checkpoints"]["counts"]["completed"] >= 1
+
+
+def test_a_signal_value_nested_past_the_interpreters_limit_is_bad_input(tmp_path: Path) -> None:
+    """It raised a RecursionError traceback; a bad --value exits 3."""
+    deep = "[" * 2000 + "]" * 2000
+    proc = subprocess.run(
+        [*RATCHET, "signal", "--state", str(tmp_path / "s"), "--key", "a", "go", "--value", deep],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "nests too deeply to be stored" in proc.stderr

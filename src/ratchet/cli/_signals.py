@@ -40,6 +40,10 @@ def cmd_signal(args: argparse.Namespace) -> int:
 
     try:
         value: Any = json.loads(args.value)
+    except RecursionError:
+        raise BadInputError(
+            f"--value {args.value[:40]!r}... nests too deeply to be stored; send flatter JSON"
+        ) from None
     except ValueError as exc:
         raise BadInputError(
             f"--value {args.value!r} is not JSON ({exc}); quote it for the shell, e.g. "

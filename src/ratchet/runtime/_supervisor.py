@@ -432,19 +432,23 @@ class Supervisor:
             w.proc.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        lock = StateLock(self.state_dir, name="supervisor.lock")
-        lock.acquire()
+        # The stop handlers first: a SIGTERM from the moment the supervisor holds its lock
+        # (what a caller can see) is a clean stop, not the default death.
         previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self._start_rest()
-            return self._supervise()
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            lock = StateLock(self.state_dir, name="supervisor.lock")
+            lock.acquire()
+            try:
+                self._start_rest()
+                return self._supervise()
+            finally:
+                if self._server is not None:
+                    self._server.should_exit = True
+                lock.release()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            if self._server is not None:
-                self._server.should_exit = True
-            lock.release()
 
     def _supervise(self) -> int:
         while True:

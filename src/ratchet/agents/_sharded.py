@@ -26,7 +26,7 @@ from ratchet._errors import ConfigError, RatchetError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding
 from ratchet.agents._run import Job, _sink, _source, load_agent, run_owned
-from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._engine import EngineConfig, EngineResult, stopped_for_max_errors
 from ratchet.runtime._forking import open_fds, start_method
 from ratchet.runtime._io import Source, job_identity
 from ratchet.runtime._multiproc import (
@@ -268,7 +268,7 @@ def _change_workers(
         )  # fmt: skip
         drained = run_owned(job)
         lock.acquire()
-        if "more than" in drained.stopped_by:  # --max-errors ("shard N: more than ...")
+        if stopped_for_max_errors(drained.stopped_by):
             return None, drained
         store = SqliteStore.open_readonly(sdir)
         try:
@@ -284,7 +284,7 @@ def _change_workers(
             config=config, append=append, handle_signals=False, stop_at=furthest,
             no_fork=no_fork,
         )  # fmt: skip
-        if "more than" in drained.stopped_by:  # --max-errors ("shard N: more than ...")
+        if stopped_for_max_errors(drained.stopped_by):
             return None, drained
         spots = [read_position(d) for d in layout.dirs]
         aligned = {(n, f) for n, f, _at in spots}

@@ -411,6 +411,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import Job, load_agent, run_owned
     from ratchet.cli import end_startup
     from ratchet.connectors import is_uri
+    from ratchet.runtime._engine import stopped_for_max_errors
     from ratchet.runtime._io import check_input_path, check_output_path
 
     # Refused before anything is created (the supervisor creates the state directory).
@@ -513,7 +514,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             live.stop()
     summary = _summary(result)
     if result.runs_failed and (
-        result.stopped_by.startswith("more than") or not (args.follow or args.allow_errors)
+        stopped_for_max_errors(result.stopped_by) or not (args.follow or args.allow_errors)
     ):
         code = EXIT_ERRORS
         print(
@@ -546,6 +547,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
     """`run --workers N` (or any N on a state sharded before): a coordinator and N workers."""
     from ratchet.agents._sharded import run_sharded
     from ratchet.cli import end_startup
+    from ratchet.runtime._engine import stopped_for_max_errors
 
     end_startup()  # before the coordinator forks its workers (they freeze what they inherit)
     try:
@@ -572,7 +574,7 @@ def _run_sharded(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     if result.runs_failed and (
-        "more than" in result.stopped_by or not (args.follow or args.allow_errors)
+        stopped_for_max_errors(result.stopped_by) or not (args.follow or args.allow_errors)
     ):
         print(
             f"ratchet: {result.runs_failed} run(s) ended in error ({result.stopped_by}); exit "

@@ -350,6 +350,15 @@ class EngineResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+# How a stop for --max-errors begins (a sharded job's reason is "shard N: " and this).
+MAX_ERRORS_STOP = "more than"
+
+
+def stopped_for_max_errors(stopped_by: str) -> bool:
+    """Whether a result's `stopped_by` is a --max-errors stop (of the job or of a shard)."""
+    return MAX_ERRORS_STOP in stopped_by
+
+
 @dataclass(eq=False)
 class _SignalWait:
     task: Task
@@ -1025,7 +1034,7 @@ class Engine:
                 self.result.runs_completed += len(completed)
                 limit = self.config.max_errors
                 if limit is not None and m.runs_failed > limit and not self._stop:
-                    self.request_stop(f"more than {limit} run(s) ended in error")
+                    self.request_stop(f"{MAX_ERRORS_STOP} {limit} run(s) ended in error")
                 self._poke()
             if not dispatched:
                 return

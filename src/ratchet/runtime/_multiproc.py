@@ -41,7 +41,7 @@ from typing import Any
 from ratchet import _errors
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import BadInputError, RatchetError, StateError
-from ratchet.runtime._engine import EngineConfig, EngineResult
+from ratchet.runtime._engine import EngineConfig, EngineResult, stopped_for_max_errors
 from ratchet.runtime._forking import ForkedWorker, fork_unsafe, fork_worker, start_method
 from ratchet.runtime._io import (
     JsonlSink,
@@ -576,7 +576,7 @@ class Coordinator:
                 elif kind == "done":
                     shard.result = msg[1]
                     why = str(msg[1].get("stopped_by") or "")
-                    if why.startswith("more than"):  # --max-errors, counted per shard
+                    if stopped_for_max_errors(why):  # --max-errors, counted per shard
                         self.request_stop(f"shard {shard.index}: {why}")
                 elif kind == "error":
                     shard.error = (msg[1], msg[2])

@@ -5,6 +5,7 @@ and a run parked in a wait counts as in flight in /v1/job (it said 0)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
@@ -25,6 +26,17 @@ class Waiter(Agent):
 """
 
 
+def chunked_post(port: int, path: str, data: bytes) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        parts = (data[i : i + 65536] for i in range(0, len(data), 65536))
+        headers = {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+        conn.request("POST", path, body=parts, headers=headers, encode_chunked=True)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
 def test_a_key_holding_a_slash_is_reached_and_a_signal_body_needs_its_value(
     tmp_path: Path,
 ) -> None:
@@ -42,6 +54,13 @@ def test_a_key_holding_a_slash_is_reached_and_a_signal_body_needs_its_value(
         assert job["in_flight_runs"] == 1, job  # a parked run is in flight (it said 0)
         status, body, _ = request(port, "POST", f"/v1/keys/{key}/signals/go", body={"ok": 1})
         assert status == 422, body
+        # A body over 1 MiB is refused before it is read or stored, by its Content-Length and
+        # sent in chunks (it was accepted, 20 MB stored in the state as the signal's value).
+        big = {"value": "x" * (1 << 20)}
+        status, body, _ = request(port, "POST", f"/v1/keys/{key}/signals/go", body=big)
+        assert status == 413 and b"the limit is 1048576 bytes" in body, (status, body)
+        assert chunked_post(port, f"/v1/keys/{key}/signals/go", json.dumps(big).encode()) == 413
+        assert get_json(port, "/v1/job")["waiting"], "a refused signal woke the run"
         status, body, _ = request(port, "POST", f"/v1/keys/{key}/signals/go", body={"value": 7})
         assert status == 202, body
         out = tmp_path / "out.jsonl"

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 API_VERSION = "v1"
+# A request body above this is a 413 before any endpoint reads it: a signal's value is stored
+# in the state and delivered to the action, and a redrive body is a few bytes. The same limit
+# as the HTTP ingestion source's default `max_body`.
+MAX_BODY = 1 << 20
 
 
 class WaitingRun(BaseModel):
@@ -499,7 +503,67 @@ def create_app(
         _state_endpoints(app, open_state, unauthorized)
 
     _dashboard(app)
+    # Outermost: a body over the limit is refused before the token and query checks read it.
+    app.add_middleware(_BodyLimit, limit=MAX_BODY)
     return app
+
+
+class _BodyLimit:
+    """Refuse a request body over `limit` bytes with a 413, by its Content-Length or, for a
+    chunked body, by counting it; the body is read at most to the limit."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._refuse(send, int(length))
+            return
+        if length is not None and length.isdigit():  # the server stops at Content-Length
+            await self.app(scope, receive, send)
+            return
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(send, None)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Any, length: int | None) -> None:
+        import json
+
+        size = f"{length} bytes" if length is not None else f"more than {self.limit} bytes"
+        body = json.dumps(
+            {"detail": f"the request body has {size}; the limit is {self.limit} bytes"}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
 
 
 DASHBOARD_FILES = {

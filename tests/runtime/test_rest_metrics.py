@@ -412,6 +412,27 @@ def test_an_empty_token_is_refused(tmp_path: Path) -> None:
     assert "must not be empty" in err.decode()
 
 
+def test_a_token_a_header_cannot_carry_is_refused_at_start_and_by_status(tmp_path: Path) -> None:
+    # A non-ASCII token could never authenticate (headers are Latin-1; the server compared
+    # UTF-8), and `status --url` called it "not a URL".
+    write_job(tmp_path, [{"key": "a"}])
+    proc = start(
+        tmp_path, "Echo", "--rest-port", str(free_port()), "--rest-token", "s\u00e9cret\u20ac"
+    )
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err.decode()
+    assert "--rest-token" in err.decode() and "printable ASCII" in err.decode(), err.decode()
+    assert not (tmp_path / "state").exists()
+    status = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "status", "--url", "http://127.0.0.1:9",
+         "--rest-token", "caf\u00e9 au lait"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 2, status.stderr
+    assert "printable ASCII" in status.stderr and "not a URL" not in status.stderr
+    assert "Traceback" not in status.stderr
+
+
 def test_loopback_needs_no_token(tmp_path: Path) -> None:
     write_job(tmp_path, [{"key": "a"}])
     port = free_port()

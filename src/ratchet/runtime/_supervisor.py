@@ -40,6 +40,7 @@ from ratchet.runtime._supervisor_env import (
     REST_TOKEN_ENV,
     STATUS_FD_ENV,
     SUPERVISOR_PID_ENV,
+    token_problem,
 )
 from ratchet.store._sqlite import StateLock
 
@@ -146,8 +147,9 @@ class Supervisor:
             raise ConfigError("--restart-attempts and --restart-delay must be >= 0")
         if rest_token is None:
             rest_token = os.environ.get(REST_TOKEN_ENV) or None
-        if rest_token is not None and not rest_token.strip():
-            raise ConfigError("--rest-token (or RATCHET_REST_TOKEN) must not be empty")
+        problem = None if rest_token is None else token_problem(rest_token)
+        if problem is not None:
+            raise ConfigError(f"--rest-token (or {REST_TOKEN_ENV}) {problem}")
         if rest_port is not None:
             require_rest_server()
             if rest_token is None and not is_loopback(rest_host):

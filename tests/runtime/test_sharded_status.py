@@ -1,5 +1,6 @@
 """`ratchet status` of a job run with `--workers 2`: what re-sharding wrote into the new
-shards is not a restore (a brand-new sharded job reported one per shard), and a restart's
+shards is not a restore (a brand-new sharded job reported one per shard) nor a completed
+checkpoint, and a restart's
 restores are shown with the latest of them (it was always `-`)."""
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ def test_a_new_sharded_job_restored_nothing_and_a_restart_says_what_it_restored(
     _run(tmp_path)
     first = _checkpoints(tmp_path)
     assert first["counts"]["restored"] == 0
+    # Each worker's final checkpoint; not what re-sharding wrote into the new shards (4).
+    assert first["counts"]["completed"] == 2, first
     assert first["latest_restored"] is None
     with open(tmp_path / "in.jsonl", "a") as fh:
         fh.write('{"key": "d"}\n')
     _run(tmp_path)
     second = _checkpoints(tmp_path)
     assert second["counts"]["restored"] == 2  # each worker restored its shard's checkpoint
+    assert second["counts"]["completed"] == 4, second
     latest = second["latest_restored"]
     assert latest is not None and latest["trigger_timestamp"] > 0
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 4

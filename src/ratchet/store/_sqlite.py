@@ -878,11 +878,15 @@ class SqliteStore:
     def mark_reshard_seed(self) -> None:
         """Mark the latest completed checkpoint as the one re-sharding wrote into this new
         shard: what it moved in, not a checkpoint of the job's own (starting from it is a
-        first start, not a restore)."""
+        first start, not a restore). Nor is it counted as a completed checkpoint: a brand-new
+        job with two workers said it had completed two before it had taken any."""
         with self._transaction():
             latest = self.stats()["latest_completed"]
-            if latest is not None:
+            if latest is not None and self._meta_or("reshard_seed", None) != latest["id"]:
                 self._set_meta("reshard_seed", latest["id"])
+                counts = self.meta("counts")
+                counts["completed"] = max(0, counts["completed"] - 1)
+                self._set_meta("counts", counts)
 
     def record_restore(self) -> dict[str, Any] | None:
         """Count a restore of the latest completed checkpoint; returns it (None on a fresh start)."""

@@ -241,3 +241,39 @@ def test_sigkills_during_the_first_start_never_leave_a_refused_state(tmp_path: P
         for o in outputs:
             assert o["output"] == {"value": o["seq"] * 7, "price": o["seq"] * 21 + 1}
     print(f"seed {seed}: {cycles} first starts killed; the kills left {left}")
+
+
+# --- a database lost or truncated after the state has run ----------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_a_lost_database_of_a_state_that_has_run_is_refused(
+    tmp_path: Path, damage: str, workers: int
+) -> None:
+    # It was taken for a first start: every input redone (durable calls repeated) and every
+    # key's memory gone, exit 0. Every ratchet that writes job.json builds the database whole
+    # before it, so an empty or missing database beside one was lost.
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"key": f"k{i % 3}", "value": i}) + "\n" for i in range(6))
+    )
+    argv = [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output",
+            str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "st"), "--workers", str(workers)]  # fmt: skip
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    dbs = sorted((tmp_path / "st").rglob(DB_NAME))
+    assert len(dbs) == workers
+    db = dbs[-1]
+    for extra in (db.with_name(DB_NAME + "-wal"), db.with_name(DB_NAME + "-shm")):
+        extra.unlink(missing_ok=True)
+    if damage == "truncated":
+        db.write_bytes(b"")
+    else:
+        db.unlink()
+    outputs = (tmp_path / "o.jsonl").read_bytes()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, (again.returncode, again.stderr)
+    assert f"{db} is {'empty' if damage == 'truncated' else 'missing'}" in again.stderr
+    assert "has run before" in again.stderr and "Traceback" not in again.stderr
+    assert (tmp_path / "o.jsonl").read_bytes() == outputs
+    assert (db.exists() and db.stat().st_size == 0) if damage == "truncated" else not db.exists()

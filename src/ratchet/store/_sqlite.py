@@ -247,7 +247,19 @@ class SqliteStore:
         meta = cls._initial_meta(agent_name, agent_fingerprint, actions, clock)
         if not path.exists() or path.stat().st_size == 0:
             # Nothing there yet, or the empty file an interrupted first start of an older
-            # ratchet left: nothing is in it.
+            # ratchet left: nothing is in it. Unless the directory has run before: every
+            # ratchet that writes the job file (`runtime._io.JOB_FILE`) writes it after the
+            # database is built whole, so a missing or empty database beside it was lost or
+            # truncated, and starting afresh would redo every input and repeat every call.
+            if (sdir / "job.json").exists():
+                what = "is empty" if path.exists() else "is missing"
+                raise StateError(
+                    f"{path} {what}, but {sdir} has run before (its job.json exists): the "
+                    f"database was truncated or removed, and a new one would redo every input "
+                    f"and repeat every durable call; restore the state directory from a backup "
+                    f"(or continue from a savepoint in a new one: ratchet run ... --state NEW "
+                    f"--from-savepoint PATH), or remove {sdir} to start the job over"
+                )
             cls._build(path, meta)
         conn = cls._connect_checked(path)
         if cls._uninitialised(conn):

@@ -28,6 +28,10 @@ class Fault:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | None = None
     delay: float = 0.0
+    trickle: float = 0.0  # the normal reply, its bytes sent this many seconds apart
+
+
+_TRICKLE = "x-test-trickle"  # internal: how the handler learns a reply is to be trickled
 
 
 def _digest(body: dict[str, Any]) -> str:
@@ -61,10 +65,18 @@ class WireServer:
                 try:
                     self.send_response(status)
                     for k, v in headers.items():
-                        self.send_header(k, v)
+                        if k != _TRICKLE:
+                            self.send_header(k, v)
                     self.send_header("content-length", str(len(body)))
+                    gap = float(headers.get(_TRICKLE, 0))
                     self.end_headers()
-                    self.wfile.write(body)
+                    if gap:
+                        for i in range(len(body)):
+                            self.wfile.write(body[i : i + 1])
+                            self.wfile.flush()
+                            time.sleep(gap)
+                    else:
+                        self.wfile.write(body)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
@@ -124,7 +136,10 @@ class WireServer:
             return 500, {"content-type": "application/json"}, self.error_body(500, str(exc))
         out = self.from_reply(body, reply, count_tokens(messages), count_tokens([reply]))
         self._marker(f"response_{turn + 1}_{n}")
-        return 200, {"content-type": "application/json"}, json.dumps(out).encode()
+        headers = {"content-type": "application/json"}
+        if fault is not None and fault.trickle:
+            headers[_TRICKLE] = str(fault.trickle)
+        return 200, headers, json.dumps(out).encode()
 
     def _turn(self, body: dict[str, Any]) -> int:
         return sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")

@@ -80,6 +80,36 @@ def test_tool_that_raises_becomes_an_error_message_the_model_reads(tmp_path: Pat
     )
 
 
+class Receipt:  # a value a tool returns that JSON cannot hold
+    pass
+
+
+RAN: list[str] = []
+
+
+def charge(order_id: str) -> dict[str, Any]:
+    """Charge an order (a side effect), returning a value JSON cannot hold."""
+    RAN.append(order_id)
+    return {"receipt": Receipt()}
+
+
+def test_a_tool_value_json_cannot_hold_is_an_error_message_not_a_failed_run(
+    tmp_path: Path,
+) -> None:
+    # The tool ran (its side effect happened), then rendering its value failed the run: a
+    # dead letter whose redrive ran the tool again under a new idempotency key.
+    RAN.clear()
+    model = _model(call("charge", order_id="A"), "Charged, but I could not read the receipt.")
+    out = _run(ReActAgent(model, tools=[charge]), tmp_path, [{"key": "k", "q": "?"}])
+    assert [o["output"] for o in out] == ["Charged, but I could not read the receipt."]
+    assert RAN == ["A"]
+    tool_msg = model.calls[1][-1]
+    assert tool_msg.is_error
+    assert tool_msg.content.startswith(
+        "ERROR: tool 'charge' returned a value that cannot be sent as JSON (dict): "
+    ), tool_msg.content
+
+
 def test_invalid_arguments_and_unknown_tools_are_reported_to_the_model(tmp_path: Path) -> None:
     model = _model(
         [call("lookup", "c1", order="A"), call("nope", "c2")],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -186,6 +187,19 @@ async def test_timeout_is_transient_and_retried(provider: Any) -> None:
 
 
 @sync
+async def test_a_reply_that_trickles_in_past_the_timeout_times_out(provider: Any) -> None:
+    # The SDKs' timeouts bound each read: a reply sent a byte every 50 ms held the call for
+    # as long as it kept coming (about 9 s in the review's case). `timeout` is the whole
+    # request's now.
+    _, server, sleeps, make = provider
+    server.fail_next(Fault(trickle=0.05))
+    reply = await make(timeout=1.0).chat(ASK, tools=TOOLS)
+    assert reply.tool_calls
+    assert len(server.requests) == 2  # the trickled reply timed out; the retry's came whole
+    assert len(sleeps.delays) == 1
+
+
+@sync
 async def test_401_fails_fast_with_the_providers_message(provider: Any) -> None:
     _, server, sleeps, make = provider
     server.fail_next(Fault(401, body=server.error_body(401, "invalid key sk-...x")))
@@ -246,3 +260,68 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANTHROPIC_API_KEY", "ak-env")
     assert OpenAIChatModel().client.api_key == "sk-env"  # type: ignore[attr-defined]
     assert AnthropicChatModel().client.api_key == "ak-env"  # type: ignore[attr-defined]
+
+
+def _openai_reply(choice: dict[str, Any]) -> bytes:
+    return json.dumps(
+        {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"index": 0, "finish_reason": "stop"},  # no message
+        {"index": 0, "finish_reason": "tool_calls",
+         "message": {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                          "function": None}]}},
+        {"index": 0, "finish_reason": "tool_calls",
+         "message": {"role": "assistant", "tool_calls": [{"type": "function",
+                     "function": {"name": "lookup_order", "arguments": "{}"}}]}},
+    ],
+    ids=["no-message", "function-null", "tool-call-without-id"],
+)  # fmt: skip
+@sync
+async def test_an_openai_reply_of_the_wrong_shape_is_a_malformed_response(
+    choice: dict[str, Any],
+) -> None:
+    # They surfaced as a raw AttributeError or pydantic ValidationError (its URL and all).
+    with OpenAIServer(ScriptedChatModel(SCRIPT)) as server:
+        server.fail_next(Fault(200, {"content-type": "application/json"}, _openai_reply(choice)))
+        model = OpenAIChatModel("gpt-test", api_key="sk", base_url=f"{server.url}/v1")
+        with pytest.raises(ModelCallError, match=r"^openai: malformed response \(") as info:
+            await model.chat(ASK, tools=TOOLS)
+    assert not info.value.transient
+    assert "pydantic.dev" not in str(info.value)
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("nan"), float("inf"), "5", True])
+@pytest.mark.parametrize("cls", [OpenAIChatModel, AnthropicChatModel, OllamaChatModel])
+def test_a_timeout_that_is_not_seconds_above_zero_is_refused_at_construction(
+    cls: type[ChatModel], timeout: Any
+) -> None:
+    # A negative one made every request time out at once: the stream paused forever.
+    with pytest.raises(ConfigError, match=r"timeout= takes seconds > 0 \(or None"):
+        cls(api_key="k", timeout=timeout) if cls is not OllamaChatModel else cls(timeout=timeout)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_attempts": 2.5}, r"RetryPolicy\(max_attempts=\) .* got 2.5"),
+        ({"max_attempts": "3"}, r"RetryPolicy\(max_attempts=\) .* got '3'"),
+        ({"initial_backoff": -1}, r"RetryPolicy\(initial_backoff=\) takes a number >= 0"),
+        ({"jitter": -5}, r"RetryPolicy\(jitter=\) takes a number >= 0"),
+        ({"max_backoff": float("inf")}, r"RetryPolicy\(max_backoff=\) takes a number >= 0"),
+        ({"multiplier": 0.5}, r"RetryPolicy\(multiplier=\) is a factor >= 1"),
+    ],
+)
+def test_a_retry_policy_out_of_range_is_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RetryPolicy(**kwargs)
+
+
+def test_retry_must_be_a_retry_policy() -> None:
+    # A dict was accepted and failed at the first retry, mid-job, as a dead letter.
+    with pytest.raises(ConfigError, match=r"retry= takes a ratchet.agents.chat.RetryPolicy"):
+        OpenAIChatModel(api_key="k", retry={"max_attempts": 2})  # type: ignore[arg-type]

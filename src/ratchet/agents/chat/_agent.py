@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pydantic
+import pydantic_core
 
 from ratchet._errors import ConfigError
 from ratchet.agents._agent import Agent, action
@@ -200,7 +201,20 @@ class ChatAgent(Agent):
                 f"ERROR: tool {call.name!r} raised {type(exc).__name__}: {exc}",
                 error=True,
             )
-        return _tool_message(call, render_result(value))
+        try:
+            text = render_result(value)
+        except (pydantic_core.PydanticSerializationError, TypeError, ValueError) as exc:
+            # The tool ran (its side effect happened): the model reads why its value cannot
+            # be sent, as for any tool failure. Failing the run instead made a redrive run
+            # the tool again under a new idempotency key.
+            log.info("tool %s returned a value JSON cannot hold: %s", call.name, exc)
+            return _tool_message(
+                call,
+                f"ERROR: tool {call.name!r} returned a value that cannot be sent as JSON "
+                f"({type(value).__name__}): {exc}",
+                error=True,
+            )
+        return _tool_message(call, text)
 
     async def _call_prompt(self, setup_name: str, prompt_args: dict[str, Any]) -> list[ChatMessage]:
         prompt = self.resources.setup(setup_name).prompt

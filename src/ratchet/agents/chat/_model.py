@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 from abc import ABC, abstractmethod
@@ -31,7 +32,8 @@ class RetryPolicy:
 
     Delay before retry n (1-based) is `initial_backoff * multiplier**(n-1)`, capped at
     `max_backoff`, with up to `jitter` (a fraction) added; a server's Retry-After wins when it
-    is longer. Non-transient errors (400, 401, 403, 404, ...) are never retried. `sleep` and
+    is longer, up to `max_backoff` (a longer outage ends in the connection's pause and probes,
+    where it shows in `ratchet status`, not in a call held in memory). Non-transient errors (400, 401, 403, 404, ...) are never retried. `sleep` and
     `rng` are injectable so tests can run without waiting.
     """
 
@@ -44,8 +46,19 @@ class RetryPolicy:
     rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ConfigError("RetryPolicy.max_attempts must be >= 1")
+        # Checked here, at construction: a wrong value otherwise failed at the first retry,
+        # mid-job, as a dead letter (or a negative jitter shortened every wait).
+        if type(self.max_attempts) is not int or self.max_attempts < 1:
+            raise ConfigError(
+                f"RetryPolicy(max_attempts=) is the number of attempts in all, an int >= 1; "
+                f"got {self.max_attempts!r}"
+            )
+        for name in ("initial_backoff", "max_backoff", "multiplier", "jitter"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"RetryPolicy({name}=) takes a number >= 0, got {value!r}")
+        if self.multiplier < 1:
+            raise ConfigError(f"RetryPolicy(multiplier=) is a factor >= 1, got {self.multiplier!r}")
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         base = min(self.max_backoff, self.initial_backoff * self.multiplier ** (attempt - 1))
@@ -75,9 +88,25 @@ class ChatModel(ABC):
         resource_name: str | None = None,
         probe_delay: float = 1.0,
         max_probe_delay: float = 60.0,
+        timeout: float | None = None,
     ) -> None:
+        """`timeout`: seconds one request may take in all, its reply's last byte included
+        (None: no bound); past it the attempt fails as a transient timeout."""
         self.model = model
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(
+                f"retry= takes a ratchet.agents.chat.RetryPolicy(max_attempts=..., "
+                f"initial_backoff=..., ...), got {retry!r}"
+            )
         self.retry = retry or RetryPolicy()
+        if timeout is not None and (
+            type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout <= 0
+        ):
+            raise ConfigError(
+                f"{type(self).__name__}: timeout= takes seconds > 0 (or None for no bound), "
+                f"got {timeout!r}"
+            )
+        self.timeout = timeout
         if rate_limit is not None and not isinstance(rate_limit, RateLimit):
             raise ConfigError(
                 f"rate_limit= takes a ratchet.RateLimit(requests_per_minute=..., "
@@ -155,23 +184,44 @@ class ChatModel(ABC):
     ) -> ChatMessage:
         limit = getattr(self, "rate_limit", None)
         if limit is None:
-            return await self._chat_once(
-                messages, model=model or self.model, tools=tools,
-                output_schema=output_schema, options=options,
-            )  # fmt: skip
+            return await self._timed(messages, model, tools, output_schema, options)
         merged = {**getattr(self, "options", {}), **options}
         cap = getattr(self, "max_tokens", None)  # Anthropic's reply cap
         if isinstance(cap, int):
             merged.setdefault("max_tokens", cap)
         estimate = estimate_tokens(messages, [t.spec() for t in tools], merged)
         async with limit.slot(estimate) as usage:
-            reply = await self._chat_once(
-                messages, model=model or self.model, tools=tools,
-                output_schema=output_schema, options=options,
-            )  # fmt: skip
+            reply = await self._timed(messages, model, tools, output_schema, options)
             used = reply.usage.total_tokens if reply.usage is not None else 0
             usage.used = used or estimate
             return reply
+
+    async def _timed(
+        self,
+        messages: Sequence[ChatMessage],
+        model: str | None,
+        tools: Sequence[Tool],
+        output_schema: type[BaseModel] | None,
+        options: Mapping[str, Any],
+    ) -> ChatMessage:
+        """One request, bounded in all by `timeout`: the SDKs' timeouts bound each read, so a
+        reply that trickles in held the run for as long as it kept coming."""
+        once = self._chat_once(
+            messages, model=model or self.model, tools=tools,
+            output_schema=output_schema, options=options,
+        )  # fmt: skip
+        timeout = getattr(self, "timeout", None)  # a subclass that skipped super().__init__
+        if timeout is None:
+            return await once
+        try:
+            async with asyncio.timeout(timeout):
+                return await once
+        except TimeoutError as exc:
+            raise ModelCallError(
+                f"{self.provider}: request timed out: no whole reply within {timeout} s",
+                provider=self.provider,
+                transient=True,
+            ) from exc
 
 
 @dataclass

@@ -73,7 +73,7 @@ class AnthropicChatModel(ChatModel):
     ) -> None:
         super().__init__(
             model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
-            probe_delay=probe_delay, max_probe_delay=max_probe_delay,
+            probe_delay=probe_delay, max_probe_delay=max_probe_delay, timeout=timeout,
         )  # fmt: skip
         anthropic = require_sdk("anthropic", "anthropic")
         self._sdk = anthropic

@@ -6,8 +6,11 @@ import json
 import os
 from typing import Any
 
+from pydantic import ValidationError
+
 from ratchet._errors import ConfigError
 from ratchet.agents.chat._errors import ModelCallError
+from ratchet.agents.chat._tools import format_validation_error
 
 
 def require_sdk(module: str, extra: str) -> Any:
@@ -76,6 +79,12 @@ def sdk_error(
             transient=status in transient_statuses or status >= 500,
             retry_after=parse_retry_after(exc.response.headers.get("retry-after")),
         )
+    return malformed(provider, exc)
+
+
+def malformed(provider: str, exc: Exception) -> ModelCallError:
+    """A reply ratchet cannot read; a pydantic error in one line, without its doc links."""
+    detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
     return ModelCallError(
-        f"{provider}: malformed response ({type(exc).__name__}: {exc})", provider=provider
+        f"{provider}: malformed response ({type(exc).__name__}: {detail})", provider=provider
     )

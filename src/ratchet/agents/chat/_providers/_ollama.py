@@ -11,7 +11,12 @@ from pydantic import BaseModel
 from ratchet.agents.chat._errors import ModelCallError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole, TokenUsage, ToolCall
 from ratchet.agents.chat._model import ChatModel, RetryPolicy
-from ratchet.agents.chat._providers._common import loads_arguments, parse_retry_after, require_sdk
+from ratchet.agents.chat._providers._common import (
+    loads_arguments,
+    malformed,
+    parse_retry_after,
+    require_sdk,
+)
 from ratchet.agents.chat._ratelimit import RateLimit
 from ratchet.agents.chat._tools import Tool
 
@@ -60,7 +65,7 @@ class OllamaChatModel(ChatModel):
     ) -> None:
         super().__init__(
             model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
-            probe_delay=probe_delay, max_probe_delay=max_probe_delay,
+            probe_delay=probe_delay, max_probe_delay=max_probe_delay, timeout=timeout,
         )  # fmt: skip
         ollama = require_sdk("ollama", "ollama")
         self._sdk = ollama
@@ -80,7 +85,7 @@ class OllamaChatModel(ChatModel):
                 f"ollama: HTTP {status}: {exc.error}",
                 provider="ollama",
                 status=status,
-                transient=status in (408, 429) or status >= 500,
+                transient=status in (408, 409, 429) or status >= 500,
                 retry_after=parse_retry_after(_retry_after.get()),
             )
         if isinstance(exc, ConnectionError) or type(exc).__name__.endswith(
@@ -89,9 +94,7 @@ class OllamaChatModel(ChatModel):
             return ModelCallError(
                 f"ollama: {type(exc).__name__}: {exc}", provider="ollama", transient=True
             )
-        return ModelCallError(
-            f"ollama: malformed response ({type(exc).__name__}: {exc})", provider="ollama"
-        )
+        return malformed("ollama", exc)
 
     async def _chat_once(
         self,

@@ -75,7 +75,7 @@ class OpenAIChatModel(ChatModel):
     ) -> None:
         super().__init__(
             model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
-            probe_delay=probe_delay, max_probe_delay=max_probe_delay,
+            probe_delay=probe_delay, max_probe_delay=max_probe_delay, timeout=timeout,
         )  # fmt: skip
         openai = require_sdk("openai", "openai")
         self._sdk = openai
@@ -117,27 +117,30 @@ class OpenAIChatModel(ChatModel):
             resp = await self.client.chat.completions.create(
                 model=model, messages=to_openai_messages(messages), **kwargs
             )
-            choice = resp.choices[0]
-            msg = choice.message
         except self._sdk.OpenAIError as exc:
             raise self._error(exc) from exc
         except (ValueError, TypeError, AttributeError, IndexError) as exc:
             raise self._error(exc) from exc
-        calls: list[ToolCall] = []
-        extras: dict[str, Any] = {"finish_reason": choice.finish_reason}
-        for tc in msg.tool_calls or []:
-            args, err = loads_arguments(tc.function.arguments)
-            calls.append(ToolCall(id=tc.id, name=tc.function.name, arguments=args))
-            if err:
-                extras.setdefault("invalid_arguments", {})[tc.id] = err
-        usage = TokenUsage(
-            input_tokens=getattr(resp.usage, "prompt_tokens", 0) or 0,
-            output_tokens=getattr(resp.usage, "completion_tokens", 0) or 0,
-        )
-        return ChatMessage(
-            role=MessageRole.ASSISTANT,
-            content=msg.content or "",
-            tool_calls=calls,
-            extras=extras,
-            usage=usage,
-        )
+        try:  # a reply of the wrong shape (no message, a tool call without id) is malformed
+            choice = resp.choices[0]
+            msg = choice.message
+            calls: list[ToolCall] = []
+            extras: dict[str, Any] = {"finish_reason": choice.finish_reason}
+            for tc in msg.tool_calls or []:
+                args, err = loads_arguments(tc.function.arguments)
+                calls.append(ToolCall(id=tc.id, name=tc.function.name, arguments=args))
+                if err:
+                    extras.setdefault("invalid_arguments", {})[tc.id] = err
+            usage = TokenUsage(
+                input_tokens=getattr(resp.usage, "prompt_tokens", 0) or 0,
+                output_tokens=getattr(resp.usage, "completion_tokens", 0) or 0,
+            )
+            return ChatMessage(
+                role=MessageRole.ASSISTANT,
+                content=msg.content or "",
+                tool_calls=calls,
+                extras=extras,
+                usage=usage,
+            )
+        except (ValueError, TypeError, AttributeError, IndexError) as exc:  # pydantic's too
+            raise self._error(exc) from exc

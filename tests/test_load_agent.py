@@ -118,6 +118,12 @@ BROKEN = {
         "    @action(InputEvent)\n    def a(self, e, ctx):\n        pass\n",
         "creating A() failed: TypeError: ",
     ),
+    # A constructor that fails inside is not told to take no arguments (it takes none).
+    "init-raises": (
+        "class A(Agent):\n    def __init__(self):\n        raise ValueError('no api key')\n"
+        "    @action(InputEvent)\n    def a(self, e, ctx):\n        pass\n",
+        "creating A() failed: ValueError: no api key",
+    ),
 }
 
 
@@ -130,7 +136,11 @@ def test_an_agent_file_that_fails_is_a_config_error_naming_where(tmp_path: Path,
     with pytest.raises(ConfigError) as e:
         load_agent(f"{path}:A")
     assert expected.format(path=path) in str(e.value)
-    if case != "arguments":  # a module that failed to load is not kept half made
+    assert ("with no arguments" in str(e.value)) == (case == "arguments"), str(e.value)
+    if case not in (
+        "arguments",
+        "init-raises",
+    ):  # a module that failed to load is not kept half made
         assert f"ratchet_user_broken_{case}" not in sys.modules
     (tmp_path / "in.jsonl").write_text('{"key": "a"}\n')
     argv = [sys.executable, "-m", "ratchet.cli", "run", f"{path}:A", "--input"]

@@ -276,6 +276,37 @@ def test_unknown_resource_names_fail_at_construction() -> None:
         Bad()
 
 
+def test_a_resource_factory_that_fails_inside_is_not_blamed_on_its_signature() -> None:
+    # Any TypeError inside the factory read "must be a @staticmethod taking no arguments".
+    class Broken(ChatAgent):
+        @chat_model_setup
+        @staticmethod
+        def m() -> ChatModelSetup:
+            return ChatModelSetup(_model("x"), options={"n": 1 + "1"})  # type: ignore[operator]
+
+        @action(InputEvent)
+        @staticmethod
+        def ask(event: InputEvent, ctx: RunnerContext) -> None:
+            pass
+
+    with pytest.raises(ConfigError, match=r"resource 'm' of .*Broken failed to build: TypeError"):
+        Broken()
+
+    class NeedsArgs(ChatAgent):
+        @chat_model_setup
+        @staticmethod
+        def m(model: str) -> ChatModelSetup:
+            return ChatModelSetup(_model(model))
+
+        @action(InputEvent)
+        @staticmethod
+        def ask(event: InputEvent, ctx: RunnerContext) -> None:
+            pass
+
+    with pytest.raises(ConfigError, match="must be a @staticmethod taking no arguments"):
+        NeedsArgs()
+
+
 def test_tools_declared_on_the_agent_by_name(tmp_path: Path) -> None:
     class Shop(ChatAgent):
         @tool

@@ -420,3 +420,5 @@ def test_max_errors_while_finishing_the_old_state_stops_the_job_there(
     )  # fmt: skip
     assert second.returncode == 4, second.stderr[-2000:]
     assert "more than 0 run(s) ended in error" in second.stderr
+    # The same end line as one worker's, with where the failed inputs are (it lacked it).
+    assert "their inputs are dead letters (`ratchet dead-letters --state" in second.stderr

@@ -7,6 +7,7 @@ import concurrent.futures
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import random
@@ -173,13 +174,19 @@ def _instance(spec: str, target: str, attr: str, module: Any) -> Agent:
         raise ConfigError(f"{target} has no attribute {attr!r}")
     if isinstance(obj, type) and issubclass(obj, Agent):
         try:
+            inspect.signature(obj).bind()
+        except TypeError as exc:  # the advice is for this case only, not every failure inside
+            raise ConfigError(
+                f"agent {spec}: creating {attr}() failed: TypeError: {exc}; ratchet creates an agent "
+                "class with no arguments (give its parameters defaults, or name an agent "
+                "instance made at module level)"
+            ) from exc
+        except ValueError:  # no signature to read: call it and see
+            pass
+        try:
             return obj()
         except Exception as exc:  # noqa: BLE001 - the user's constructor failed
-            raise ConfigError(
-                f"agent {spec}: creating {attr}() failed: {_failure(exc)}; ratchet creates "
-                "an agent class with no arguments (give its parameters defaults, or name an "
-                "agent instance made at module level)"
-            ) from exc
+            raise ConfigError(f"agent {spec}: creating {attr}() failed: {_failure(exc)}") from exc
     if isinstance(obj, Agent):
         return obj
     raise ConfigError(f"{spec} is {obj!r}, not a ratchet.Agent subclass or instance")

@@ -517,12 +517,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stopped_for_max_errors(result.stopped_by) or not (args.follow or args.allow_errors)
     ):
         code = EXIT_ERRORS
-        print(
-            f"ratchet: {result.runs_failed} run(s) ended in error ({result.stopped_by}); their "
-            f"inputs are dead letters (`ratchet dead-letters --state {args.state}`, `ratchet "
-            f"redrive`); exit {EXIT_ERRORS} (--allow-errors to exit 0)",
-            file=sys.stderr,
-        )
+        print(_errors_line(result, args.state), file=sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     elif tty:
@@ -576,13 +571,18 @@ def _run_sharded(args: argparse.Namespace) -> int:
     if result.runs_failed and (
         stopped_for_max_errors(result.stopped_by) or not (args.follow or args.allow_errors)
     ):
-        print(
-            f"ratchet: {result.runs_failed} run(s) ended in error ({result.stopped_by}); exit "
-            f"{EXIT_ERRORS} (--allow-errors to exit 0)",
-            file=sys.stderr,
-        )
+        print(_errors_line(result, args.state), file=sys.stderr)
         return EXIT_ERRORS
     return EXIT_OK
+
+
+def _errors_line(result: Any, state: str) -> str:
+    """The end line of a job whose runs ended in error, the same for one worker and N."""
+    return (
+        f"ratchet: {result.runs_failed} run(s) ended in error ({result.stopped_by}); their "
+        f"inputs are dead letters (`ratchet dead-letters --state {state}`, `ratchet "
+        f"redrive`); exit {EXIT_ERRORS} (--allow-errors to exit 0)"
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:

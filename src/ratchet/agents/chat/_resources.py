@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -135,13 +136,22 @@ class Resources:
                 if isinstance(kind, ResourceType):
                     seen.add(attr)
                     try:
-                        built = target()
-                    except ConfigError:
-                        raise
-                    except TypeError as exc:
+                        inspect.signature(target).bind()
+                    except TypeError as exc:  # only a signature that needs arguments is blamed
                         raise ConfigError(
                             f"resource {attr!r} of {res.owner} must be a @staticmethod taking no "
                             f"arguments: {exc}"
+                        ) from exc
+                    except ValueError:  # no signature to read (a builtin): call it and see
+                        pass
+                    try:
+                        built = target()
+                    except ConfigError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the user's factory failed
+                        raise ConfigError(
+                            f"resource {attr!r} of {res.owner} failed to build: "
+                            f"{type(exc).__name__}: {exc}"
                         ) from exc
                     res.add(attr, built, kind)
                 elif callable(target) and hasattr(target, _TOOL_ATTR):

@@ -24,6 +24,7 @@ from ratchet import (
     run,
 )
 from ratchet.agents._context import AgentBinding, install_task_factory
+from ratchet.agents._run import run_owned
 from ratchet.runtime._engine import Engine, EngineResult
 from ratchet.runtime._io import CallbackSink, IterableSource, JsonlSink
 from ratchet.runtime._memops import from_wire
@@ -629,3 +630,40 @@ def test_actions_count_metrics_in_total_and_per_key(tmp_path: Path) -> None:
     result = asyncio.run(job.run_async())
     assert result.metrics == {"amount": 13, "durable_calls.made": 3, "orders": 3}
     assert job.binding.metrics.for_key("a") == {"amount": 6, "durable_calls.made": 2, "orders": 2}
+
+
+class Hoarder(Agent):
+    """Keeps (or outputs) a value as large as its input asks."""
+
+    @action(InputEvent, inline=True)
+    def keep(self, event: InputEvent, ctx: Any) -> None:
+        size = event.input["size"]
+        if event.input.get("where") == "output":
+            ctx.send_event(OutputEvent(output="x" * size))
+        else:
+            ctx.short_term_memory.set("blob", b"x" * size)
+            ctx.send_event(OutputEvent(output=size))
+
+
+@pytest.mark.parametrize("where", ["memory", "output"])
+def test_a_value_too_large_to_store_stops_at_once_naming_it_and_the_fix(
+    tmp_path: Path, where: str
+) -> None:
+    # SQLite stores at most SQLITE_LIMIT_LENGTH bytes in one value (1e9 by default; lowered
+    # here). Such a checkpoint was retried four times, then the job said "restart to resume",
+    # and every restart redid the same runs into the same failure.
+    inputs = [{"key": "small", "size": 10}, {"key": "big", "size": 60_000, "where": where}]
+    job = Job(
+        Hoarder(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s",
+        config=EngineConfig(checkpoint_interval=60),
+    )  # fmt: skip
+    job.store.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 50_000)
+    with pytest.raises(CheckpointError) as info:
+        run_owned(job)
+    message = str(info.value)
+    if where == "memory":
+        assert "the memory of key 'big' is 60,0" in message and "over the 50,000 bytes" in message
+    else:
+        assert "string or blob too big" in message
+    assert "redone at restart" in message and "keep large data outside its memory" in message
+    assert job.engine.stats.failed == 0, "it was retried"

@@ -249,6 +249,18 @@ class _Writer(threading.Thread):
                 return None
 
 
+class _ValueTooLarge(ValueError):
+    """A value of a checkpoint is larger than the store keeps in one value."""
+
+
+def _too_large(exc: BaseException) -> bool:
+    """Whether a checkpoint failed on a value too large for the store (SQLite's
+    SQLITE_TOOBIG), which no retry and no restart can write."""
+    return isinstance(exc, _ValueTooLarge) or (
+        getattr(exc, "sqlite_errorname", None) == "SQLITE_TOOBIG"
+    )
+
+
 def _pack_trace(started: float | None, tasks: list[dict[str, Any]]) -> bytes:
     """A completed run's trace as the `traces` table stores it."""
     return pack_trace(started, tasks)
@@ -1209,6 +1221,17 @@ class Engine:
             try:
                 info: dict[str, Any] = await asyncio.wrap_future(fut)
             except Exception as exc:  # noqa: BLE001 - any write failure is a failed checkpoint
+                if _too_large(exc):
+                    # Retrying writes the same values, and a restart redoes the same runs:
+                    # stop now, naming what is too large and the way out.
+                    raise CheckpointError(
+                        f"checkpoint not written: {exc}. Runs since the last completed "
+                        f"checkpoint ({(self.stats.latest_completed or {}).get('id')}) are "
+                        f"redone at restart and would write it again: change the agent to "
+                        f"keep large data outside its memory, outputs and events (a file or "
+                        f"an object store, with a reference in memory), then restart "
+                        f"(docs/runtime.md, Upgrading an agent)"
+                    ) from exc
                 self.stats.in_progress = 0
                 self._carry = delta
                 self._released = released + self._released
@@ -1308,8 +1331,15 @@ class Engine:
                     seen.add(k)
                     if fresh[k] >= max(keep, 1):
                         del fresh[k]
+        limit = getattr(self.store, "max_value_bytes", None)
         for key, (memory, next_dispatch, version) in delta.keys.items():
-            rows.keys.append((enc(key), str(key), next_dispatch, encode_memory(memory), version))
+            blob = encode_memory(memory)
+            if limit is not None and len(blob) > limit:
+                raise _ValueTooLarge(
+                    f"the memory of key {key!r} is {len(blob):,} bytes encoded, over the "
+                    f"{limit:,} bytes the state stores in one value"
+                )
+            rows.keys.append((enc(key), str(key), next_dispatch, blob, version))
         for seq, (key, event) in delta.new_inputs.items():
             rows.new_inputs.append((seq, enc(key), encode_event(b, event)))
         rows.done_inputs = list(delta.done_inputs)

@@ -887,6 +887,12 @@ class SqliteStore:
         except sqlite3.Error:
             pass
 
+    @property
+    def max_value_bytes(self) -> int:
+        """The largest value SQLite stores (SQLITE_LIMIT_LENGTH, 1e9 bytes by default): a
+        key's memory over it could never be checkpointed."""
+        return self.conn.getlimit(sqlite3.SQLITE_LIMIT_LENGTH)
+
     def mark_reshard_seed(self) -> None:
         """Mark the latest completed checkpoint as the one re-sharding wrote into this new
         shard: what it moved in, not a checkpoint of the job's own (starting from it is a

@@ -521,13 +521,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     elif tty:
-        restored = summary["restored_from_checkpoint"]
-        print(
-            f"done: {summary['runs_completed']} runs, {summary['outputs']} outputs, "
-            f"{summary['tasks_executed']} tasks executed, {summary['tasks_replayed']} replayed "
-            f"from the journal" + (f", restored from checkpoint {restored}" if restored else ""),
-            file=sys.stderr,
-        )
+        print(_done_line(summary), file=sys.stderr)
     if "waiting for signals" in result.stopped_by and not args.json:
         print(
             f"ratchet: {result.stopped_by}; they stay parked in {args.state} and go on when the "
@@ -545,6 +539,28 @@ def _run_sharded(args: argparse.Namespace) -> int:
     from ratchet.runtime._engine import stopped_for_max_errors
 
     end_startup()  # before the coordinator forks its workers (they freeze what they inherit)
+    on_report = _job_reporter(args)
+    live = None
+    if sys.stderr.isatty():  # the same progress line as one worker's, from the shards' reports
+        from rich.console import Console
+        from rich.live import Live
+
+        live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
+        started = SYSTEM_CLOCK.monotonic()
+        supervisor_report = on_report
+
+        def on_report(merged: dict[str, Any]) -> None:
+            if supervisor_report is not None:
+                supervisor_report(merged)
+            s, cp = merged["status"], merged["checkpoints"]["counts"]
+            rate = s["runs_completed"] / max(SYSTEM_CLOCK.monotonic() - started, 1e-6)
+            live.update(
+                f"[bold]ratchet[/] {args.agent} ({len(merged['shards'])} workers): inputs "
+                f"{s['inputs']}  done {s['runs_completed']} ({rate:,.0f}/s)  in flight "
+                f"{s['in_flight_runs']}  checkpoints {cp['completed']} (failed {cp['failed']})"
+            )
+
+        live.start()
     try:
         result = run_sharded(
             args.agent,
@@ -560,20 +576,35 @@ def _run_sharded(args: argparse.Namespace) -> int:
             # One of the two reports to a supervisor (they share its pipe): the engine's with
             # one worker, the whole job's from the coordinator with more.
             on_progress=_status_reporter(args) if args.workers == 1 else None,
-            on_report=_job_reporter(args),
+            on_report=on_report,
         )
     except BadInputError as exc:
         print(f"ratchet: bad input: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        if live is not None:
+            live.stop()
     summary = _summary(result)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
+    elif live is not None:
+        print(_done_line(summary), file=sys.stderr)
     if result.runs_failed and (
         stopped_for_max_errors(result.stopped_by) or not (args.follow or args.allow_errors)
     ):
         print(_errors_line(result, args.state), file=sys.stderr)
         return EXIT_ERRORS
     return EXIT_OK
+
+
+def _done_line(summary: dict[str, Any]) -> str:
+    """The last line a job prints on a terminal."""
+    restored = summary["restored_from_checkpoint"]
+    return (
+        f"done: {summary['runs_completed']} runs, {summary['outputs']} outputs, "
+        f"{summary['tasks_executed']} tasks executed, {summary['tasks_replayed']} replayed "
+        f"from the journal" + (f", restored from checkpoint {restored}" if restored else "")
+    )
 
 
 def _errors_line(result: Any, state: str) -> str:

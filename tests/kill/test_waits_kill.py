@@ -67,6 +67,10 @@ class Job:
     def outputs(self) -> list[Any]:
         return [r["output"] for r in self.lines(self.output)]
 
+    def in_flight(self) -> int:
+        done = self.cli("status", "--state", str(self.state), "--json")
+        return int(json.loads(done.stdout)["in_flight_runs"]) if done.returncode == 0 else 0
+
     def waiting(self) -> list[dict[str, Any]]:
         done = self.cli("status", "--state", str(self.state), "--json")
         return list(json.loads(done.stdout)["waiting"]) if done.returncode == 0 else []
@@ -111,6 +115,26 @@ def test_a_sleeping_run_killed_finishes_once_at_its_recorded_deadline(tmp_path: 
     assert len(begins) == 2 and len([e for e in log if e["what"] == "woke"]) == 1
     # It slept the full 2 s from its first start, and not another 2 s from the restart.
     assert begins[0] + 2.0 <= out["woke"] < begins[1] + 2.0, (begins, out)
+
+
+def test_a_timer_that_fell_due_while_the_job_was_down_ends_the_job_normally(
+    tmp_path: Path,
+) -> None:
+    # The restarted bounded job delivered it and the run ended while the engine polled for
+    # signals: it said "0 run(s) waiting for signals; they stay parked" (4 runs in 4).
+    job = Job(tmp_path, "Reminds")
+    job.write({"key": "a", "s": 1.0})
+    first = job.start("--follow")
+    until("the timer recorded", lambda: job.in_flight() == 1, first)
+    kill(first)
+    time.sleep(1.2)  # past its due time, while the job is down
+    second = job.start("--json")
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    assert json.loads(out)["stopped_by"] == "end of input", out
+    assert "waiting for signals" not in err, err
+    assert job.outputs() == [{"reminded": 1}]
+    assert [e["what"] for e in job.lines(job.log)] == ["reminded"]
 
 
 def test_an_approval_sent_while_the_job_is_down_completes_the_run_once(tmp_path: Path) -> None:

@@ -29,6 +29,23 @@ class Napper(Agent):
         ctx.send_event(OutputEvent(output={"key": str(ctx.key), "woke": time.time()}))
 
 
+class Reminder(Event):
+    n: int
+
+
+class Reminds(Agent):
+    """Sends itself a delayed event (the input's `s` seconds), which outputs."""
+
+    @action(InputEvent)
+    async def ask(self, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(Reminder(n=1), delay=event.input["s"])
+
+    @action(Reminder)
+    async def remind(self, event: Reminder, ctx: Any) -> None:
+        log(what="reminded", key=str(ctx.key))
+        ctx.send_event(OutputEvent(output={"reminded": event.n}))
+
+
 class Requested(Event):
     amount: int
 

@@ -1183,7 +1183,11 @@ class Engine:
         if m.active_runs or w.sleeping or w.timers or w.breakers:
             return False
         await w.poll_signals()  # one sent just now is delivered, not left behind
-        return not (m.active_runs or w.sleeping or w.timers or w.breakers)
+        # While it polled, the last run may have ended (a timer that fell due while the job
+        # was down): then the job ended, no run waits ("0 run(s) waiting for signals").
+        return not (m.active_runs or w.sleeping or w.timers or w.breakers) and bool(
+            m.waiting_runs()
+        )
 
     async def checkpoint(self) -> dict[str, Any] | None:
         """Capture synchronously, write in the writer thread, then release outputs to the sink."""

@@ -402,6 +402,34 @@ def test_ratchet_run_cli_runs_a_converted_agent(tmp_path: Any) -> None:
     assert [json.loads(line)["output"] for line in lines] == ["a=1", "b=2"]
 
 
+def test_the_documented_ratchet_run_command_works_from_the_jobs_directory(tmp_path: Any) -> None:
+    # docs/flink-agents.md: my_job.py (importing my_agents.py beside it), run from that
+    # directory by the `ratchet` script, whose sys.path does not hold the working directory.
+    import json
+    import os
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "flink-agents.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    greeter = next(b for b in blocks if "class Greeter(Agent)" in b).partition("\nenv =")[0]
+    (tmp_path / "my_agents.py").write_text(greeter)
+    (tmp_path / "my_job.py").write_text(next(b for b in blocks if b.startswith("# my_job.py")))
+    (tmp_path / "in.jsonl").write_text('{"key": "a", "name": "Ann"}\n')
+    command = re.search(r"^ratchet (run my_job\S* .*)$", doc, re.M)
+    assert command is not None
+    cli = Path(sys.executable).with_name("ratchet")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    proc = subprocess.run(
+        [str(cli), *command.group(1).split()], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(line)["output"] for line in lines] == [
+        "hello {'key': 'a', 'name': 'Ann'} (1)"
+    ]
+
+
 def test_an_input_that_cannot_be_stored_is_refused_before_the_run() -> None:
     with pytest.raises(TypeError, match=r"'input 1 value' is a <class 'object'>"):
         _run(fixtures.ParcelAgent(), [{"key": "a", "value": "ok"}, {"key": "b", "value": object()}])

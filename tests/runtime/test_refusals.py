@@ -338,6 +338,67 @@ def test_a_sync_action_that_returns_an_awaitable_fails_naming_the_fix(
     )
 
 
+def test_a_memory_object_sent_in_an_event_fails_saying_to_pass_to_dict(tmp_path: Path) -> None:
+    """The message listed the admitted types; a memory view is sent by its .to_dict()."""
+
+    class SendsView(Agent):
+        @action(InputEvent)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.short_term_memory.set("p.x", 1)
+            ctx.send_event(OutputEvent(output=ctx.short_term_memory.get("p")))
+
+    out = tmp_path / "out.jsonl"
+    result = run(SendsView(), inputs=[{"key": "a"}], output=out, state_dir=tmp_path / "s")
+    assert result.runs_failed == 1
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["error"]["message"] == (
+        "value at 'event ratchet.OutputEvent.output' is a MemoryObject (a view of memory, not "
+        "a value); pass its .to_dict() (a plain-dict copy) instead"
+    )
+    m = memory()
+    with pytest.raises(TypeError, match=r"'q\[0\]' is a MemoryObject.*\.to_dict\(\)"):
+        m.set("q", [m.new_object("p")])
+
+
+def test_a_bad_input_from_python_names_the_engine_config_setting(tmp_path: Path) -> None:
+    """`ratchet.run()` was told to pass --on-bad-input skip, a flag of the CLI."""
+    inputs = [{"key": "a"}, 1, {"key": "b"}]
+    with pytest.raises(ratchet.BadInputError) as e:
+        run(Echo(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert "config=EngineConfig(on_bad_input='skip')" in str(e.value)
+    result = run(
+        Echo(),
+        inputs=inputs,
+        output=tmp_path / "o.jsonl",
+        state_dir=tmp_path / "s",
+        config=ratchet.EngineConfig(on_bad_input="skip"),
+    )
+    assert result.bad_inputs == ["input item 2: expected a JSON object, got int"]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_bare_action_decorator_says_how_to_write_it(static: bool) -> None:
+    with pytest.raises(ratchet.ConfigError) as e:
+
+        class Bare(Agent):
+            if static:
+
+                @action  # type: ignore[arg-type]
+                @staticmethod
+                def go(event: InputEvent, ctx: Any) -> None: ...
+
+            else:
+
+                @action  # type: ignore[arg-type]
+                def go(self, event: InputEvent, ctx: Any) -> None: ...
+
+    assert str(e.value) == (
+        "@action needs the event types it handles: write @action(InputEvent) (or other Event "
+        "subclasses) above test_a_bare_action_decorator_says_how_to_write_it.<locals>.Bare.go, "
+        "not a bare @action"
+    )
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

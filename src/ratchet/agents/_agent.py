@@ -48,6 +48,12 @@ def action(
         raise ConfigError("@action() needs at least one event type, e.g. @action(InputEvent)")
     for et in event_types:
         if not (isinstance(et, type) and issubclass(et, Event)):
+            target = et.__func__ if isinstance(et, staticmethod | classmethod) else et
+            if inspect.isfunction(target):  # a bare `@action` handed the method itself
+                raise ConfigError(
+                    f"@action needs the event types it handles: write @action(InputEvent) "
+                    f"(or other Event subclasses) above {target.__qualname__}, not a bare @action"
+                )
             raise ConfigError(f"@action() takes Event subclasses; got {et!r}")
 
     def mark(fn: F) -> F:

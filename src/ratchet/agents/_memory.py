@@ -191,6 +191,14 @@ class MemoryObject:
         return f"MemoryObject({where}: {self.keys()})"
 
 
+# Sent in an event or stored inside another value, a view is refused with what to do instead.
+codec.advise(
+    MemoryObject,
+    "MemoryObject (a view of memory, not a value)",
+    "pass its .to_dict() (a plain-dict copy) instead",
+)
+
+
 def nested(data: dict[str, Any]) -> dict[str, Any]:
     """A nested dict of a flat map (for `ratchet inspect` and tests)."""
     return MemoryObject(MemoryBuffer(data, "view")).to_dict()

@@ -40,7 +40,7 @@ from ratchet.runtime._dispatch import (
     TaskCalls,
     take_all,
 )
-from ratchet.runtime._io import Sink, Source, writable
+from ratchet.runtime._io import SKIP_BAD_INPUT, Sink, Source, writable
 from ratchet.runtime._journal import (
     decode_event,
     decode_journal,
@@ -1013,7 +1013,7 @@ class Engine:
         self.result.bad_inputs.append(rec.error)
         self._bad = BadInputError(
             f"{rec.error}; stopped before admitting it (inputs before it are processed and "
-            f"checkpointed; fix the line and run again, or pass --on-bad-input skip)"
+            f"checkpointed; fix the line and run again, or {SKIP_BAD_INPUT})"
         )
 
     # -- dispatch ---------------------------------------------------------------------------

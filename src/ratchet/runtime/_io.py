@@ -34,6 +34,10 @@ from ratchet.store._files import atomic_json
 log = logging.getLogger("ratchet.io")
 
 
+# How a stop at a bad input is undone: the same engine runs under the CLI and `ratchet.run()`.
+SKIP_BAD_INPUT = "pass --on-bad-input skip (from Python: config=EngineConfig(on_bad_input='skip'))"
+
+
 @dataclass(slots=True)
 class Record:
     """One input read from a source: its key and value, or why it is bad."""
@@ -690,7 +694,7 @@ class JsonlFilesSource(Source):
                 f"input file {f.describe()} is gone or no longer matches {self.pattern!r}, and "
                 f"it was not read to its end; its remaining lines cannot be read. Make the "
                 f"pattern match rotated names too (e.g. 'logs/app.jsonl*') and run again, or "
-                f"pass --on-bad-input skip to go on without them"
+                f"{SKIP_BAD_INPUT} to go on without them"
             ),
         )
 

@@ -44,6 +44,7 @@ from ratchet._errors import BadInputError, RatchetError, StateError
 from ratchet.runtime._engine import EngineConfig, EngineResult, stopped_for_max_errors
 from ratchet.runtime._forking import ForkedWorker, fork_unsafe, fork_worker, start_method
 from ratchet.runtime._io import (
+    SKIP_BAD_INPUT,
     JsonlSink,
     Record,
     Sink,
@@ -749,8 +750,8 @@ class Coordinator:
                     self.result.bad_inputs.append(rec.error)
                     self._bad = BadInputError(
                         f"{rec.error}; stopped before admitting it (inputs before it are "
-                        f"processed and checkpointed; fix the line and run again, or pass "
-                        f"--on-bad-input skip)"
+                        f"processed and checkpointed; fix the line and run again, or "
+                        f"{SKIP_BAD_INPUT})"
                     )
                     exhausted = True
                     break

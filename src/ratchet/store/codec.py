@@ -354,9 +354,22 @@ _BASES: tuple[type, ...] = (
 )
 
 
+# Advice for values of a type that is never admitted, by the layer that defines the type (the
+# codec imports no agent code): a memory view sent in an event is told to send `.to_dict()`.
+_ADVICE: dict[type, tuple[str, str]] = {}
+
+
+def advise(cls: type, what: str, advice: str) -> None:
+    """Refuse instances of `cls` with this description (after "is a") and advice."""
+    _ADVICE[cls] = (what, advice)
+
+
 def _reject_type(value: Any) -> _Reject:
     """Explain why a value of an unadmitted type is refused and what to use instead."""
     t = type(value)
+    advised = _ADVICE.get(t)
+    if advised is not None:
+        return _Reject(f"is a {advised[0]}", advised[1])
     what = f"is a {t!r}"
     qual = getattr(t, "__qualname__", t.__name__)
     module = getattr(t, "__module__", "") or ""

@@ -399,6 +399,45 @@ def test_a_bare_action_decorator_says_how_to_write_it(static: bool) -> None:
     )
 
 
+def test_run_inside_an_event_loop_is_refused_and_job_run_async_is_the_way(tmp_path: Path) -> None:
+    """`ratchet.run()` in a running loop raised asyncio's RuntimeError after locking the state
+    directory, and a second call found it 'in use by pid' this very process."""
+    import asyncio
+
+    async def main() -> ratchet.EngineResult:
+        for _ in range(2):
+            with pytest.raises(ratchet.ConfigError) as e:
+                run(Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=state)
+            assert "cannot be called from a running event loop" in str(e.value)
+            assert "await ratchet.Job(agent, inputs=..., output=..., state_dir=...)" in str(e.value)
+        assert not state.exists()
+        job = ratchet.Job(
+            Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=state
+        )
+        return await job.run_async()
+
+    state = tmp_path / "s"
+    assert asyncio.run(main()).runs_completed == 1
+    assert json.loads((tmp_path / "o.jsonl").read_text())["output"] == {"key": "a"}
+
+
+def test_a_job_whose_loop_cannot_start_lets_go_of_its_state(tmp_path: Path) -> None:
+    import asyncio
+
+    from ratchet.agents._run import Job, run_owned
+
+    def build() -> Job:
+        return Job(Echo(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=state)
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="running event loop"):
+            run_owned(build())
+
+    state = tmp_path / "s"
+    asyncio.run(main())
+    assert run_owned(build()).runs_completed == 1  # the lock and the output were released
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

@@ -296,6 +296,7 @@ class Job:
             sink.open(self.job)
             source.open(self.job, checkpoint_interval=self.config.checkpoint_interval)
             self.store = store
+            self._closed = False
             self.engine = Engine(
                 self.binding,
                 self.store,
@@ -328,6 +329,10 @@ class Job:
             self.close()
 
     def close(self) -> None:
+        """Release the output, the database and the state lock; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.engine.close_io()  # a job built and never run still holds its output file
         finally:
@@ -353,7 +358,28 @@ def run_owned(job: Job, handle_signals: bool = False) -> EngineResult:
         )
         return await job.run_async(handle_signals=handle_signals)
 
-    return asyncio.run(main())
+    coro = main()
+    try:
+        return asyncio.run(coro)
+    finally:
+        # If asyncio.run refused to start (a loop already runs in this thread), the job
+        # never ran: close it, or its state directory stays locked by this process.
+        coro.close()
+        job.close()
+
+
+def _refuse_running_loop(what: str) -> None:
+    """`what` starts its own event loop: inside a running one (Jupyter, an async app) say
+    what to await instead, before any state is touched."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise ConfigError(
+        f"{what} cannot be called from a running event loop (Jupyter, an async app): it "
+        f"starts its own; there, use `await ratchet.Job(agent, inputs=..., output=..., "
+        f'state_dir=...).run_async()` (docs/api.md, "Running a job inside an event loop")'
+    )
 
 
 def run(
@@ -389,9 +415,12 @@ def run(
     "How many workers"). `agent` may be the spec `ratchet run` takes
     (`package.module:Class` or `path/file.py:Class`): ratchet then loads it, and workers can be
     forked from this process instead of started as new interpreters.
+    Inside a running event loop (Jupyter, an async app) it is refused: there, await
+    `Job(...).run_async()` (docs/api.md).
     """
     from ratchet.runtime._shards import is_sharded
 
+    _refuse_running_loop("ratchet.run()")
     if workers == "auto":
         workers, why = _auto(agent, inputs, state_dir, follow, agent_config, clock, rng)
         log.info("workers=auto: %d (%s)", workers, why)

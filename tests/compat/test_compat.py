@@ -382,6 +382,35 @@ def test_a_non_staticmethod_action_is_refused_with_the_fix() -> None:
         to_ratchet(Bad())
 
 
+def test_an_action_that_cannot_take_event_and_ctx_or_yields_is_refused_by_to_ratchet() -> None:
+    class NoContext(Agent):
+        @action(EventType.InputEvent)
+        @staticmethod
+        def act(event: Event) -> None:
+            pass
+
+    with pytest.raises(ratchet.ConfigError) as e:
+        to_ratchet(NoContext())
+    assert str(e.value).endswith(
+        "<locals>.NoContext.act has parameters (event: 'Event') -> 'None', but an action is "
+        "called with an event and a context: write (event, ctx) under @staticmethod"
+    )
+
+    class Yields(Agent):
+        @action(EventType.InputEvent)
+        @staticmethod
+        def act(event: Event, ctx: RunnerContext) -> Any:
+            yield OutputEvent(output=1)
+
+    with pytest.raises(ratchet.ConfigError, match=r"Yields\.act is a generator function"):
+        to_ratchet(Yields())
+
+    added = Agent()
+    added.add_action("one_arg", [EventType.InputEvent], lambda event: None)
+    with pytest.raises(ratchet.ConfigError, match=r"Agent\.one_arg has parameters \(event\)"):
+        to_ratchet(added)
+
+
 def test_action_needs_type_strings() -> None:
     with pytest.raises(ValueError, match="event type strings"):
         action(InputEvent)  # type: ignore[arg-type]

@@ -338,6 +338,147 @@ def test_a_sync_action_that_returns_an_awaitable_fails_naming_the_fix(
     )
 
 
+class NoContext(Agent):
+    @action(InputEvent)
+    def go(self, event: InputEvent) -> None: ...
+
+
+class NoSelf(Agent):
+    @action(InputEvent)
+    def go(event: InputEvent, ctx: Any) -> None: ...  # type: ignore[misc]  # noqa: N805
+
+
+class Yields(Agent):
+    @action(InputEvent)
+    def go(self, event: InputEvent, ctx: Any) -> Any:
+        yield OutputEvent(output=1)
+
+
+class YieldsAsync(Agent):
+    @action(InputEvent)
+    async def go(self, event: InputEvent, ctx: Any) -> Any:
+        yield OutputEvent(output=1)
+
+
+@pytest.mark.parametrize(
+    ("agent", "message"),
+    [
+        (
+            NoContext,
+            "action NoContext.go has parameters (self, event: 'InputEvent') -> 'None', but an "
+            "action is called with an event and a context: write (self, event, ctx), or "
+            "(event, ctx) under @staticmethod",
+        ),
+        (NoSelf, "action NoSelf.go has parameters (event: 'InputEvent', ctx: 'Any')"),
+        (
+            Yields,
+            "action Yields.go is a generator function (it yields), and nothing iterates an "
+            "action's result; send each event with ctx.send_event(...) instead of yield",
+        ),
+        (YieldsAsync, "action YieldsAsync.go is a generator function (it yields)"),
+    ],
+)
+def test_an_action_that_cannot_take_event_and_ctx_or_yields_is_refused_at_load(
+    tmp_path: Path, agent: type[Agent], message: str
+) -> None:
+    """Each of these failed every input into a dead letter (a generator: silently did
+    nothing; an async one ran as a sync action)."""
+    with pytest.raises(ratchet.ConfigError) as e:
+        run(agent(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    assert str(e.value).startswith(message)
+    assert not (tmp_path / "s").exists()
+
+
+def test_the_cli_refuses_an_action_without_ctx_in_one_line_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "bad_agent.py"
+    path.write_text(
+        "from ratchet import Agent, InputEvent, action\n"
+        "class Bad(Agent):\n"
+        "    @action(InputEvent)\n"
+        "    def go(self, event):\n"
+        "        pass\n"
+    )
+    (tmp_path / "in.jsonl").write_text('{"key": "a"}\n')
+    proc = _cli(
+        "run", f"{path}:Bad", "--input", str(tmp_path / "in.jsonl"),
+        "--output", str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "s"),
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "ratchet: error: action Bad.go has parameters (self, event), but an action is called "
+        "with an event and a context: write (self, event, ctx), or (event, ctx) under "
+        "@staticmethod\n"
+    )
+
+
+class EveryForm(Agent):
+    """The forms an action may take: each sends one output."""
+
+    @action(InputEvent)
+    @staticmethod
+    def static(event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output="static"))
+
+    @action(InputEvent)
+    @classmethod
+    def klass(cls, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output="classmethod"))
+
+    @action(InputEvent)
+    @classmethod
+    async def klass_async(cls, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output="async classmethod"))
+
+    @action(InputEvent)
+    def star(self, *args: Any, extra: int = 1) -> None:
+        args[1].send_event(OutputEvent(output="*args"))
+
+    @action(InputEvent)
+    def defaulted(self, event: InputEvent, ctx: Any, more: int = 2) -> None:
+        ctx.send_event(OutputEvent(output="default"))
+
+
+def test_static_class_star_and_defaulted_actions_run(tmp_path: Path) -> None:
+    out = tmp_path / "o.jsonl"
+    result = run(EveryForm(), inputs=[{"key": "a"}], output=out, state_dir=tmp_path / "s")
+    assert result.runs_failed == 0
+    assert sorted(json.loads(x)["output"] for x in out.read_text().splitlines()) == [
+        "*args",
+        "async classmethod",
+        "classmethod",
+        "default",
+        "static",
+    ]
+
+
+@pytest.mark.parametrize("mode", ["thread", "inline", "async"])
+def test_an_action_that_returns_a_value_fails_naming_it(tmp_path: Path, mode: str) -> None:
+    """A returned OutputEvent was dropped without a word: no output, no error."""
+
+    class Returns(Agent):
+        if mode == "async":
+
+            @action(InputEvent)
+            async def go(self, event: InputEvent, ctx: Any) -> Any:
+                return OutputEvent(output=1)
+
+        else:
+
+            @action(InputEvent, inline=mode == "inline")
+            def go(self, event: InputEvent, ctx: Any) -> Any:
+                return OutputEvent(output=1)
+
+    out = tmp_path / "o.jsonl"
+    result = run(Returns(), inputs=[{"key": "a"}], output=out, state_dir=tmp_path / "s")
+    assert result.runs_failed == 1
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["output"] is None
+    assert line["error"]["message"] == (
+        "action go returned a value (OutputEvent), and an action's return value is not used; "
+        "send it with ctx.send_event(...) and return None"
+    )
+
+
 def test_a_memory_object_sent_in_an_event_fails_saying_to_pass_to_dict(tmp_path: Path) -> None:
     """The message listed the admitted types; a memory view is sent by its .to_dict()."""
 

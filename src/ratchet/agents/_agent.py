@@ -33,7 +33,8 @@ def action(
     name: str | None = None,
     retry: Retry | None = None,
 ) -> Callable[[F], F]:
-    """Mark a method (or staticmethod taking `(event, ctx)`) as an action on `event_types`.
+    """Mark a method `(self, event, ctx)` (a staticmethod: `(event, ctx)`; a classmethod:
+    `(cls, event, ctx)`) as an action on `event_types`; it returns None.
 
     Sync actions run on worker threads so a blocking call never stalls other keys;
     `inline=True` runs a CPU-trivial sync action on the engine's loop instead.
@@ -57,7 +58,7 @@ def action(
             raise ConfigError(f"@action() takes Event subclasses; got {et!r}")
 
     def mark(fn: F) -> F:
-        target = fn.__func__ if isinstance(fn, staticmethod) else fn
+        target = fn.__func__ if isinstance(fn, staticmethod | classmethod) else fn
         setattr(target, _ACTION_ATTR, _ActionMark(tuple(event_types), inline, name, retry))
         return fn
 
@@ -128,7 +129,7 @@ class AgentSpec:
         seen: dict[str, str] = {}
         for klass in reversed(type(agent).__mro__):
             for attr, raw in vars(klass).items():
-                target = raw.__func__ if isinstance(raw, staticmethod) else raw
+                target = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
                 mark = getattr(target, _ACTION_ATTR, None)
                 if not isinstance(mark, _ActionMark):
                     continue
@@ -141,6 +142,7 @@ class AgentSpec:
                 if action_name in seen and seen[action_name] != attr:
                     raise ConfigError(f"two actions of {self.agent_name} are named {action_name!r}")
                 bound = getattr(agent, attr)
+                check_action(bound, target, f"{type(agent).__qualname__}.{attr}")
                 spec = ActionSpec(
                     index=0,
                     name=action_name,
@@ -210,6 +212,31 @@ class AgentSpec:
 
     def describe(self) -> list[str]:
         return [f"{a.name}({', '.join(t.event_name for t in a.event_types)})" for a in self.actions]
+
+
+def check_action(
+    bound: Callable[..., Any],
+    target: Any,
+    where: str,
+    fix: str = "write (self, event, ctx), or (event, ctx) under @staticmethod",
+) -> None:
+    """Refuse at load an action every run would fail on, or whose work would be lost."""
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise ConfigError(
+            f"action {where} is a generator function (it yields), and nothing iterates an "
+            f"action's result; send each event with ctx.send_event(...) instead of yield"
+        )
+    try:
+        signature = inspect.signature(bound)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): its first call says what is wrong
+    try:
+        signature.bind(None, None)  # what the engine passes: (event, ctx)
+    except TypeError:
+        raise ConfigError(
+            f"action {where} has parameters {inspect.signature(target)}, but an action is "
+            f"called with an event and a context: {fix}"
+        ) from None
 
 
 def table_fingerprint(table: DispatchTable) -> str:

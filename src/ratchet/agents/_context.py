@@ -622,18 +622,25 @@ def _clock_of(calls: TaskCalls) -> Callable[[], float]:
 
 
 def _call_sync(fn: Callable[[Event, RunnerContext], Any], task: Task, ctx: RunnerContext) -> None:
-    """Run a sync action; one that returned an awaitable was declared wrong (closed, refused)."""
+    """Run a sync action; one that returned something was written wrong (refused)."""
     out = fn(task.event.thaw(), ctx)
-    if out is not None and inspect.isawaitable(out):
-        _refuse_awaitable(out, task)
+    if out is not None:
+        _refuse_result(out, task)
 
 
-def _refuse_awaitable(out: Any, task: Task) -> None:
-    close = getattr(out, "close", None)
-    if close is not None:
-        close()
+def _refuse_result(out: Any, task: Task) -> None:
+    """An action's return value would be dropped (an event returned, never sent; a coroutine
+    never run): fail the action instead, as an exception in it would."""
+    if inspect.isawaitable(out):
+        close = getattr(out, "close", None)
+        if close is not None:
+            close()
+        raise InvalidTypeError(
+            f"sync action {task.action} returned an awaitable; declare it `async def`"
+        )
     raise InvalidTypeError(
-        f"sync action {task.action} returned an awaitable; declare it `async def`"
+        f"action {task.action} returned a value ({type(out).__qualname__}), and an action's "
+        f"return value is not used; send it with ctx.send_event(...) and return None"
     )
 
 
@@ -994,8 +1001,8 @@ class AgentBinding:
             token = set_current(ctx)
             try:
                 out = fn(task.event.thaw(), ctx)
-                if out is not None and inspect.isawaitable(out):
-                    _refuse_awaitable(out, task)
+                if out is not None:
+                    _refuse_result(out, task)
             except ENGINE_FAULTS:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
@@ -1024,7 +1031,9 @@ class AgentBinding:
             token = _current.set(ctx)
             _children.set(children)
             try:
-                await spec.fn(task.event.thaw(), ctx)
+                out = await spec.fn(task.event.thaw(), ctx)
+                if out is not None:
+                    _refuse_result(out, task)
             except ENGINE_FAULTS:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data

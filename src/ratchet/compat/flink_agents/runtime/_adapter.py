@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from ratchet._errors import ConfigError
 from ratchet.agents._agent import Agent as RatchetAgent
 from ratchet.agents._agent import action as ratchet_action
+from ratchet.agents._agent import check_action
 from ratchet.agents._context import RunnerContext as RatchetContext
 from ratchet.agents._events import Event as RatchetEvent
 from ratchet.compat.flink_agents.api.agents.agent import Agent
@@ -231,6 +232,8 @@ class _Declared:
                             f"action {type(agent).__qualname__}.{attr} must be a @staticmethod "
                             f"taking (event, ctx): put @staticmethod under @action(...)"
                         )
+                    where = f"{type(agent).__qualname__}.{attr}"
+                    check_action(fn, fn, where, fix="write (event, ctx) under @staticmethod")
                     self.actions = [a for a in self.actions if a[0] != attr]
                     self.actions.append((attr, tuple(triggers), fn, None))
                     seen.add(attr)
@@ -246,6 +249,8 @@ class _Declared:
             if name in seen:
                 raise ConfigError(f"action {name!r} is defined twice on {type(agent).__qualname__}")
             target = getattr(func, "__func__", func)
+            where = f"{type(agent).__qualname__}.{name}"
+            check_action(target, target, where, fix="give a function of (event, ctx)")
             self.actions.append((name, tuple(triggers), target, config))
         for kind, named in getattr(agent, "_resources", {}).items():
             self.resources[kind].update(named)

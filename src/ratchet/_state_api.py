@@ -15,6 +15,7 @@ ratchet state, raises `ratchet.StateError` naming the path.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -507,10 +508,14 @@ def _find_approval_request(tree: Any, call_id: str, depth: int = 0) -> dict[str,
     return None
 
 
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
 def _shown(value: Any, as_json: bool, seen: set[str] | None = None) -> Any:
     """`value` with every unregistered-type stand-in in its generic form; with `as_json`,
     converted as `ratchet inspect --json` converts memory (objects to fields, sets to sorted
-    lists, non-string keys to text). The names of unregistered types met go into `seen`."""
+    lists, non-string keys to text, NaN and infinities to the strings "NaN", "Infinity" and
+    "-Infinity"). The names of unregistered types met go into `seen`."""
     t = type(value)
     if t is codec.UnknownValue:
         if seen is not None:
@@ -528,6 +533,8 @@ def _shown(value: Any, as_json: bool, seen: set[str] | None = None) -> Any:
             return _shown(value.model_dump(mode="python"), as_json, seen)
         if t is set or t is frozenset:
             return sorted((_shown(v, as_json, seen) for v in value), key=repr)
+        if t is float and not math.isfinite(value):
+            return _NON_FINITE[str(value)]  # standard JSON has no NaN or Infinity
     if t is dict:
         return {_shown_key(k, as_json, seen): _shown(v, as_json, seen) for k, v in value.items()}
     if t is list or t is tuple:
@@ -541,6 +548,8 @@ def _shown_key(key: Any, as_json: bool, seen: set[str] | None = None) -> Any:
     if not as_json:
         # A dict key must stay hashable: an unregistered key keeps its stand-in.
         return key
+    if type(key) is float and not math.isfinite(key):
+        return _NON_FINITE[str(key)]
     if isinstance(key, str | int | float):
         return key
     return _key_text(key, seen)

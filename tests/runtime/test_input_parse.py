@@ -26,7 +26,7 @@ from ratchet import (
     run,
 )
 from ratchet.agents._memory import WRITE_DEPTH
-from ratchet.runtime._io import INPUT_MAX_DEPTH, _loads, _too_deep
+from ratchet.runtime._io import INPUT_MAX_DEPTH, _loads, _not_json, _too_deep
 from ratchet.store import codec
 from support.engines import run_flink_core
 
@@ -57,6 +57,11 @@ def outcome(fn: Any, text: bytes) -> tuple[str, str]:
         return type(exc).__name__, str(exc)
 
 
+def strict_loads(text: bytes) -> Any:
+    """`json.loads` as the sources read a line: NaN and Infinity, not JSON, are refused."""
+    return json.loads(text, parse_constant=_not_json)
+
+
 @settings(max_examples=400)
 @given(
     value=JSON,
@@ -72,7 +77,7 @@ def test_a_serialized_value_parses_as_json_loads_parses_it(
     text = prefix + json.dumps(value, ensure_ascii=ascii_only, separators=sep).encode() + suffix
     text = text.strip()
     if text:
-        assert outcome(_loads, text) == outcome(json.loads, text), text
+        assert outcome(_loads, text) == outcome(strict_loads, text), text
 
 
 @settings(max_examples=400)
@@ -82,8 +87,29 @@ def test_a_serialized_value_parses_as_json_loads_parses_it(
 @example(b"\xff\xfe{\x00}\x00")  # a UTF-16 BOM
 @example(b'{"a": 1} {"b": 2}')
 @example(b"\xc2\xa01")  # a no-break space is not JSON whitespace
+@example(b"[NaN]")
+@example(b"\xef\xbb\xbf-Infinity")  # the slow path refuses it too
 def test_any_bytes_parse_or_fail_as_json_loads_does(text: bytes) -> None:
-    assert outcome(_loads, text) == outcome(json.loads, text), text
+    assert outcome(_loads, text) == outcome(strict_loads, text), text
+
+
+def test_nan_and_infinity_in_an_input_line_are_a_bad_input(tmp_path: Path) -> None:
+    """Python's reader took them (JSON has neither), and an output echoing one was written
+    as `NaN`, which no standard JSON reader reads."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        '{"key": "a", "v": 1.5}\n{"key": "b", "v": NaN}\n{"key": "c", "v": [-Infinity]}\n'
+    )
+    out = tmp_path / "out.jsonl"
+    config = EngineConfig(on_bad_input="skip")
+    result = run(Echo(), inputs=src, output=out, state_dir=tmp_path / "s", config=config)
+    assert result.bad_inputs == [
+        f"{src}:2: invalid JSON (NaN is not JSON; write null or a string)",
+        f"{src}:3: invalid JSON (-Infinity is not JSON; write null or a string)",
+    ]
+    assert [json.loads(x)["output"] for x in out.read_text().splitlines()] == [
+        {"key": "a", "v": 1.5}
+    ]
 
 
 def test_a_line_nested_too_deeply_to_read_is_a_bad_input_line(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ an input file that is not the one the position was taken in, and rotated logs.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -90,6 +91,62 @@ def test_an_unwritable_output_becomes_an_error_record_and_blocks_nothing(tmp_pat
     # A restart writes nothing again.
     again = run(Tupled(), inputs=inputs, output=out, state_dir=tmp_path / "s")
     assert again.inputs == 0 and lines(out) == recs
+
+
+class NonFinite(Agent):
+    """Outputs NaN, an infinity nested in a list, or a finite float, and keeps each in memory."""
+
+    @action(InputEvent, inline=True)
+    def emit(self, event: InputEvent, ctx: Any) -> None:
+        value = {"nan": float("nan"), "inf": [float("-inf")], "ok": 1.5}[event.input["v"]]
+        ctx.short_term_memory.set("v", value)
+        ctx.send_event(OutputEvent(output=value))
+
+
+def _strict(text: str) -> Any:
+    """json.loads as a standard JSON reader reads: NaN and Infinity are errors."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} in the JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_and_infinity_outputs_are_error_records_and_inspect_json_is_standard(
+    tmp_path: Path,
+) -> None:
+    """They were written as `NaN` and `-Infinity`, which is not JSON; `inspect --json`
+    printed them so too."""
+    import subprocess
+    import sys
+
+    import ratchet
+
+    inputs = [{"key": "a", "v": "nan"}, {"key": "b", "v": "inf"}, {"key": "c", "v": "ok"}]
+    out = tmp_path / "o.jsonl"
+    result = run(NonFinite(), inputs=inputs, output=out, state_dir=tmp_path / "s")
+    assert result.metrics["outputs.unwritable"] == 2
+    recs = {r["key"]: r for r in (_strict(x) for x in out.read_text().splitlines())}
+    assert recs["c"]["output"] == 1.5
+    assert recs["a"]["output"] is None and recs["a"]["error"]["message"] == (
+        "the output was not written: output is nan, and JSON has no NaN or Infinity; write "
+        "None or a string (e.g. 'NaN') instead"
+    )
+    assert recs["b"]["error"]["message"].startswith(
+        "the output was not written: output[0] is -inf, and JSON has no NaN or Infinity"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "inspect", "--state", str(tmp_path / "s"), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    shown = {"a": {"v": "NaN"}, "b": {"v": ["-Infinity"]}, "c": {"v": 1.5}}
+    assert _strict(proc.stdout) == shown
+    with ratchet.open_state(tmp_path / "s") as state:  # what the REST API serves
+        assert state.memory("a", as_json=True) == {"v": "NaN"}
+        assert state.memory_fields("a") == [{"path": "v", "type": "float", "value": "NaN"}]
+        assert math.isnan(state.memory("a")["v"])  # as_json=False: the value itself
 
 
 class _Down(Sink):

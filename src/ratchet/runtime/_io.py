@@ -15,6 +15,7 @@ import hashlib
 import json
 import json.scanner
 import logging
+import math
 import os
 import random
 import re
@@ -113,10 +114,17 @@ def _text(raw: bytes) -> str:
     return raw[:65536].decode("utf-8", errors="replace")
 
 
+def _not_json(constant: str) -> Any:
+    """NaN, Infinity and -Infinity are Python's extensions, not JSON: such a line is a bad
+    input (its policy applies), as it would be to any other JSON reader. Called for those
+    tokens only, so it costs the lines that have none nothing."""
+    raise ValueError(f"{constant} is not JSON; write null or a string")
+
+
 # The C scanner `json.loads` ends in, called directly on a line's text (see `_loads`).
 # (typeshed types make_scanner's argument as make_scanner itself; it takes a decoder.)
 _SCAN: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
-    json.JSONDecoder()  # type: ignore[arg-type]
+    json.JSONDecoder(parse_constant=_not_json)  # type: ignore[arg-type]
 )
 
 
@@ -126,7 +134,7 @@ def _loads(text: bytes) -> Any:
     in Python; JSON Lines are UTF-8, so the scanner gets the text at once. Anything but one
     whole UTF-8 value (a BOM, which the scanner does not take as a value's start; extra data;
     any error) is handed to `json.loads` itself, so every result and every error message is
-    the one it gives (tests/runtime/test_input_parse.py)."""
+    the one it gives (tests/runtime/test_input_parse.py), NaN and Infinity refused by both."""
     try:
         s = text.decode("utf-8", "surrogatepass")  # json.loads's own error handler
         value, end = _SCAN(s, 0)
@@ -134,7 +142,7 @@ def _loads(text: bytes) -> Any:
             return value
     except (ValueError, StopIteration):
         pass
-    return json.loads(text)
+    return json.loads(text, parse_constant=_not_json)
 
 
 # The most arrays and objects an input may nest in each other. The codec stores values at
@@ -890,9 +898,13 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
-# What json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"))
-# builds for every call, made once (an encoder keeps no state between calls).
-_ENCODER = json.JSONEncoder(default=_json_default, ensure_ascii=False, separators=(",", ":"))
+# What json.dumps(record, default=_json_default, ensure_ascii=False, separators=(",", ":"),
+# allow_nan=False) builds for every call, made once (an encoder keeps no state between calls).
+# NaN and Infinity are refused: written as they are they are not JSON, and a standard reader
+# of the output fails on the line (`_json_problem` says where the value is).
+_ENCODER = json.JSONEncoder(
+    default=_json_default, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+)
 
 
 def to_json_line(record: dict[str, Any]) -> str:
@@ -910,6 +922,11 @@ def _json_problem(record: dict[str, Any], exc: BaseException) -> str:
     stack: list[tuple[str, Any, frozenset[int]]] = [("output", record.get("output"), frozenset())]
     while stack:
         where, value, outer = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return (
+                f"{where} is {value!r}, and JSON has no NaN or Infinity; write None or a "
+                f"string (e.g. 'NaN') instead"
+            )
         if not isinstance(value, dict | list | tuple):
             continue
         if id(value) in outer:

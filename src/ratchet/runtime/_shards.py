@@ -275,7 +275,10 @@ def reshard(
                 if (t / name).exists() and old.workers > 1:
                     (t / name).unlink()
     stores = [
-        SqliteStore.open(t, agent_name, fingerprint, actions, synchronous="FULL") for t in targets
+        SqliteStore.open(
+            t, agent_name, fingerprint, actions, synchronous="FULL", rebuild=t == state_dir
+        )
+        for t in targets
     ]
     try:
         moved: list[CheckpointRows] = [CheckpointRows(source=dict(source)) for _ in targets]

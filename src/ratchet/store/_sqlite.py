@@ -233,10 +233,13 @@ class SqliteStore:
         actions: list[str],
         synchronous: str = "NORMAL",
         clock: Clock = SYSTEM_CLOCK,
+        rebuild: bool = False,
     ) -> SqliteStore:
         """Open or create the state of `agent_name` (a new state records it as its agent).
 
-        Whether the state belongs to the agent, and what an upgrade changes, is `adopt`'s."""
+        Whether the state belongs to the agent, and what an upgrade changes, is `adopt`'s.
+        `rebuild`: the caller builds the database of a directory that has run (re-sharding
+        back to one worker), so a missing one beside `job.json` is expected, not a loss."""
         sdir = Path(state_dir)
         if sdir.exists() and not sdir.is_dir():
             raise StateError(f"--state {sdir} exists and is not a directory")
@@ -251,7 +254,7 @@ class SqliteStore:
             # ratchet that writes the job file (`runtime._io.JOB_FILE`) writes it after the
             # database is built whole, so a missing or empty database beside it was lost or
             # truncated, and starting afresh would redo every input and repeat every call.
-            if (sdir / "job.json").exists():
+            if not rebuild and (sdir / "job.json").exists():
                 what = "is empty" if path.exists() else "is missing"
                 raise StateError(
                     f"{path} {what}, but {sdir} has run before (its job.json exists): the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -612,3 +613,51 @@ def test_a_limit_out_of_range_is_named_alone_as_the_user_gave_it(
     assert message in str(e.value)
     if field == "sync_batch":
         assert "--" not in str(e.value)
+
+
+class KeepsItsCtx(Agent):
+    """The first input's action keeps its ctx; the second one's uses that ctx."""
+
+    kept: Any = None
+
+    @action(InputEvent)
+    def go(self, event: InputEvent, ctx: Any) -> None:
+        if KeepsItsCtx.kept is None:
+            KeepsItsCtx.kept = ctx
+            ctx.short_term_memory.set("first", True)
+            return
+        refused = {}
+        for what, use in (
+            ("memory", lambda old: old.short_term_memory.set("late", 1)),
+            ("sensory", lambda old: old.sensory_memory.set("late", 1)),
+            ("event", lambda old: old.send_event(OutputEvent(output="late"))),
+            ("call", lambda old: old.durable_execute(str.upper, "stale")),
+        ):
+            try:
+                use(KeepsItsCtx.kept)
+            except Exception as exc:  # noqa: BLE001 - what the stale ctx raised
+                refused[what] = f"{type(exc).__name__}: {exc}"
+        ctx.send_event(OutputEvent(output=refused))
+
+
+def test_a_ctx_used_after_its_action_returned_is_refused_not_silently_dropped(
+    tmp_path: Path,
+) -> None:
+    # Its memory writes and events vanished, and its durable call left a record of a
+    # completed run in the state that no checkpoint ever deleted.
+    KeepsItsCtx.kept = None
+    out: list[dict[str, Any]] = []
+    run(KeepsItsCtx(), inputs=[{"key": "a"}, {"key": "b"}], output=out.append,
+        state_dir=tmp_path / "s")  # fmt: skip
+    (refused,) = [o["output"] for o in out]
+    assert sorted(refused) == ["call", "event", "memory", "sensory"], refused
+    for what, message in refused.items():
+        assert message.startswith(
+            "InvalidArgumentError: the ctx of action go (key 'a', input 0) was used after the "
+            "action returned"
+        ), (what, message)
+    conn = sqlite3.connect(tmp_path / "s" / "ratchet.db")
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 0
+    finally:
+        conn.close()

@@ -86,6 +86,31 @@ def _args_digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         return codec.digest((tuple(part(a) for a in args), {k: part(v) for k, v in kwargs.items()}))
 
 
+class _Ended:
+    """Stands in for a finished task's event list, memory ops and call journal: a ctx kept
+    past its action (in a thread, an attribute) wrote into buffers nobody read again, and
+    its durable calls left records of a completed run."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: Task) -> None:
+        self._task = task  # the message is made only when it is needed: sealing is per task
+
+    def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
+        task = self._task
+        raise InvalidArgumentError(
+            f"the ctx of action {task.action} (key {task.run.key!r}, input {task.run.seq}) "
+            f"was used after the action returned, and what it did would be lost: do an "
+            f"action's work (memory, events, durable calls) before it returns, and join any "
+            f"thread it starts"
+        )
+
+    append = _refuse
+
+    def __getattr__(self, name: str) -> Any:
+        self._refuse()
+
+
 class RunnerContext:
     """What an action gets besides its event: its key, memory, event sending and durable calls.
 
@@ -150,6 +175,7 @@ class RunnerContext:
     def _stm(self) -> MemoryBuffer:
         buf = self._stm_buf
         if buf is None:
+            self._refuse_if_ended()
             waits = self._waits_of
             buf = self._stm_buf = MemoryBuffer(
                 self._task.stm, "short_term", waits.now if waits is not None else None
@@ -160,6 +186,7 @@ class RunnerContext:
     def _sensory(self) -> MemoryBuffer:
         buf = self._sensory_buf
         if buf is None:
+            self._refuse_if_ended()
             buf = self._sensory_buf = MemoryBuffer(self._task.sensory, "sensory")
         return buf
 
@@ -608,12 +635,30 @@ class RunnerContext:
             if self._notes:
                 trace["notes"] = self._notes
         stm, sensory = self._stm_buf, self._sensory_buf
-        return TaskResult(
+        result = TaskResult(
             [] if stm is None else stm.ops,
             [] if sensory is None else sensory.ops,
             list(self.events),
             trace,
         )
+        self._seal()
+        return result
+
+    _ended: _Ended | None = None
+
+    def _seal(self) -> None:
+        """The action returned (or failed): what this ctx is asked to do from now on is
+        refused, not silently dropped."""
+        ended = self._ended = _Ended(self._task)
+        self.events = ended  # type: ignore[assignment]
+        for buf in (self._stm_buf, self._sensory_buf):
+            if buf is not None:
+                buf.ops = ended  # type: ignore[assignment]
+        self._calls_made = ended  # type: ignore[assignment]
+
+    def _refuse_if_ended(self) -> None:
+        if self._ended is not None:
+            self._ended._refuse()
 
 
 def _clock_of(calls: TaskCalls) -> Callable[[], float]:
@@ -940,6 +985,7 @@ class AgentBinding:
             except ENGINE_FAULTS:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+                ctx._seal()
                 until = self._record_failure(task, calls, spec.retry, exc, attempt)
                 if until is not None:
                     attempt += 1
@@ -965,6 +1011,7 @@ class AgentBinding:
         except ENGINE_FAULTS:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+            ctx._seal()
             result = self._error_result(task, exc)
         else:
             result = ctx._result()
@@ -1006,6 +1053,7 @@ class AgentBinding:
             except ENGINE_FAULTS:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+                ctx._seal()
                 result = error_result(task, exc)
             else:
                 result = ctx._result()
@@ -1037,6 +1085,7 @@ class AgentBinding:
             except ENGINE_FAULTS:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+                ctx._seal()
                 until = await asyncio.to_thread(
                     self._record_failure, task, calls, spec.retry, exc, attempt
                 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -667,3 +668,48 @@ def test_a_value_too_large_to_store_stops_at_once_naming_it_and_the_fix(
         assert "string or blob too big" in message
     assert "redone at restart" in message and "keep large data outside its memory" in message
     assert job.engine.stats.failed == 0, "it was retried"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (
+            "refunds",
+            -1,
+            r"ctx.metrics.inc\('refunds', value\): value must be a finite int or float >= 0.*got -1$",
+        ),
+        ("refunds", float("nan"), r"got nan$"),
+        ("refunds", float("inf"), r"got inf$"),
+        ("refunds", True, r"got True$"),
+        ("refunds", "3", r"got '3'$"),
+        (
+            "chat.model_calls[gpt]",
+            1,
+            r"ctx.metrics.inc\('chat.model_calls\[gpt\]', value\): names starting with 'chat.'.*are ratchet's own counters; choose another name",
+        ),
+        ("durable_calls.made", 1, r"are ratchet's own counters"),
+    ],
+)
+def test_metrics_inc_refuses_a_value_a_counter_cannot_take_and_ratchets_own_names(
+    tmp_path: Path, name: str, value: Any, message: str
+) -> None:
+    """A negative, NaN, infinite, bool or str value, or a name ratchet counts itself under
+    (it would show as ratchet's model metrics in /metrics), fails the action with a message
+    naming ctx.metrics.inc; nothing is counted."""
+
+    class Counting(Agent):
+        @action(InputEvent)
+        async def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.metrics.inc("fine", 2.5)
+            ctx.metrics.inc(name, value)
+
+    job = Job(
+        Counting(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl", state_dir=tmp_path / "s"
+    )
+    result = asyncio.run(job.run_async())
+    assert result.runs_failed == 1
+    [line] = (tmp_path / "o.jsonl").read_text().splitlines()
+    error = json.loads(line)["error"]
+    assert error["type"] == "ratchet._errors.InvalidArgumentError"
+    assert re.search(message, error["message"]), error["message"]
+    assert result.metrics == {"fine": 2.5}

@@ -334,14 +334,14 @@ class ChatAgent(Agent):
             )
             if not last_call_replayed():
                 # Tokens paid for by this process; a reply from the journal cost nothing now.
-                ctx.metrics.inc("chat.model_calls")
-                ctx.metrics.inc("chat.tokens.input", usage.input_tokens)
-                ctx.metrics.inc("chat.tokens.output", usage.output_tokens)
+                ctx.metrics._inc_own("chat.model_calls")
+                ctx.metrics._inc_own("chat.tokens.input", usage.input_tokens)
+                ctx.metrics._inc_own("chat.tokens.output", usage.output_tokens)
                 # The same per model (the setup name): NAME[model], read by the supervisor's
                 # /metrics as a `model` label.
-                ctx.metrics.inc(f"chat.model_calls[{state['model']}]")
-                ctx.metrics.inc(f"chat.tokens.input[{state['model']}]", usage.input_tokens)
-                ctx.metrics.inc(f"chat.tokens.output[{state['model']}]", usage.output_tokens)
+                ctx.metrics._inc_own(f"chat.model_calls[{state['model']}]")
+                ctx.metrics._inc_own(f"chat.tokens.input[{state['model']}]", usage.input_tokens)
+                ctx.metrics._inc_own(f"chat.tokens.output[{state['model']}]", usage.output_tokens)
             state["usage"] = state["usage"] + usage
             for mem in (ctx.sensory_memory, ctx.short_term_memory):
                 mem.set(_USAGE, (mem.get(_USAGE) or TokenUsage()) + usage)

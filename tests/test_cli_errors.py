@@ -339,3 +339,34 @@ def test_a_signal_value_nested_past_the_interpreters_limit_is_bad_input(tmp_path
     )  # fmt: skip
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "nests too deeply to be stored" in proc.stderr
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://x", "http://", "127.0.0.1:4318"])
+@pytest.mark.parametrize("supervise", [[], ["--supervise"]])
+def test_an_otel_endpoint_that_is_not_an_http_url_is_refused_before_anything_is_made(
+    tmp_path: Path, url: str, supervise: list[str]
+) -> None:
+    """The exporter took any string, then dropped every span: exit 0, nothing exported."""
+    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl", "--otel-endpoint", url, *supervise)
+    assert_refused(
+        proc,
+        f"--otel-endpoint {url!r} is not an http:// or https:// URL with a host",
+        "give --otel-endpoint an OTLP/HTTP URL such as http://127.0.0.1:4318/v1/traces",
+    )
+    assert not (tmp_path / "state").exists()
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+)
+def test_an_otlp_endpoint_variable_that_is_not_an_http_url_is_refused(
+    tmp_path: Path, variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --otel-endpoint, the exporter reads the variable: checked the same way."""
+    monkeypatch.setenv(variable, "collector:4318")
+    proc = ratchet_run(tmp_path, tmp_path / "o.jsonl")
+    assert_refused(
+        proc, f"{variable} 'collector:4318' is not an http:// or https:// URL", "(or unset it)"
+    )
+    assert not (tmp_path / "state").exists()

@@ -413,12 +413,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.connectors import is_uri
     from ratchet.runtime._engine import stopped_for_max_errors
     from ratchet.runtime._io import check_input_path, check_output_path
+    from ratchet.runtime._otel import check_endpoint
 
     # Refused before anything is created (the supervisor creates the state directory).
     if not is_uri(args.output):
         check_output_path(args.output)
     if args.input is not None and not is_uri(args.input):
         check_input_path(args.input)
+    check_endpoint(args.otel_endpoint)  # or the OTEL_EXPORTER_OTLP_* variables
     if args.from_savepoint is not None:
         from pathlib import Path
 

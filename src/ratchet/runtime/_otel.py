@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 from ratchet._errors import ConfigError
 
@@ -28,6 +29,39 @@ def wanted(endpoint: str | None) -> bool:
     )
 
 
+_ENV_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def check_endpoint(endpoint: str | None, flag: str = "--otel-endpoint") -> None:
+    """Refuse an endpoint the exporter cannot post to: the SDK takes any string and then
+    drops every span with a logged warning, so a typo would export nothing and exit 0.
+    Without `endpoint`, the OTLP variables the SDK would read are checked instead."""
+    example = "http://127.0.0.1:4318/v1/traces"
+    if endpoint is not None:
+        given = [(flag, endpoint, f"give {flag} {{}}")]
+    else:
+        # The traces variable wins over the general one in the SDK, so it is the one used.
+        given = [
+            (name, value, f"set {name} to {{}} (or unset it)")
+            for name in _ENV_VARS
+            if (value := os.environ.get(name))
+        ][:1]
+    if given and given[0][0] == "OTEL_EXPORTER_OTLP_ENDPOINT":
+        example = "http://127.0.0.1:4318"  # a base URL: the SDK appends /v1/traces
+    for where, url, fix in given:
+        try:
+            parts = urlsplit(url)
+            host = parts.hostname
+        except ValueError:
+            host = None
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not host:
+            raise ConfigError(
+                f"{where} {url!r} is not an http:// or https:// URL with a host; "
+                + fix.format(f"an OTLP/HTTP URL such as {example}")
+            )
+
+
 class RunExporter:
     """Turns completed runs' traces into spans and exports them over OTLP/HTTP."""
 
@@ -41,6 +75,7 @@ class RunExporter:
             raise ConfigError(
                 f"OpenTelemetry export needs the otel extra: pip install 'ratchet[otel]' ({exc})"
             ) from None
+        check_endpoint(endpoint, "EngineConfig(otel_endpoint=...)")
         # The SDK reads OTEL_EXPORTER_OTLP_* itself when no endpoint is given.
         exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
         self.provider = TracerProvider(

@@ -927,7 +927,38 @@ def _status_url(args: argparse.Namespace) -> int:
     table.add_row("state", job.state)
     table.add_row("worker", f"pid {job.worker_pid}, resource {job.resource_id}")
     table.add_row("restarts", str(job.restarts))
+    table.add_row("last exit", job.last_exit or "-")
     table.add_row("uptime", f"{job.uptime_seconds:.1f} s")
+    # The rows `status --state` has, as of the worker's last report (None: none yet).
+    unknown = "- (no worker report yet)"
+    in_flight, queued = job.in_flight_runs, job.queued_inputs
+    table.add_row("in-flight runs", unknown if in_flight is None else str(in_flight))
+    table.add_row("queued inputs", unknown if queued is None else str(queued))
+    waiting = job.waiting or []
+    if waiting:
+        table.add_row(
+            "waiting",
+            "\n".join(
+                f"key {w.key} input {w.seq}: {w.on}"
+                + (f" since {_when(w.since)}" if w.since else "")
+                + (f" until {_when(w.until)}" if w.until else "")
+                for w in waiting[:20]
+            )
+            + (f"\n... {len(waiting) - 20} more" if len(waiting) > 20 else ""),
+        )
+    for p in job.paused or []:
+        table.add_row(
+            "paused",
+            f"{p.resource} unavailable since {_when(p.since)}, next probe at "
+            f"{_when(p.next_probe)} ({p.error}); no new input is admitted meanwhile",
+        )
+    for shard in job.shards or []:
+        table.add_row(
+            f"shard {shard.shard}",
+            f"pid {shard.pid}, restarts {shard.restarts}, in flight "
+            f"{'-' if shard.in_flight_runs is None else shard.in_flight_runs}, queued "
+            f"{'-' if shard.queued_inputs is None else shard.queued_inputs}",
+        )
     c = checkpoints.counts
     table.add_row(
         "checkpoints",

@@ -112,8 +112,31 @@ def test_restarts_are_bounded_by_the_strategy(tmp_path: Path) -> None:
     text = err.decode()
     assert proc.returncode == 1, text
     assert text.count("worker died (exit code 9)") == 3
+    assert "ratchet: worker died (exit code 9); restart 1/2 in 0 s\n" in text  # text: as before
     assert "restart 1/2" in text and "restart 2/2" in text
     assert "the 2 restart attempts are used up" in text
+
+
+def test_json_logs_carry_the_supervisor_s_own_lines(tmp_path: Path) -> None:
+    """With --log-format json the REST address, each death and restart and the give-up are
+    JSON records like the worker's (they were plain `ratchet: ...` lines among them)."""
+    pytest.importorskip("uvicorn", reason="--rest-port needs the server extra")
+    proc = supervised(
+        tmp_path, [{"key": "a", "die": True}], "--restart-attempts", "1", "--restart-delay",
+        "0", "--rest-port", "0", "--log-format", "json",
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=60)
+    text = err.decode()
+    assert proc.returncode == 1, text
+    records = [json.loads(line) for line in text.splitlines()]  # every line is JSON
+    mine = [(r["level"], r["message"]) for r in records if r["logger"].startswith("ratchet.sup")]
+    assert mine[0][0] == "info" and mine[0][1].startswith("REST API on http://127.0.0.1:")
+    assert mine[1:] == [
+        ("warning", "worker died (exit code 9); restart 1/1 in 0 s"),
+        ("error", "worker died (exit code 9) and the 1 restart attempts are used up; the state "
+         "directory keeps the last checkpoint"),
+    ], mine  # fmt: skip
+    assert all(r["pid"] == proc.pid for r in records if r["logger"].startswith("ratchet.sup"))
 
 
 def test_an_error_a_restart_cannot_fix_is_not_restarted(tmp_path: Path) -> None:

@@ -326,6 +326,7 @@ def _supervise(args: argparse.Namespace) -> int:
         rest_host=args.rest_host,
         rest_port=args.rest_port,
         rest_token=args.rest_token,
+        log_format=args.log_format,
     )
     end_startup()  # the supervisor's own: its worker is a `ratchet run` with a start-up of its own
     return sup.run()

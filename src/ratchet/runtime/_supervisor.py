@@ -45,6 +45,9 @@ from ratchet.runtime._supervisor_env import (
 from ratchet.store._sqlite import StateLock
 
 log = logging.getLogger("ratchet.supervisor")
+# The supervisor's lifecycle lines (REST API address, a worker's death, a restart) are always
+# shown: a logger of their own at INFO, so they pass without -v under --log-format json.
+lifecycle = logging.getLogger("ratchet.supervisor.lifecycle")
 
 # Counts of one worker (engine.status()), summed over workers for /metrics: name -> help.
 WORKER_COUNTS = {
@@ -140,9 +143,11 @@ class Supervisor:
         clock: Clock = SYSTEM_CLOCK,
         rng: random.Random | None = None,
         rest_token: str | None = None,
+        log_format: str = "text",
     ) -> None:
         """`rest_token`: None reads the environment variable RATCHET_REST_TOKEN; a REST API on
-        an address other than loopback is refused without one."""
+        an address other than loopback is refused without one. `log_format` "json": the
+        lifecycle lines are log records (one JSON object each), else plain stderr lines."""
         if restart_attempts < 0 or restart_delay < 0:
             raise ConfigError("--restart-attempts and --restart-delay must be >= 0")
         if rest_token is None:
@@ -159,6 +164,7 @@ class Supervisor:
                     f"{REST_TOKEN_ENV} (clients send `Authorization: Bearer TOKEN`)"
                 )
         self.rest_token = rest_token
+        self.log_format = log_format
         self.worker_argv = worker_argv
         self.state_dir = Path(state_dir)
         self.attempts = restart_attempts
@@ -381,7 +387,17 @@ class Supervisor:
             # --rest-port 0: the port the system chose (it printed ":0")
             self.rest_port = int(server.servers[0].sockets[0].getsockname()[1])
         base = f"http://{self.rest_host}:{self.rest_port}"
-        print(f"ratchet: REST API on {base}/v1/job, dashboard on {base}/", file=sys.stderr)
+        self._say(logging.INFO, f"REST API on {base}/v1/job, dashboard on {base}/")
+
+    def _say(self, level: int, message: str) -> None:
+        """A lifecycle line: `ratchet: MESSAGE` on stderr, or with --log-format json a record
+        the JSON formatter writes (a plain line among JSON lines breaks a log shipper)."""
+        if self.log_format == "json":
+            if lifecycle.level == logging.NOTSET:
+                lifecycle.setLevel(logging.INFO)
+            lifecycle.log(level, message)
+        else:
+            print(f"ratchet: {message}", file=sys.stderr)
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -485,23 +501,23 @@ class Supervisor:
             if rc in EXIT_NO_RESTART:
                 with self._lock:
                     self.s.state = "failed"
-                print(f"ratchet: worker failed ({how}); not restarting", file=sys.stderr)
+                self._say(logging.ERROR, f"worker failed ({how}); not restarting")
                 return rc
             with self._lock:
                 if self.s.restarts >= self.attempts:
                     self.s.state = "failed"
-                    print(
-                        f"ratchet: worker died ({how}) and the {self.attempts} restart attempts "
+                    self._say(
+                        logging.ERROR,
+                        f"worker died ({how}) and the {self.attempts} restart attempts "
                         f"are used up; the state directory keeps the last checkpoint",
-                        file=sys.stderr,
                     )
                     return EXIT_FAILED
                 self.s.restarts += 1
                 self.s.state = "restarting"
-            print(
-                f"ratchet: worker died ({how}); restart {self.s.restarts}/{self.attempts} "
+            self._say(
+                logging.WARNING,
+                f"worker died ({how}); restart {self.s.restarts}/{self.attempts} "
                 f"in {self.delay:g} s",
-                file=sys.stderr,
             )
             if self._stop.wait(self.delay):
                 with self._lock:

@@ -191,6 +191,22 @@ def http_json(method: str, port: int, path: str, body: Any = None) -> tuple[int,
         conn.close()
 
 
+def restarts_in_metrics(port: int) -> tuple[float, dict[str, float]]:
+    """ratchet_worker_restarts_total and ratchet_shard_restarts_total by shard, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    code, text = http_json("GET", port, "/metrics")
+    assert code == 200, text
+    total, shards = -1.0, {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ratchet_worker_restarts_total":
+                total = sample.value
+            elif sample.name == "ratchet_shard_restarts_total":
+                shards[sample.labels["shard"]] = sample.value
+    return total, shards
+
+
 def test_a_supervised_sharded_job_is_one_job_to_rest_across_sigkills(tmp_path: Path) -> None:
     pytest.importorskip("fastapi", reason="the REST API needs ratchet[server] (fastapi, uvicorn)")
     inp, out, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "state"
@@ -254,6 +270,8 @@ def test_a_supervised_sharded_job_is_one_job_to_rest_across_sigkills(tmp_path: P
             ),
             sup,
         )
+        # The shard's restart shows in /metrics, where the documented alert looks (it was 0).
+        assert restarts_in_metrics(port) == (1.0, {"0": 1.0, "1": 0.0})
         os.kill(coordinator, signal.SIGKILL)  # the supervisor restarts the coordinator
         for k in KEYS:  # sent while the coordinator may be down: kept in the key's shard
             code, sent = http_json("POST", port, f"/v1/keys/{k}/signals/go", {"value": 2})
@@ -286,6 +304,9 @@ def test_a_supervised_sharded_job_is_one_job_to_rest_across_sigkills(tmp_path: P
         assert code == 200 and history["samples"][-1]["runs_completed"] >= len(KEYS)
         code, metrics = http_json("GET", port, "/metrics")
         assert code == 200 and "ratchet_checkpoints_completed_total" in metrics
+        # The coordinator's restart is added; shard 0's is kept though the new coordinator
+        # counts its shards' restarts from zero (a counter never goes down).
+        assert restarts_in_metrics(port) == (2.0, {"0": 1.0, "1": 0.0})
         code, page = http_json("GET", port, "/")
         assert code == 200 and "<html" in page.lower()
     finally:

@@ -103,6 +103,13 @@ def _counts_of(report: dict[str, Any] | None) -> dict[str, float]:
     for name, value in (status.get("metrics") or {}).items():
         if isinstance(value, int | float) and not isinstance(value, bool):
             counts[f"metrics:{name}"] = float(value)
+    # A sharded job: the coordinator's restarts of each shard's worker. Counted from zero by
+    # every coordinator, so kept with the other counts of an ended worker (monotonic).
+    for shard in (report or {}).get("shards") or []:
+        if isinstance(shard, dict) and type(shard.get("shard")) is int:
+            restarts = shard.get("restarts")
+            if type(restarts) is int:
+                counts[f"shard_restarts:{shard['shard']}"] = float(restarts)
     return counts
 
 
@@ -529,7 +536,8 @@ class _JobCollector:
     """Reads the supervisor's state at each scrape (prometheus_client's custom collector).
 
     Counters: worker counts summed over the workers of this supervisor (see the module doc),
-    durable checkpoint counts as the latest report has them, worker restarts. Gauges: what the
+    durable checkpoint counts as the latest report has them, worker restarts (the supervisor's
+    and the coordinator's of shard workers). Gauges: what the
     latest report shows now (in-flight runs, buffered inputs, waiting runs, paused resources,
     the latest checkpoint's size); omitted until a worker has reported.
     """
@@ -555,11 +563,27 @@ class _JobCollector:
             for name, value in s.worker_counts.items():
                 totals[name] = totals.get(name, 0.0) + value
 
+        shard_restarts = {
+            name.removeprefix("shard_restarts:"): value
+            for name, value in totals.items()
+            if name.startswith("shard_restarts:")
+        }
         restarts_metric = CounterMetricFamily(
-            "ratchet_worker_restarts", "workers restarted by the supervisor after dying"
+            "ratchet_worker_restarts",
+            "workers restarted after dying: by the supervisor, and (--workers N) each shard's "
+            "worker by the coordinator",
         )
-        restarts_metric.add_metric([], restarts)
+        restarts_metric.add_metric([], restarts + sum(shard_restarts.values()))
         yield restarts_metric
+        if shard_restarts:
+            per_shard = CounterMetricFamily(
+                "ratchet_shard_restarts",
+                "a shard's worker restarted by the coordinator after dying (--workers N)",
+                labels=["shard"],
+            )
+            for shard, value in sorted(shard_restarts.items(), key=lambda kv: int(kv[0])):
+                per_shard.add_metric([shard], value)
+            yield per_shard
         up = GaugeMetricFamily("ratchet_worker_up", "1 while a worker process is alive")
         up.add_metric([], 1.0 if worker_up else 0.0)
         yield up

@@ -127,8 +127,8 @@ def test_the_sink_publishes_with_the_output_id_and_the_server_drops_a_republish(
     out.open(JobIdentity("job1", tmp_path))
     rec = {"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": {"v": 1}}
     try:
-        out.write([rec])
-        out.write([rec])  # released again after a crash
+        assert out.write([rec]) == 1
+        assert out.write([rec]) == 0  # released again after a crash: not a new output
         assert out.duplicates == 1 and out.duplicate_window == 120
     finally:
         out.close()

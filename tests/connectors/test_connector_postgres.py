@@ -36,8 +36,11 @@ def test_the_sink_creates_its_table_and_writes_each_output_once(
     s.open(JobIdentity("job1", tmp_path))
     rec = {"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": {"v": 1}}
     try:
-        s.write([rec])
-        s.write([rec, {**rec, "id": "a:1:r>x:0", "seq": 1}])  # a release repeated after a crash
+        assert s.write([rec]) == 1
+        # A release repeated after a crash: only the new row is written, and said to be (the
+        # engine counts outputs by it).
+        assert s.write([rec, {**rec, "id": "a:1:r>x:0", "seq": 1}]) == 1
+        assert s.write([rec]) == 0
     finally:
         s.close()
     rows = postgres.execute(f"SELECT id, job, key, seq, task, record FROM {name} ORDER BY seq")

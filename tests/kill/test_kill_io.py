@@ -185,3 +185,44 @@ def test_a_followed_rotating_log_is_read_once_in_order(
     ), f"seed {seed}"
     assert log.rotations >= 8 and kills == (8 if kill else 0)
     print(f"seed {seed}: {log.written} lines, {log.rotations} rotations, {kills} SIGKILLs")
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["1-worker", "2-workers"])
+def test_outputs_written_before_a_kill_are_not_counted_again_after_it(
+    tmp_path: Path, workers: int
+) -> None:
+    """A job SIGKILLed after its sink wrote a checkpoint's outputs but before the next
+    checkpoint dropped them from the outbox restores them as unreleased; the sink skips the
+    ids its file holds, and the summary (and /metrics' ratchet_outputs_total, made from the
+    same count) counted them again: 20 lines in the file, 20 + the re-released counted."""
+    n = 20
+    src, out, state = tmp_path / "in.jsonl", tmp_path / "o.jsonl", tmp_path / "state"
+    src.write_text("".join(json.dumps({"key": f"k{i % 4}", "i": i}) + "\n" for i in range(n)))
+    # A long interval: the outputs are written after one checkpoint and stay in the outbox
+    # until the next, 4 s later; the kill falls in between.
+    proc = start(tmp_path, src, out, state, "--follow", "--workers", str(workers),
+                 "--checkpoint-interval", "4000")  # fmt: skip
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not read(out) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, (tmp_path / "stderr.log").read_text()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written_before = len(read(out))
+    kept = subprocess.run(
+        [*RATCHET, "status", "--state", str(state), "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    # The case this test is about: outputs in the file whose outbox rows were restored.
+    assert 0 < written_before <= json.loads(kept.stdout)["unreleased_outputs"], kept.stdout
+    again = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(src), "--output", str(out), "--state",
+         str(state), "--workers", str(workers), "--checkpoint-interval", "20", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    got = read(out)
+    assert len(got) == n and len({r["id"] for r in got}) == n
+    counted = json.loads(again.stdout)["outputs"]
+    assert counted == n - written_before, (counted, written_before)
+    assert written_before + counted == len(got)

@@ -364,7 +364,7 @@ def worker_main(argv: list[str] | None = None, *, forked: bool = False) -> int:
                 if kind in ("in", "eof"):
                     source.push(msg)
                 elif kind == "ack":
-                    sink.answered(msg[1], None)
+                    sink.answered(msg[1], None, msg[2] if len(msg) > 2 else None)
                 elif kind == "nack":
                     sink.answered(msg[1], msg[2])
                 elif kind == "stop":

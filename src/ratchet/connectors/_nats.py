@@ -497,13 +497,16 @@ class NatsSink(Sink):
             return f"it cannot be written as JSON: {type(exc).__name__}: {exc}"
         return None
 
-    def write(self, records: list[dict[str, Any]]) -> None:
+    def write(self, records: list[dict[str, Any]]) -> int:
         if self._loop is None:
             self.open(None)
         assert self._loop is not None
-        self._loop.call(self._publish(records), timeout=_TIMEOUT + 5)
+        return int(self._loop.call(self._publish(records), timeout=_TIMEOUT + 5))
 
-    async def _publish(self, records: list[dict[str, Any]]) -> None:
+    async def _publish(self, records: list[dict[str, Any]]) -> int:
+        """Publish; return how many the stream took as new (not duplicates of a message id
+        it holds, as a record released again after a crash is)."""
+        new = 0
         for i in range(0, len(records), _PUBLISH_CHUNK):
             chunk = records[i : i + _PUBLISH_CHUNK]
             acks = await asyncio.gather(
@@ -522,7 +525,10 @@ class NatsSink(Sink):
                     for r in chunk
                 )
             )
-            self.duplicates += sum(1 for a in acks if getattr(a, "duplicate", False))
+            duplicates = sum(1 for a in acks if getattr(a, "duplicate", False))
+            self.duplicates += duplicates
+            new += len(chunk) - duplicates
+        return new
 
     def close(self) -> None:
         loop = self._loop

@@ -195,7 +195,7 @@ class PostgresSink(Sink):
             return "it holds a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
         return None
 
-    def write(self, records: list[dict[str, Any]]) -> None:
+    def write(self, records: list[dict[str, Any]]) -> int:
         if self._conn is None:
             self.open(None)  # used without a Job (a Sink built by hand): not bound to one
         elif self._conn.closed:
@@ -219,9 +219,12 @@ class PostgresSink(Sink):
         try:
             with self._conn.transaction(), self._conn.cursor() as cur:
                 cur.executemany(stmt, rows)
+                # Rows inserted, over every statement: an id the table holds is not one.
+                inserted = cur.rowcount
         except psycopg.OperationalError:
             self._conn.close()  # reconnected at the next release
             raise
+        return max(inserted, 0)
 
     def close(self) -> None:
         if self._conn is not None:

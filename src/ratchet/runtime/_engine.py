@@ -1378,16 +1378,16 @@ class Engine:
         pending = list(self._unreleased.values())
         sink = self.sink
 
-        def deliver() -> list[Any]:
+        def deliver() -> tuple[list[Any], int]:
             # An output the sink cannot write becomes an error record in its place (the same
             # one when it comes back from the outbox after a crash): it never holds back others.
             checked, refused = writable(sink, pending)
-            sink.write(checked)
-            return refused
+            written = sink.write(checked)
+            return refused, len(checked) if written is None else written
 
         try:
             # The sink has its own thread, so its fsync never delays a durable-call record.
-            refused = await asyncio.wrap_future(self._sink_thread.submit(deliver))
+            refused, written = await asyncio.wrap_future(self._sink_thread.submit(deliver))
         except Exception as exc:  # noqa: BLE001 - kept in the outbox, retried next checkpoint
             log.warning("sink write failed, will retry after the next checkpoint: %s", exc)
             return
@@ -1396,7 +1396,9 @@ class Engine:
             for key in refused:
                 metrics.add(key, "outputs.unwritable")
         self._released.extend(self._unreleased)
-        self.result.outputs += len(self._unreleased)
+        # What the sink wrote now: after a kill -9 the restored outbox holds outputs the
+        # killed process had written already, which the sink skips; they were counted there.
+        self.result.outputs += written
         self._unreleased.clear()
 
     def _report(self) -> None:

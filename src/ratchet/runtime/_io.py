@@ -1107,7 +1107,10 @@ class Sink:
         writes an error record in its place, so one bad output never holds back others."""
         return None
 
-    def write(self, records: list[dict[str, Any]]) -> None:
+    def write(self, records: list[dict[str, Any]]) -> int | None:
+        """Write `records`; return how many it wrote now, those it already held (an id sent
+        again after a crash) left out, so the engine counts each output once. None: this
+        sink cannot tell, and every record given is counted."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -1270,20 +1273,22 @@ class JsonlSink(Sink):
     def _line(self, record: dict[str, Any]) -> str:
         return output_line(record, self._job)
 
-    def write_lines(self, lines: list[tuple[str, str]]) -> None:
+    def write_lines(self, lines: list[tuple[str, str]]) -> int:
         """(id, line) pairs rendered elsewhere by `output_line` for this job (by the shard
         workers of a job run with --workers N, so the coordinator does not decode and encode
-        every output): written as `write` writes records, each id once."""
+        every output): written as `write` writes records, each id once; returns how many
+        lines it appended."""
         if self._fh is None:
             self.open(None)
         assert self._fh is not None
         new = [(i, line) for i, line in lines if i not in self._ids]
         if not new:
-            return
+            return 0
         self._fh.write("".join(line for _i, line in new).encode("utf-8"))
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._ids.update(i for i, _line in new)
+        return len(new)
 
     def validate(self, record: dict[str, Any]) -> str | None:
         try:
@@ -1293,7 +1298,7 @@ class JsonlSink(Sink):
         self._checked[record["id"]] = (record, line)  # so write() does not encode it again
         return None
 
-    def write(self, records: list[dict[str, Any]]) -> None:
+    def write(self, records: list[dict[str, Any]]) -> int:
         if self._fh is None:
             self.open(None)  # used without a Job (an Engine built by hand): not bound to one
         assert self._fh is not None
@@ -1301,16 +1306,17 @@ class JsonlSink(Sink):
         lines = []
         for rec in records:
             if rec["id"] in self._ids:
-                continue
+                continue  # in the file already: written before a crash, released again
             hit = checked.get(rec["id"])
             lines.append(hit[1] if hit is not None and hit[0] is rec else self._line(rec))
         if not lines:
-            return
+            return 0
         self._fh.write("".join(lines).encode("utf-8"))
         self._fh.flush()
         os.fsync(self._fh.fileno())
         for rec in records:
             self._ids.add(rec["id"])
+        return len(lines)
 
     def close(self) -> None:
         if self._fh is not None:
@@ -1383,6 +1389,7 @@ class CallbackSink(Sink):
     def __init__(self, fn: Callable[[dict[str, Any]], None]) -> None:
         self._fn = fn
 
-    def write(self, records: list[dict[str, Any]]) -> None:
+    def write(self, records: list[dict[str, Any]]) -> int:
         for rec in records:
             self._fn(rec)
+        return len(records)  # no de-duplication: a redelivery is delivered, and counted

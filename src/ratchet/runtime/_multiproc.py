@@ -11,7 +11,8 @@ otherwise, and for every restart, it is a new `python -m ratchet.agents._sharded
 
 Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over a socket pair.
 coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's
-position `at` after input `end - 1`), ["eof"], ["stop"], ["ack", n], ["nack", n, why].
+position `at` after input `end - 1`), ["eof"], ["stop"], ["ack", n, written] (written: how
+many of them the sink wrote now, not holding them already), ["nack", n, why].
 worker -> coordinator: ["hello", next, from, at] (restored), ["took", frames],
 ["partial", result] (before it ends by a signal sent to it alone),
 ["committed", next, from, at] (after each checkpoint), ["out", n, records] (or, for a JSONL
@@ -203,7 +204,7 @@ class PipeSink(Sink):
         self._job = lines_for or None
         self._checked: dict[str, tuple[dict[str, Any], str]] = {}
         self._n = 0
-        self._waits: dict[int, tuple[threading.Event, list[str | None]]] = {}
+        self._waits: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._lock = threading.Lock()
 
     def validate(self, record: dict[str, Any]) -> str | None:
@@ -216,12 +217,12 @@ class PipeSink(Sink):
         self._checked[record["id"]] = (record, line)
         return None
 
-    def write(self, records: list[dict[str, Any]]) -> None:
+    def write(self, records: list[dict[str, Any]]) -> int | None:
         with self._lock:
             self._n += 1
             n = self._n
             done = threading.Event()
-            why: list[str | None] = [None]
+            why: list[Any] = [None, None]  # why not written; how many the sink wrote
             self._waits[n] = (done, why)
         if self._lines:
             checked, self._checked = self._checked, {}
@@ -236,12 +237,14 @@ class PipeSink(Sink):
         done.wait()
         if why[0] is not None:
             raise OSError(f"the coordinator could not write the outputs: {why[0]}")
+        return why[1]  # type: ignore[no-any-return]
 
-    def answered(self, n: int, why: str | None) -> None:
+    def answered(self, n: int, why: str | None, written: int | None = None) -> None:
         with self._lock:
             wait = self._waits.pop(n, None)
         if wait is not None:
             wait[1][0] = why
+            wait[1][1] = written
             wait[0].set()
 
 
@@ -562,12 +565,13 @@ class Coordinator:
                     shard.inflight -= msg[1]
                     if shard.inflight < WINDOW:
                         shard.room.set()
-                elif kind == "lines":
-                    why = await loop.run_in_executor(self._sink_thread, self._append, msg[2])
-                    self._send(shard, ["ack", msg[1]] if why is None else ["nack", msg[1], why])
-                elif kind == "out":
-                    why = await loop.run_in_executor(self._sink_thread, self._deliver, msg[2])
-                    self._send(shard, ["ack", msg[1]] if why is None else ["nack", msg[1], why])
+                elif kind in ("lines", "out"):
+                    write = self._append if kind == "lines" else self._deliver
+                    why = await loop.run_in_executor(self._sink_thread, write, msg[2])
+                    self._send(
+                        shard,
+                        ["ack", msg[1], why] if isinstance(why, int) else ["nack", msg[1], why],
+                    )
                 elif kind == "committed":
                     self._committed(shard, msg[1], msg[2], msg[3])
                 elif kind == "hello":
@@ -627,25 +631,26 @@ class Coordinator:
             self._fail(exc_type(f"worker of shard {shard.index} ({shard.dir}) failed: {what}"))
         self._check_done()
 
-    def _deliver(self, records: list[dict[str, Any]]) -> str | None:
-        """In the sink thread: write a worker's released outputs; None once written."""
+    def _deliver(self, records: list[dict[str, Any]]) -> int | str:
+        """In the sink thread: write a worker's released outputs; how many the sink wrote
+        now (the worker counts those), or why they could not be written."""
         try:
             checked, _refused = writable(self.sink, records)
-            self.sink.write(checked)
+            written = self.sink.write(checked)
         except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
             log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
             return f"{type(exc).__name__}: {exc}"
-        return None
+        return len(checked) if written is None else written
 
-    def _append(self, pairs: list[list[str]]) -> str | None:
-        """In the sink thread: append the JSONL lines a worker rendered; None once written."""
+    def _append(self, pairs: list[list[str]]) -> int | str:
+        """In the sink thread: append the JSONL lines a worker rendered; how many were new
+        (not in the file already), or why they could not be written."""
         assert isinstance(self.sink, JsonlSink)
         try:
-            self.sink.write_lines([(i, line) for i, line in pairs])
+            return self.sink.write_lines([(i, line) for i, line in pairs])
         except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
             log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
             return f"{type(exc).__name__}: {exc}"
-        return None
 
     def _report(self) -> None:
         if self.on_report is None:

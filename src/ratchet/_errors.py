@@ -16,6 +16,7 @@
     ├── MigrationError                a memory migration is missing or raised; exit 2
     ├── SignalTimeout                 (also TimeoutError) ctx.wait_for_signal timed out
     ├── CheckpointError               checkpoints failed more times in a row than tolerated
+    ├── SinkError                     a job ends with outputs its sink would not take; exit 2
     ├── CodecError                    (also TypeError) a value cannot be stored
     │   └── UnknownTypeError          stored data names a class this process has not registered
     ├── CorruptDataError              (also ValueError) bytes are not something encode wrote
@@ -116,6 +117,11 @@ class SignalTimeout(RatchetError, TimeoutError):
 
 class CheckpointError(RatchetError):
     """Checkpoints failed more times in a row than the job tolerates."""
+
+
+class SinkError(RatchetError):
+    """A job ends with outputs of completed checkpoints its sink would not take (they are
+    kept in the state and written when the job runs again)."""
 
 
 class BadInputError(RatchetError):

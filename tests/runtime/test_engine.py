@@ -21,7 +21,9 @@ from ratchet import (
     Job,
     NonDeterminismError,
     OutputEvent,
+    SinkError,
     action,
+    open_state,
     run,
 )
 from ratchet.agents._context import AgentBinding, install_task_factory
@@ -713,3 +715,41 @@ def test_metrics_inc_refuses_a_value_a_counter_cannot_take_and_ratchets_own_name
     assert error["type"] == "ratchet._errors.InvalidArgumentError"
     assert re.search(message, error["message"]), error["message"]
     assert result.metrics == {"fine": 2.5}
+
+
+class FlakySink:
+    """An output callback that refuses its first `fails` calls (a sink that is down)."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails = fails
+        self.got: list[dict[str, Any]] = []
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self.fails:
+            self.fails -= 1
+            raise ConnectionError("sink down")
+        self.got.append(record)
+
+
+@pytest.mark.parametrize("fails", [2, 10_000])
+def test_a_job_does_not_end_as_done_with_outputs_its_sink_refused(
+    tmp_path: Path, fails: int
+) -> None:
+    # It logged "will retry after the next checkpoint" and returned as if done: exit 0 with
+    # the outputs missing from the sink (kept in the outbox until some later run).
+    inputs = [{"key": f"k{i}", "n": i} for i in range(3)]
+    sink = FlakySink(fails)
+    state = tmp_path / "s"
+    if fails < 5:  # the sink comes back within the end's retries: every output, once
+        run(Hoarder(), inputs=[dict(i, size=1) for i in inputs], output=sink, state_dir=state)
+        assert sorted(r["output"] for r in sink.got) == [1, 1, 1]
+        assert open_state(state).summary()["unreleased_outputs"] == 0
+        return
+    with pytest.raises(
+        SinkError, match=r"3 output\(s\) .* \(ConnectionError: sink down\); they are kept"
+    ):
+        run(Hoarder(), inputs=[dict(i, size=1) for i in inputs], output=sink, state_dir=state)
+    assert sink.got == []
+    sink.fails = 0  # back: the next run writes them, once each
+    run(Hoarder(), inputs=[dict(i, size=1) for i in inputs], output=sink, state_dir=state)
+    assert sorted(r["output"] for r in sink.got) == [1, 1, 1]

@@ -28,6 +28,7 @@ from ratchet._errors import (
     IncompatibleChangeError,
     NonDeterminismError,
     RatchetError,
+    SinkError,
     StateError,
 )
 from ratchet.runtime._dispatch import (
@@ -895,6 +896,7 @@ class Engine:
                 attempt += 1
                 await self.clock.sleep(min(0.05 * attempt, 1.0))
             await self._forget_released()
+            await self._deliver_what_is_left()
             if self._bad is not None:
                 raise self._bad
         finally:
@@ -1369,6 +1371,29 @@ class Engine:
             self._ltm.index.committed(len(delta.ltm))
         return info
 
+    _sink_error = ""  # the sink's last refusal
+
+    async def _deliver_what_is_left(self) -> None:
+        """At the end of a job, outputs of completed checkpoints the sink refused are tried a
+        few times more; a job whose sink still refuses them does not end as if it were done
+        (it exited 0 with the outputs missing from the sink)."""
+        delay = 0.1
+        for _ in range(5):
+            if not self._unreleased:
+                return
+            await self.clock.sleep(delay)
+            delay *= 2
+            await self._release({})
+            if not self._unreleased:  # delivered: record it, as any release is recorded
+                await self.checkpoint()
+                await self._forget_released()
+                return
+        raise SinkError(
+            f"{len(self._unreleased)} output(s) of completed checkpoints could not be written "
+            f"to the sink ({self._sink_error}); they are kept in the state and written, once "
+            f"each, when the job runs again: fix the sink, then run the same command"
+        )
+
     async def _release(self, records: dict[str, dict[str, Any]]) -> None:
         """Hand the outputs of a completed checkpoint (their sink records, by output id) to
         the sink, in order, after any still unreleased; retried if the sink fails."""
@@ -1390,6 +1415,7 @@ class Engine:
             refused, written = await asyncio.wrap_future(self._sink_thread.submit(deliver))
         except Exception as exc:  # noqa: BLE001 - kept in the outbox, retried next checkpoint
             log.warning("sink write failed, will retry after the next checkpoint: %s", exc)
+            self._sink_error = f"{type(exc).__name__}: {exc}"
             return
         metrics = getattr(self.binding, "metrics", None)
         if metrics is not None:

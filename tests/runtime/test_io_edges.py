@@ -19,6 +19,7 @@ from ratchet import (
     EngineConfig,
     InputEvent,
     OutputEvent,
+    SinkError,
     StateError,
     action,
     run,
@@ -163,7 +164,8 @@ def test_an_unwritable_output_restored_from_the_outbox_gives_the_same_error_reco
     run(Tupled(), inputs=inputs, output=tmp_path / "ref.jsonl", state_dir=tmp_path / "ref")
     # The first process checkpoints the outputs but cannot hand them over; the second one
     # restores them from the outbox, as after a crash between checkpoint and release.
-    run(Tupled(), inputs=inputs, output=_Down(), state_dir=tmp_path / "s")
+    with pytest.raises(SinkError, match=r"4 output\(s\) .* \(OSError: sink unavailable\)"):
+        run(Tupled(), inputs=inputs, output=_Down(), state_dir=tmp_path / "s")
     assert position(tmp_path / "s")["index"] == 4
     out = tmp_path / "o.jsonl"
     result = run(Tupled(), inputs=inputs, output=out, state_dir=tmp_path / "s")

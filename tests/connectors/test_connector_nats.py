@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from connector_servers import Nats
+from connector_servers import AGENT, RATCHET, Nats
 
 from ratchet._errors import ConfigError
 from ratchet.connectors import sink_for, source_for
@@ -161,6 +162,58 @@ def test_messages_are_acknowledged_only_when_the_engine_says_their_checkpoint_co
         while src.position()["pending"] != [3]:  # 1-2 forgotten once it saw the floor pass
             assert src.next_record() is None
             assert time.monotonic() < deadline, src.position()
+            time.sleep(0.01)
+    finally:
+        src.close()
+
+
+def test_a_slow_agent_gets_each_message_once_though_the_buffer_outlives_the_ack_wait(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    # The engine holds 1,000 inputs and the fetcher buffers up to 4 batches more: at 10 ms an
+    # input on two keys, the last 300 wait in the source's buffer past the 1 s ack-wait. The
+    # server redelivers them and a second copy reaches the buffer; the copy of a message
+    # already acknowledged (below the ack floor) must not be admitted again.
+    s = streams(nats_server)
+    n = 1300
+    inputs = [{"key": f"k{i % 2}", "i": i, "sleep": 0.01} for i in range(n)]
+    nats_server.publish(f"in.{s}", [json.dumps(r).encode() for r in inputs])
+    with open(tmp_path / "stderr.log", "wb") as err:
+        proc = subprocess.run(
+            [*RATCHET, "run", AGENT, "--input",
+             f"{nats_server.url}?stream=IN{s}&subject=in.{s}&ack_wait=1",
+             "--output", f"{nats_server.url}?stream=OUT{s}&subject=out.{s}",
+             "--state", str(tmp_path / "state"), "--checkpoint-interval", "20"],
+            stdout=subprocess.DEVNULL, stderr=err, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 0, (tmp_path / "stderr.log").read_text()[-3000:]
+    outs = [json.loads(data) for data, _h in nats_server.messages(f"OUT{s}")]
+    assert sorted(o["output"]["i"] for o in outs) == list(range(n))
+    per_key: dict[str, list[int]] = {}
+    for o in outs:
+        per_key.setdefault(o["key"], []).append(o["output"]["n"])
+    for key, counts in per_key.items():  # the state counted each input once
+        assert sorted(counts) == list(range(1, len(counts) + 1)), key
+
+
+def test_a_stale_copy_fetched_before_the_ack_is_not_admitted_after_the_ack_floor_passed_it(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": 0}).encode()])
+    src = source(nats_server, s, tmp_path, ack_wait=1)
+    src.restore({})
+    try:
+        assert [v["i"] for v in next_values(src, 1)] == [0]
+        time.sleep(2.5)  # past the ack-wait: the server redelivers 1, the fetcher buffers it
+        src.acknowledge(src.position())
+        deadline = time.monotonic() + 30
+        while src.position()["pending"]:  # forgotten once the ack floor passed it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert consumer(nats_server, s, "ratchet-job1").delivered.consumer_seq >= 2
+        for _ in range(50):
+            assert src.next_record() is None  # the copy in the buffer is skipped
             time.sleep(0.01)
     finally:
         src.close()

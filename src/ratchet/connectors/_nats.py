@@ -159,6 +159,8 @@ class NatsSource(Source):
         self._handles: dict[int, Any] = {}  # admitted, not yet acknowledged
         self._acking: dict[int, Any] = {}  # acknowledged after a checkpoint, not yet confirmed
         self._restored: set[int] = set()  # in a completed checkpoint, unconfirmed by the server
+        self._floor = 0  # the consumer's ack floor (a stream sequence) as last seen
+        self._wait = DEFAULT_ACK_WAIT  # the consumer's ack-wait, seconds
         self._prev: tuple[int, Any] | None = None
         self._drained = False
         self._closing = False
@@ -230,6 +232,7 @@ class NatsSource(Source):
                     max_ack_pending=20_000,
                 ),
             )
+            self._wait = wait
             log.info("created durable consumer %s on stream %s", self.durable, self.stream)
         else:
             cfg = info.config
@@ -248,6 +251,7 @@ class NatsSource(Source):
             self._check_ack_wait(
                 float(cfg.ack_wait or 0), least, checkpoint_interval, "`nats consumer edit`"
             )
+            self._wait = float(cfg.ack_wait or DEFAULT_ACK_WAIT)
         self._forget_acked(info)
         self._sub = await js.pull_subscribe_bind(self.durable, self.stream)
 
@@ -267,6 +271,8 @@ class NatsSource(Source):
         they are never redelivered, so the position need not remember them."""
         floor = int(getattr(info.ack_floor, "stream_seq", 0) or 0)
         with self._lock:
+            # Infos answered out of order must not lower it.
+            floor = self._floor = max(self._floor, floor)
             self._restored = {s for s in self._restored if s > floor}
             self._acking = {s: m for s, m in self._acking.items() if s > floor}
 
@@ -308,6 +314,10 @@ class NatsSource(Source):
             with self._lock:
                 if seq in self._handles:
                     self._handles[seq] = msg  # admitted, not checkpointed yet: ack it later
+                    continue
+                if seq <= self._floor:
+                    # Acknowledged for good: a stale copy, redelivered while the first one
+                    # waited in the buffer and fetched before the ack. Never admitted again.
                     continue
                 if seq in self._restored or seq in self._acking:
                     # Already in a completed checkpoint: a redelivery, acknowledged again.
@@ -365,7 +375,12 @@ class NatsSource(Source):
 
     async def _fetch_loop(self) -> None:
         assert self._want is not None
+        touched = asyncio.get_running_loop().time()
         while not self._closing:
+            now = asyncio.get_running_loop().time()
+            if now - touched >= self._wait / 3:
+                touched = now
+                await self._touch()
             with self._lock:
                 full = len(self._ready) >= self.batch * _PREFETCH
             if full:
@@ -390,6 +405,17 @@ class NatsSource(Source):
                 self._ready.extend(msgs)
             if len(msgs) < self.batch and not self._follow:
                 await self._idle()  # maybe the end of the input already
+
+    async def _touch(self) -> None:
+        """A slow agent leaves fetched messages in the buffer longer than the ack-wait: tell
+        the server they are in progress, or it delivers every one of them again."""
+        with self._lock:
+            waiting = list(self._ready)
+        for m in waiting:
+            try:
+                await m.in_progress()
+            except nats.errors.Error:  # a redelivery is recognised anyway
+                return
 
     async def _idle(self) -> None:
         """Nothing came: learn whether the consumer is drained (the end of a job without

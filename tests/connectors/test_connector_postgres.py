@@ -184,3 +184,44 @@ def test_rows_nested_too_deeply_are_bad_inputs_not_tracebacks(
     assert f"{name} row id=2: the input nests more than {INPUT_MAX_DEPTH}" in deeper.error
     assert deepest is not None and deepest.error is not None
     assert f"{name} row id=3: invalid JSON (arrays or objects nested too deeply" in deepest.error
+
+
+@pytest.mark.parametrize("name", ["Res", "my-t"])
+def test_a_mixed_case_or_special_table_name_is_that_exact_table(
+    postgres: Postgres, tmp_path: Path, name: str
+) -> None:
+    """The table is looked up by its quoted name: `Res` is not `res`, `my-t` is one name."""
+    suffix = next(_names)
+    name = f"{name}{suffix}"
+    first = sink(postgres, name)
+    first.open(JobIdentity("job1", tmp_path))
+    first.write([{"id": "a:1:r>x:0", "key": "a", "seq": 1, "task": "r>x", "output": 1}])
+    first.close()
+    with pytest.raises(
+        ConfigError, match="holds outputs of job job1, and this state directory is job job2"
+    ):
+        sink(postgres, name).open(JobIdentity("job2", tmp_path))
+    # A source reads it by that name too.
+    src = source_for(f"{postgres.dsn}?table={name}&id_column=seq", key="key", follow=False)
+    src.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)
+    src.restore({})
+    try:
+        rec = src.next_record()
+        assert rec is not None and rec.key == "a" and rec.value["id"] == "a:1:r>x:0"
+    finally:
+        src.close()
+
+
+def test_a_table_named_like_an_existing_one_in_another_case_is_a_new_table(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    lower = table()
+    postgres.execute(f"CREATE TABLE {lower} (id integer PRIMARY KEY)")  # not an output table
+    upper = lower.upper()
+    s = sink(postgres, upper)
+    s.open(JobIdentity("job1", tmp_path))  # "PGT_n" is not pgt_n: created, not refused
+    try:
+        s.write([{"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": 1}])
+    finally:
+        s.close()
+    assert postgres.execute(f'SELECT job FROM "{upper}"') == [("job1",)]

@@ -92,10 +92,15 @@ def _connect(conninfo: str, flag: str, uri: str) -> psycopg.Connection[Any]:
         raise ConfigError(f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {exc}") from exc
 
 
+def _regclass(conn: psycopg.Connection[Any], parts: list[str]) -> str:
+    """The table's name as to_regclass reads it: quoted, so that `Res` or `my-t` is that exact
+    table (unquoted, PostgreSQL folds it to lower case or cannot parse it)."""
+    return sql.Identifier(*parts).as_string(conn)
+
+
 def _columns(conn: psycopg.Connection[Any], parts: list[str]) -> dict[str, str] | None:
     """The table's columns and their types, or None if there is no such table."""
-    name = ".".join(parts)
-    row = conn.execute("SELECT to_regclass(%s)::oid", (name,)).fetchone()
+    row = conn.execute("SELECT to_regclass(%s)::oid", (_regclass(conn, parts),)).fetchone()
     if row is None or row[0] is None:
         return None
     rows = conn.execute(
@@ -110,7 +115,7 @@ def _primary_key(conn: psycopg.Connection[Any], parts: list[str]) -> list[str]:
     rows = conn.execute(
         "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid "
         "AND a.attnum = ANY(i.indkey) WHERE i.indrelid = to_regclass(%s) AND i.indisprimary",
-        (".".join(parts),),
+        (_regclass(conn, parts),),
     ).fetchall()
     return sorted(str(r[0]) for r in rows)
 

@@ -86,6 +86,32 @@ def test_an_output_jsonb_cannot_hold_is_named(postgres: Postgres) -> None:
     problem = s.validate({"id": "a:0:r>x:0", "output": "nul \x00 here"})
     assert problem == "it holds a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
     assert s.validate({"id": "a:0:r>x:0", "output": "fine"}) is None
+    assert s.validate({"id": "a:0:r>x:0", "output": {"k\x00": 1}}) is not None
+    # The text backslash-u0000 is no NUL: jsonb stores it.
+    assert s.validate({"id": "a:0:r>x:0", "output": "a \\u0000 b"}) is None
+
+
+def test_an_output_with_a_nul_is_an_error_row_under_its_key_as_text(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    name = table()
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        json.dumps({"key": "a", "i": "nul \x00"})
+        + "\n"
+        + json.dumps({"key": "a", "i": "\\u0000"})
+        + "\n"
+    )
+    proc = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(src), "--output", f"{postgres.dsn}?table={name}",
+         "--state", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = postgres.execute(f"SELECT key, seq, record FROM {name} ORDER BY seq")
+    assert [(k, s) for k, s, _r in rows] == [("a", 0), ("a", 1)]
+    assert rows[0][2]["key"] == "a" and "NUL character" in rows[0][2]["error"]["message"]
+    assert rows[1][2]["output"] == {"i": "\\u0000", "n": 2}  # the text, written as it is
 
 
 def test_the_source_follows_new_rows_and_resumes_after_its_position(

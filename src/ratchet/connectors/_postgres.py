@@ -120,6 +120,18 @@ def _primary_key(conn: psycopg.Connection[Any], parts: list[str]) -> list[str]:
     return sorted(str(r[0]) for r in rows)
 
 
+def _has_nul(value: Any) -> bool:
+    """Whether a NUL character is in any string of `value` (keys too). Searching the JSON line
+    for `\\u0000` would also find the harmless text backslash-u0000, written `\\\\u0000`."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple | set | frozenset):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 def _shape(columns: dict[str, str]) -> str:
     return ", ".join(f"{n} {t}" for n, t in columns.items())
 
@@ -193,10 +205,10 @@ class PostgresSink(Sink):
 
     def validate(self, record: dict[str, Any]) -> str | None:
         try:
-            line = to_json_line(record)
+            to_json_line(record)
         except Exception as exc:  # noqa: BLE001 - whatever fails is the reason
             return f"it cannot be written as JSON: {type(exc).__name__}: {exc}"
-        if "\\u0000" in line:
+        if _has_nul(record):
             return "it holds a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
         return None
 

@@ -976,8 +976,11 @@ def _error_in_place(
     the key cannot be written)."""
     log.warning("output %s cannot be written: %s", record.get("id"), problem)
     error = unwritable_record(record, problem)
-    if not can_write(error):
-        error["key"] = repr(error["key"])
+    key = error["key"]
+    for text in (str(key), repr(key)):  # `a`, not `'a'`; repr escapes what str cannot hold
+        if can_write(error):
+            break
+        error["key"] = text
     return error
 
 

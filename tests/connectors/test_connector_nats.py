@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from connector_servers import AGENT, RATCHET, Nats
+from connector_servers import AGENT, RATCHET, Nats, free_port
 
 from ratchet._errors import ConfigError
 from ratchet.connectors import sink_for, source_for
@@ -217,3 +217,32 @@ def test_a_stale_copy_fetched_before_the_ack_is_not_admitted_after_the_ack_floor
             time.sleep(0.01)
     finally:
         src.close()
+
+
+def test_an_unreachable_server_or_a_subject_outside_the_stream_is_one_line_and_exit_2(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    s = streams(nats_server)
+    nowhere = f"nats://u:pw@127.0.0.1:{free_port()}"
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"key": "a", "i": 0}) + "\n")
+    cases = [
+        (["--input", f"{nowhere}?stream=IN{s}&subject=in.{s}", "--output", str(tmp_path / "o")],
+         f"--input {nowhere.replace('pw', '***')}?stream=IN{s}&subject=in.{s}: cannot connect "
+         f"to NATS"),
+        (["--input", str(src), "--output", f"{nowhere}?stream=OUT{s}&subject=out.{s}"],
+         "cannot connect to NATS"),
+        (["--input", f"{nats_server.url}?stream=IN{s}&subject=elsewhere", "--output",
+          str(tmp_path / "o")],
+         f"JetStream refused a consumer of subject 'elsewhere' on stream IN{s}"),
+    ]  # fmt: skip
+    for i, (io, message) in enumerate(cases):
+        started = time.monotonic()
+        proc = subprocess.run(
+            [*RATCHET, "run", AGENT, *io, "--state", str(tmp_path / f"state{i}")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert time.monotonic() - started < 15, proc.stderr  # not the 30 s call timeout
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr
+        assert message in proc.stderr

@@ -251,3 +251,42 @@ def test_a_table_named_like_an_existing_one_in_another_case_is_a_new_table(
     finally:
         s.close()
     assert postgres.execute(f'SELECT job FROM "{upper}"') == [("job1",)]
+
+
+def run_cli(state: Path, *io: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RATCHET, "run", AGENT, *io, "--state", str(state)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_what_the_database_refuses_is_one_line_and_exit_2(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, key text)")
+    postgres.execute(f"INSERT INTO {name} (key) VALUES ('a')")
+    postgres.execute("DROP ROLE IF EXISTS nopriv")
+    postgres.execute("CREATE ROLE nopriv LOGIN")
+    nopriv = postgres.dsn.replace("postgres@", "nopriv@")
+    out = str(tmp_path / "out.jsonl")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"key": "a", "i": 0}) + "\n")
+    cases = [
+        (["--input", f"{nopriv}?table={name}", "--output", out],
+         f"(table {name}): PostgreSQL refused to read the table: permission denied for table "
+         f"{name}; grant the user that privilege"),
+        (["--input", str(tmp_path / "in.jsonl"), "--output", f"{nopriv}?table={table()}"],
+         "PostgreSQL refused to prepare the output table: permission denied for schema public; "
+         "grant the user that privilege"),
+        (["--input", str(tmp_path / "in.jsonl"), "--output", f"{postgres.dsn}?table=noschema.t"],
+         "PostgreSQL refused to prepare the output table: schema \"noschema\" does not exist; "
+         "create the schema first"),
+        (["--input", str(tmp_path / "in.jsonl"), "--output",
+          f"postgresql://app:pw@127.0.0.1:abc/postgres?table={name}"],
+         "--output postgresql://app:***@127.0.0.1:abc/postgres?table="),
+    ]  # fmt: skip
+    for i, (io, message) in enumerate(cases):
+        proc = run_cli(tmp_path / f"state{i}", *io)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr
+        assert message in proc.stderr

@@ -48,6 +48,20 @@ def test_paths_are_not_uris() -> None:
         (lambda: source_for("nats://127.0.0.1:4222?stream=S&subject=x&ack_wait=-1", key="key",
                             follow=False),
          "ack_wait and batch must be positive"),
+        (lambda: source_for("postgresql://h/db?table=t&poll=nan", key="key", follow=False),
+         "poll must be a number of seconds >= 0"),
+        *[(lambda v=v: source_for(f"nats://127.0.0.1:4222?stream=S&subject=x&ack_wait={v}",
+                                  key="key", follow=False),
+           f"ack_wait is a number of seconds up to 86400 (a day), not {v}")
+          for v in ("inf", "nan", "1e12")],
+        (lambda: source_for("nats://127.0.0.1:4222?stream=S&subject=x&durable=a.b", key="key",
+                            follow=False),
+         "durable=a.b is not a NATS consumer name: it must not hold whitespace, '.'"),
+        (lambda: source_for("nats://u:pw@127.0.0.1:99999?stream=S&subject=x", key="key",
+                            follow=False),
+         "--input nats://u:***@127.0.0.1:99999?stream=S&subject=x: the port is not a number"),
+        (lambda: sink_for("nats://u:pw@127.0.0.1:abc?stream=S&subject=x", append=False),
+         "--output nats://u:***@127.0.0.1:abc?stream=S&subject=x: the port is not a number"),
     ],
 )  # fmt: skip
 def test_a_wrong_uri_is_a_config_error_naming_it(make: object, message: str) -> None:
@@ -60,6 +74,9 @@ def test_a_wrong_uri_is_a_config_error_naming_it(make: object, message: str) -> 
 def test_redact_hides_only_the_password() -> None:
     assert redact("postgresql://me:pw@db:5432/x?table=t") == "postgresql://me:***@db:5432/x?table=t"
     assert redact("nats://127.0.0.1:4222?stream=S") == "nats://127.0.0.1:4222?stream=S"
+    # A port that is not a number is shown as written, not a ValueError.
+    assert redact("postgresql://app:pw@127.0.0.1:abc/x") == "postgresql://app:***@127.0.0.1:abc/x"
+    assert redact("nats://u:pw@[::1]:99999?s=1") == "nats://u:***@[::1]:99999?s=1"
 
 
 @pytest.mark.parametrize(

@@ -41,9 +41,8 @@ def redact(uri: str) -> str:
     parts = urlsplit(uri)
     if parts.password is None:
         return uri
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    # The host and port as written: parts.port raises on a port that is not a number.
+    host = parts.netloc.rpartition("@")[2]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 

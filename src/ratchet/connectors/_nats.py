@@ -23,6 +23,8 @@ import collections
 import concurrent.futures
 import json
 import logging
+import math
+import re
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -63,6 +65,10 @@ _PUBLISH_CHUNK = 256
 # Batches fetched ahead of the engine: it waits `follow_poll` whenever the buffer is empty.
 _PREFETCH = 4
 _TIMEOUT = 30.0
+# The longest ack-wait taken: a day (NATS holds it in nanoseconds; 1e12 s overflows).
+MAX_ACK_WAIT = 86_400.0
+# A consumer name NATS takes: no whitespace, ".", "*", ">", "/" or "\\".
+_DURABLE = re.compile(r"[^\s.*>/\\]+")
 
 
 def _require(flag: str, uri: str) -> None:
@@ -81,6 +87,12 @@ def _parse(uri: str, flag: str, known: frozenset[str]) -> tuple[str, dict[str, s
             )
     if not parts.hostname:
         raise ConfigError(f"{flag} {redact(uri)}: name the server, e.g. nats://127.0.0.1:4222")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number of 0-65535
+    except ValueError as exc:
+        raise ConfigError(
+            f"{flag} {redact(uri)}: the port is not a number of 1-65535, e.g. nats://127.0.0.1:4222"
+        ) from exc
     server = parts._replace(path="", query="", fragment="").geturl()
     return server, params
 
@@ -107,15 +119,28 @@ class _Loop:
 
 
 async def _connect(server: str, flag: str, uri: str) -> Any:
+    async def error(exc: Exception) -> None:
+        # nats-py's default logs a traceback for each failed attempt.
+        log.warning("%s %s: %r", flag, redact(uri), exc)
+
     try:
-        return await nats.connect(
+        # The first connect gives up after a second attempt (retrying forever would hide a
+        # wrong address until the 30 s call timeout); once connected, a lost server is
+        # reconnected forever: the client reads these options each time it reconnects.
+        nc = await nats.connect(
             servers=[server],
             connect_timeout=5,
-            max_reconnect_attempts=-1,
+            max_reconnect_attempts=1,
             allow_reconnect=True,
+            error_cb=error,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise ConfigError(f"{flag} {redact(uri)}: cannot connect to NATS: {exc!r}") from exc
+        raise ConfigError(
+            f"{flag} {redact(uri)}: cannot connect to NATS: {exc!r}; is nats-server running "
+            f"there (with -js)?"
+        ) from exc
+    nc.options["max_reconnect_attempts"] = -1
+    return nc
 
 
 async def _stream(js: Any, name: str, flag: str, uri: str) -> Any:
@@ -180,9 +205,20 @@ class NatsSource(Source):
             ) from exc
         if batch < 1 or (ack_wait is not None and ack_wait <= 0):
             raise ConfigError(f"--input {redact(uri)}: ack_wait and batch must be positive")
+        if ack_wait is not None and not (math.isfinite(ack_wait) and ack_wait <= MAX_ACK_WAIT):
+            raise ConfigError(
+                f"--input {redact(uri)}: ack_wait is a number of seconds up to "
+                f"{MAX_ACK_WAIT:g} (a day), not {p['ack_wait']}"
+            )
+        durable = p.get("durable") or None
+        if durable is not None and not _DURABLE.fullmatch(durable):
+            raise ConfigError(
+                f"--input {redact(uri)}: durable={durable} is not a NATS consumer name: it must "
+                f"not hold whitespace, '.', '*', '>', '/' or '\\'; use e.g. durable=triage-1"
+            )
         return cls(
             uri, server, p["stream"], p["subject"], key_field=key_field, follow=follow,
-            durable=p.get("durable") or None, ack_wait=ack_wait, batch=batch,
+            durable=durable, ack_wait=ack_wait, batch=batch,
         )  # fmt: skip
 
     @property
@@ -214,24 +250,32 @@ class NatsSource(Source):
         self._want = asyncio.Event()
         self._nc = await _connect(self.server, "--input", self.uri)
         js = self._nc.jetstream()
-        await _stream(js, self.stream, "--input", self.uri)
+        stream = await _stream(js, self.stream, "--input", self.uri)
         least = max(1.0, ACK_WAIT_INTERVALS * checkpoint_interval)
         try:
             info = await js.consumer_info(self.stream, self.durable)
         except nats.js.errors.NotFoundError:
             wait = self.ack_wait or max(DEFAULT_ACK_WAIT, least)
             self._check_ack_wait(wait, least, checkpoint_interval, "?ack_wait=SECONDS")
-            info = await js.add_consumer(
-                self.stream,
-                ConsumerConfig(
-                    durable_name=self.durable,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    deliver_policy=DeliverPolicy.ALL,
-                    ack_wait=wait,
-                    filter_subject=self.subject,
-                    max_ack_pending=20_000,
-                ),
-            )
+            try:
+                info = await js.add_consumer(
+                    self.stream,
+                    ConsumerConfig(
+                        durable_name=self.durable,
+                        ack_policy=AckPolicy.EXPLICIT,
+                        deliver_policy=DeliverPolicy.ALL,
+                        ack_wait=wait,
+                        filter_subject=self.subject,
+                        max_ack_pending=20_000,
+                    ),
+                )
+            except nats.js.errors.BadRequestError as exc:  # 10093: subject not in the stream
+                subjects = ", ".join(stream.config.subjects or ())
+                raise ConfigError(
+                    f"{self.where}: JetStream refused a consumer of subject {self.subject!r} on "
+                    f"stream {self.stream} ({exc.description}); the stream holds the subjects "
+                    f"{subjects}: pass one of those"
+                ) from exc
             self._wait = wait
             log.info("created durable consumer %s on stream %s", self.durable, self.stream)
         else:

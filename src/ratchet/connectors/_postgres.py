@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -98,6 +99,16 @@ def _regclass(conn: psycopg.Connection[Any], parts: list[str]) -> str:
     return sql.Identifier(*parts).as_string(conn)
 
 
+def _refused(where: str, exc: psycopg.Error, doing: str) -> ConfigError:
+    """A database's refusal of what the job needs (a privilege, a schema) as one line."""
+    fix = {
+        "42501": "grant the user that privilege, or connect as one who has it",
+        "3F000": "create the schema first, or name a table in an existing one",
+    }.get(exc.sqlstate or "", "fix that in the database, or name another table")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ConfigError(f"{where}: PostgreSQL refused {doing}: {first}; {fix}")
+
+
 def _columns(conn: psycopg.Connection[Any], parts: list[str]) -> dict[str, str] | None:
     """The table's columns and their types, or None if there is no such table."""
     row = conn.execute("SELECT to_regclass(%s)::oid", (_regclass(conn, parts),)).fetchone()
@@ -164,6 +175,9 @@ class PostgresSink(Sink):
         conn = _connect(self.conninfo, "--output", self.uri)
         try:
             self._prepare(conn)
+        except psycopg.Error as exc:
+            conn.close()
+            raise _refused(self.where, exc, "to prepare the output table") from exc
         except BaseException:
             conn.close()
             raise
@@ -292,8 +306,8 @@ class PostgresSource(Source):
             poll = float(params.get("poll", 0.5))
         except ValueError as exc:
             raise ConfigError(f"--input {redact(uri)}: poll is in seconds, a number") from exc
-        if poll < 0:
-            raise ConfigError(f"--input {redact(uri)}: poll must be >= 0 seconds")
+        if not math.isfinite(poll) or poll < 0:
+            raise ConfigError(f"--input {redact(uri)}: poll must be a number of seconds >= 0")
         return cls(
             uri, conninfo, table, key_field=key_field, follow=follow,
             id_column=params.get("id_column") or "id", poll=poll,
@@ -316,6 +330,10 @@ class PostgresSource(Source):
                     f"by (its columns: {_shape(columns)}); pass ?id_column=NAME naming an "
                     f"increasing smallint, integer or bigint column"
                 )
+            conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 0").format(sql.Identifier(*self.table)))
+        except psycopg.Error as exc:  # no SELECT privilege, say: found now, not at first read
+            conn.close()
+            raise _refused(self.where, exc, "to read the table") from exc
         except BaseException:
             conn.close()
             raise
@@ -393,6 +411,8 @@ class PostgresSource(Source):
                 f"{self.where}: reading failed ({exc}); everything read before is checkpointed: "
                 f"run again to resume"
             ) from exc
+        except psycopg.Error as exc:  # a privilege revoked mid-run, say: retrying cannot help
+            raise _refused(self.where, exc, "to read the table") from exc
         return [(int(i), str(t)) for i, t in rows]
 
     def unread(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,38 @@ def test_what_the_database_refuses_is_one_line_and_exit_2(
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr
         assert message in proc.stderr
+
+
+def test_a_followed_source_retries_a_reconnect_that_fails(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    """The database restarting: the connection drops and logging in fails for a while. The
+    source logs "will retry" and reads on once it can, never failing the job."""
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, key text, v int)")
+    postgres.execute(f"INSERT INTO {name} (key, v) VALUES ('a', 1)")
+    role = f"r_{name}"
+    postgres.execute(f"CREATE ROLE {role} LOGIN")
+    postgres.execute(f"GRANT SELECT ON {name} TO {role}")
+    dsn = postgres.dsn.replace("postgres@", f"{role}@")
+    src = source_for(f"{dsn}?table={name}&poll=0", key="key", follow=True)
+    src.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)
+    src.restore({})
+    try:
+        rec = src.next_record()
+        assert rec is not None and rec.value["v"] == 1
+        postgres.execute(f"ALTER ROLE {role} NOLOGIN")
+        postgres.execute(
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+        )
+        for _ in range(3):  # the read fails, then each reconnect is refused
+            assert src.next_record() is None
+        postgres.execute(f"ALTER ROLE {role} LOGIN")
+        postgres.execute(f"INSERT INTO {name} (key, v) VALUES ('b', 2)")
+        deadline = time.monotonic() + 30
+        while (rec := src.next_record()) is None:  # retried once a second
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert rec.value["v"] == 2
+    finally:
+        src.close()

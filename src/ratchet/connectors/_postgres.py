@@ -56,6 +56,7 @@ _INTEGER_TYPES = ("smallint", "integer", "bigint")
 _SOURCE_PARAMS = frozenset({"table", "id_column", "poll"})
 _SINK_PARAMS = frozenset({"table"})
 _READ_BATCH = 500
+_RETRY = 1.0  # seconds between attempts while the database cannot be read (--follow)
 
 
 def _require(flag: str, uri: str) -> None:
@@ -292,6 +293,7 @@ class PostgresSource(Source):
         self._next = 0
         self._before = 0
         self._polled_at: float | None = None
+        self._retry_at = 0.0  # after a failed read with --follow: not before this
         self._database: str | None = None
         self._query = sql.SQL(
             "SELECT {id}, row_to_json(t)::text FROM {table} AS t WHERE {id} > %s "
@@ -374,6 +376,8 @@ class PostgresSource(Source):
             now = self.clock.monotonic()
             if self.follow and self._polled_at is not None and now - self._polled_at < self.poll:
                 return None
+            if now < self._retry_at:
+                return None
             self._polled_at = now
             self._buffer, self._next = self._fetch(), 0
             if not self._buffer:
@@ -399,13 +403,17 @@ class PostgresSource(Source):
     def _fetch(self) -> list[tuple[int, str]]:
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = _connect(self.conninfo, "--input", self.uri)
+                # Not _connect: a failed reconnect (the database restarting) is retried with
+                # --follow like a failed read; only the first connect, in open, is a
+                # ConfigError.
+                self._conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10)
             rows = self._conn.execute(self._query, (self._after, _READ_BATCH)).fetchall()
         except psycopg.OperationalError as exc:
             if self._conn is not None:
                 self._conn.close()
             if self.follow:
                 log.warning("%s: reading failed, will retry: %s", self.where, exc)
+                self._retry_at = self.clock.monotonic() + _RETRY  # not at every poll
                 return []
             raise ConfigError(
                 f"{self.where}: reading failed ({exc}); everything read before is checkpointed: "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -326,3 +328,62 @@ def test_a_followed_source_retries_a_reconnect_that_fails(
         assert rec.value["v"] == 2
     finally:
         src.close()
+
+
+def server_pids(server: Postgres) -> list[int]:
+    """The postmaster and its children (backends, checkpointer, ...)."""
+    pids = [server.proc.pid]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == server.proc.pid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_a_stop_is_honoured_while_the_database_does_not_answer(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    """SIGSTOP the server mid-run (its sockets stay open, no query returns): SIGTERM still
+    stops the job within seconds, exit 0, and a restart adds no output and loses none."""
+    name = table()
+    n = 20
+    postgres.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, key text, i int)")
+    postgres.execute(
+        f"INSERT INTO {name} (key, i) SELECT 'k' || (g % 3), g FROM generate_series(0, {n - 1}) g"
+    )
+    out = tmp_path / "out.jsonl"
+    args = [*RATCHET, "run", AGENT, "--input", f"{postgres.dsn}?table={name}&poll=0.05",
+            "--output", str(out), "--state", str(tmp_path / "state")]  # fmt: skip
+    err = tmp_path / "stderr.log"
+    with open(err, "wb") as fh:
+        proc = subprocess.Popen([*args, "--follow"], stderr=fh)
+    stopped: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists() or len(out.read_text().splitlines()) < n:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        stopped = server_pids(postgres)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.5)  # the source's next poll now hangs
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - began
+        assert code == 0, err.read_text()
+        assert took < 10, took
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    postgres.execute(f"INSERT INTO {name} (key, i) VALUES ('k0', {n})")
+    again = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    outs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(o["output"]["i"] for o in outs) == list(range(n + 1))

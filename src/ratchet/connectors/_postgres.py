@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -57,6 +58,9 @@ _SOURCE_PARAMS = frozenset({"table", "id_column", "poll"})
 _SINK_PARAMS = frozenset({"table"})
 _READ_BATCH = 500
 _RETRY = 1.0  # seconds between attempts while the database cannot be read (--follow)
+# How long next_record waits for a read in the source's thread before it answers "nothing
+# now": the engine runs on the calling thread, and must see a stop while the database hangs.
+_READ_WAIT = 0.5
 
 
 def _require(flag: str, uri: str) -> None:
@@ -283,7 +287,7 @@ class PostgresSource(Source):
         self.conninfo = conninfo
         self.table = table
         self.key_field = key_field
-        self.follow = follow
+        self._follow = follow
         self.id_column = id_column
         self.poll = poll
         self.clock = clock
@@ -294,6 +298,9 @@ class PostgresSource(Source):
         self._before = 0
         self._polled_at: float | None = None
         self._retry_at = 0.0  # after a failed read with --follow: not before this
+        self._reader: threading.Thread | None = None  # a read under way, in its own thread
+        self._read_done = threading.Event()
+        self._read: list[tuple[int, str]] | BaseException = []
         self._database: str | None = None
         self._query = sql.SQL(
             "SELECT {id}, row_to_json(t)::text FROM {table} AS t WHERE {id} > %s "
@@ -314,6 +321,12 @@ class PostgresSource(Source):
             uri, conninfo, table, key_field=key_field, follow=follow,
             id_column=params.get("id_column") or "id", poll=poll,
         )  # fmt: skip
+
+    @property
+    def follow(self) -> bool:  # type: ignore[override]
+        # Without --follow the input ends once a read comes back empty; while one is under
+        # way, "nothing now" means "ask again".
+        return self._follow or self._reader is not None
 
     @property
     def where(self) -> str:
@@ -373,13 +386,28 @@ class PostgresSource(Source):
 
     def next_record(self) -> Record | None:
         if self._next >= len(self._buffer):
-            now = self.clock.monotonic()
-            if self.follow and self._polled_at is not None and now - self._polled_at < self.poll:
-                return None
-            if now < self._retry_at:
-                return None
-            self._polled_at = now
-            self._buffer, self._next = self._fetch(), 0
+            if self._reader is None:
+                now = self.clock.monotonic()
+                if (
+                    self._follow
+                    and self._polled_at is not None
+                    and now - self._polled_at < self.poll
+                ):
+                    return None
+                if now < self._retry_at:
+                    return None
+                self._polled_at = now
+                self._read_done.clear()
+                self._reader = threading.Thread(
+                    target=self._read_rows, name="ratchet-postgres-source", daemon=True
+                )
+                self._reader.start()
+            if not self._read_done.wait(_READ_WAIT):
+                return None  # the database is slow or hangs: the engine may stop meanwhile
+            self._reader, read = None, self._read
+            if isinstance(read, BaseException):
+                raise read
+            self._buffer, self._next = read, 0
             if not self._buffer:
                 return None
             self._polled_at = None  # rows came: read on without waiting
@@ -400,6 +428,14 @@ class PostgresSource(Source):
             return Record(row_id, error=err, raw=text)
         return Record(row_id, key=key, value=value)
 
+    def _read_rows(self) -> None:
+        """The source's thread: one read, its rows or its error left for next_record."""
+        try:
+            self._read = self._fetch()
+        except BaseException as exc:  # noqa: BLE001 - raised again by next_record
+            self._read = exc
+        self._read_done.set()
+
     def _fetch(self) -> list[tuple[int, str]]:
         try:
             if self._conn is None or self._conn.closed:
@@ -411,7 +447,7 @@ class PostgresSource(Source):
         except psycopg.OperationalError as exc:
             if self._conn is not None:
                 self._conn.close()
-            if self.follow:
+            if self._follow:
                 log.warning("%s: reading failed, will retry: %s", self.where, exc)
                 self._retry_at = self.clock.monotonic() + _RETRY  # not at every poll
                 return []
@@ -429,6 +465,12 @@ class PostgresSource(Source):
             self._after = self._before
 
     def close(self) -> None:
+        if self._reader is not None and not self._read_done.is_set():
+            # A read hangs (the database stopped answering): leave its connection to that
+            # daemon thread; closing it under the query could block this thread too.
+            log.warning("%s: a read still waits for the database; not waiting for it", self.where)
+            self._conn = None
+            return
         if self._conn is not None:
             self._conn.close()
             self._conn = None

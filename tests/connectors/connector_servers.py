@@ -131,17 +131,26 @@ class Nats:
     """One `nats-server -js` in a temporary directory."""
 
     def __init__(self, binary: str) -> None:
+        self.binary = binary
         self.root = Path(tempfile.mkdtemp(prefix="ratchet-nats-"))
         self.port = free_port()
         self.log = self.root / "server.log"
-        with open(self.log, "wb") as log:
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.up()
+
+    def up(self) -> None:
+        """Start the server (again, after `down`: same port, same store)."""
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd",
+                [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd",
                  str(self.root / "store")],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         _wait_port(self.port, self.proc, "nats-server", self.log)
-        self.url = f"nats://127.0.0.1:{self.port}"
+
+    def down(self) -> None:
+        """Stop the server, keeping its store, as a restart does."""
+        _stop(self.proc, signal.SIGTERM)
 
     def run(self, fn: Any) -> Any:
         """`await fn(js)` on a fresh connection."""

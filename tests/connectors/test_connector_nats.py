@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -246,3 +248,34 @@ def test_an_unreachable_server_or_a_subject_outside_the_stream_is_one_line_and_e
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr
         assert message in proc.stderr
+
+
+def test_a_server_going_away_and_back_is_a_line_each_not_tracebacks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    binary = shutil.which("nats-server")
+    assert binary is not None  # the nats_server fixture skipped otherwise
+    own = Nats(binary)  # one this test may stop
+    try:
+        own.add_stream("OUT", ["out.x"])
+        out = sink_for(f"{own.url}?stream=OUT&subject=out.x", append=False)
+        out.open(JobIdentity("job1", tmp_path))
+        rec = {"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": 1}
+        out.write([rec])
+        with caplog.at_level(logging.DEBUG):
+            own.down()
+            time.sleep(5)  # reconnects fail meanwhile, every 2 s
+            own.up()
+            deadline = time.monotonic() + 30
+            while "reconnected to NATS" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.1)
+            out.write([{**rec, "id": "a:1:r>x:0", "seq": 1}])
+            out.close()
+    finally:
+        own.stop()
+    ours = [r for r in caplog.records if r.name == "ratchet.connectors.nats"]
+    assert not any(r.exc_info for r in caplog.records), caplog.text
+    assert sum("disconnected from NATS" in r.getMessage() for r in ours) == 1
+    assert sum("reconnected to NATS" in r.getMessage() for r in ours) == 1
+    assert sum(r.levelno >= logging.WARNING for r in ours) <= 3, caplog.text

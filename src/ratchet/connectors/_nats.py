@@ -119,9 +119,25 @@ class _Loop:
 
 
 async def _connect(server: str, flag: str, uri: str) -> Any:
+    # nats-py's defaults log a traceback for each error and each failed reconnect (some 140
+    # lines for one server restart): one line each here, and only the first error of an
+    # outage as a warning.
+    where = f"{flag} {redact(uri)}"
+    state: dict[str, Any] = {"nc": None, "down": False}
+
     async def error(exc: Exception) -> None:
-        # nats-py's default logs a traceback for each failed attempt.
-        log.warning("%s %s: %r", flag, redact(uri), exc)
+        (log.debug if state["down"] else log.warning)("%s: NATS error: %r", where, exc)
+
+    async def disconnected() -> None:
+        nc = state["nc"]
+        if nc is None or nc.is_closed:
+            return  # our own close
+        state["down"] = True
+        log.warning("%s: disconnected from NATS; reconnecting until it is back", where)
+
+    async def reconnected() -> None:
+        state["down"] = False
+        log.warning("%s: reconnected to NATS", where)
 
     try:
         # The first connect gives up after a second attempt (retrying forever would hide a
@@ -133,6 +149,8 @@ async def _connect(server: str, flag: str, uri: str) -> Any:
             max_reconnect_attempts=1,
             allow_reconnect=True,
             error_cb=error,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise ConfigError(
@@ -140,6 +158,7 @@ async def _connect(server: str, flag: str, uri: str) -> Any:
             f"there (with -js)?"
         ) from exc
     nc.options["max_reconnect_attempts"] = -1
+    state["nc"] = nc
     return nc
 
 

@@ -82,6 +82,10 @@ def test_a_202_means_the_events_are_committed_to_the_inbox(
         (b'[{"key": "a"}, {"key": [1]}]', "event 1: key field 'key' is list"),
         (b'[{"key": "a"}, 5]', "event 1: expected a JSON object, got int"),
         (b"\xff", "the body is not UTF-8"),
+        (b"\xff\xfe", "the body is not UTF-8"),
+        ('{"key": "a"}'.encode("utf-16"), "the body is not UTF-8"),  # with its BOM
+        ('{"key": "a"}'.encode("utf-32"), "the body is not UTF-8"),
+        (b'[{"key": "a"}, {"key": null}]', "event 1: key field 'key' is null (NULL)"),
         (b"[" * 100_000 + b"]" * 100_000, "the body is not JSON: arrays or objects nested"),
         (b'{"key": "a", "v": ' + b"[" * 97 + b"]" * 97 + b"}", "the event: the input nests more"),
         (b'{"key": "a", "v": ' + b"1" * 5000 + b"}", "the body is not JSON: Exceeds the limit"),

@@ -387,3 +387,19 @@ def test_a_stop_is_honoured_while_the_database_does_not_answer(
     assert again.returncode == 0, again.stderr
     outs = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(o["output"]["i"] for o in outs) == list(range(n + 1))
+
+
+def test_a_row_with_a_null_key_is_named_as_such(postgres: Postgres, tmp_path: Path) -> None:
+    name = table()
+    postgres.execute(f"CREATE TABLE {name} (id bigserial PRIMARY KEY, key text)")
+    postgres.execute(f"INSERT INTO {name} (key) VALUES (NULL)")
+    src = source_for(f"{postgres.dsn}?table={name}", key="key", follow=False)
+    src.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)
+    src.restore({})
+    try:
+        rec = src.next_record()
+    finally:
+        src.close()
+    assert rec is not None and rec.error == (
+        f"{name} row id=1: key field 'key' is null (NULL); keys must be strings or integers"
+    )

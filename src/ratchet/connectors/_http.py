@@ -74,7 +74,8 @@ def parse_events(body: bytes, key_field: str) -> list[str]:
     """The events of a request body (one JSON object or an array of them), each re-encoded as
     compact JSON; BadRequest naming the first problem (nothing is admitted then)."""
     try:
-        value = json.loads(body)
+        # Decoded as UTF-8 first: json.loads(bytes) would take UTF-16 and UTF-32 too.
+        value = json.loads(body.decode("utf-8-sig"))
     except UnicodeDecodeError as exc:
         raise BadRequest(400, f"the body is not UTF-8: {exc}") from exc
     except json.JSONDecodeError as exc:

@@ -103,6 +103,11 @@ def _key_of(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
     if key_field not in value:
         return None, f"{where}: missing key field {key_field!r}"
     key = value[key_field]
+    if key is None:  # JSON null, or a NULL in a database row
+        return (
+            None,
+            f"{where}: key field {key_field!r} is null (NULL); keys must be strings or integers",
+        )
     if isinstance(key, bool) or not isinstance(key, str | int):
         return None, (
             f"{where}: key field {key_field!r} is {type(key).__name__}; keys must be strings or integers"

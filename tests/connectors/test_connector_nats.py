@@ -279,3 +279,17 @@ def test_a_server_going_away_and_back_is_a_line_each_not_tracebacks(
     assert sum("disconnected from NATS" in r.getMessage() for r in ours) == 1
     assert sum("reconnected to NATS" in r.getMessage() for r in ours) == 1
     assert sum(r.levelno >= logging.WARNING for r in ours) <= 3, caplog.text
+
+
+def test_a_state_refused_at_restore_fetched_nothing(nats_server: Nats, tmp_path: Path) -> None:
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": i}).encode() for i in range(5)])
+    src = source(nats_server, s, tmp_path)
+    try:
+        time.sleep(1)  # time enough for a fetcher started by open to fetch
+        with pytest.raises(ConfigError, match="not from the JetStream stream"):
+            src.restore({"database": "x", "table": "t", "id_column": "id", "after": 3})
+        info = consumer(nats_server, s, "ratchet-job1")
+        assert (info.delivered.stream_seq, info.num_ack_pending) == (0, 0)
+    finally:
+        src.close()

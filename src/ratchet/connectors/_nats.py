@@ -263,7 +263,8 @@ class NatsSource(Source):
         except BaseException:
             self.close()
             raise
-        self._fetcher = self._loop.submit(self._fetch_loop())
+        # The fetcher starts at the first next_record, after restore: a state refused there
+        # (another --input) must not leave a batch of messages fetched and ack-pending.
 
     async def _open(self, checkpoint_interval: float) -> None:
         self._want = asyncio.Event()
@@ -363,6 +364,8 @@ class NatsSource(Source):
         return {"stream": self.stream, "durable": self.durable, "pending": pending}
 
     def next_record(self) -> Record | None:
+        if self._fetcher is None and self._loop is not None:
+            self._fetcher = self._loop.submit(self._fetch_loop())
         while True:
             with self._lock:
                 msg = self._ready.popleft() if self._ready else None

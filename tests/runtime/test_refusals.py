@@ -92,6 +92,7 @@ def test_public_names_are_pinned() -> None:
         "RunnerContext",
         "ScriptedChatModel",
         "SignalTimeout",
+        "SinkError",
         "StageTimeoutError",
         "State",
         "StateError",

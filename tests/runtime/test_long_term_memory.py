@@ -221,3 +221,55 @@ def test_every_add_lands_exactly_once_across_kills(tmp_path: Path) -> None:
         assert shared == sum(1 for x in notes if x["shared"])
     except AssertionError as exc:
         raise AssertionError(f"{exc} (seed {seed}, {kills} kills; LTM_KILL_SEED={seed})") from exc
+
+
+def _errors(tmp: Path) -> list[str]:
+    out = [json.loads(x) for x in (tmp / "out.jsonl").read_text().splitlines()]
+    return [json.dumps(r["error"]) for r in out if "error" in r]
+
+
+def test_an_embedding_of_another_size_is_refused_at_the_add_not_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was committed, and every later read of the scope failed (the right model's too): all
+    # the key's inputs became dead letters; in one process it stopped the whole job.
+    assert run(
+        tmp_path, [{"key": "a", "try": "add", "text": "alpha beta"}], ltm_agent.Misuse()
+    ) == [{"count": 1}]
+    other = ltm_agent.Misuse()
+    monkeypatch.setattr(type(other), "long_term_memory", ratchet.LongTermMemoryConfig(
+        embedding=ltm_agent.SizedEmbedding(8)))  # fmt: skip
+    assert run(tmp_path, [{"key": "a", "try": "add", "text": "gamma"}], other) == [None]
+    assert "an embedding of 8 dimensions for long-term memory 'key:a', which holds " \
+        "embeddings of 16" in _errors(tmp_path)[-1]  # fmt: skip
+    monkeypatch.undo()
+    # The scope still works with its own model; only the first memory is in it.
+    assert run(tmp_path, [{"key": "a", "try": "add", "text": "delta"}], ltm_agent.Misuse()) == [
+        {"count": 2}
+    ]
+    assert [r[2] for r in rows(tmp_path)] == ["alpha beta", "delta"]
+
+
+def test_metadata_is_stored_and_returned_as_copies(tmp_path: Path) -> None:
+    # add kept the caller's dict (a change after the add was stored), and search returned the
+    # index's own dicts (a reader's change was seen by later runs, until a restart).
+    run(tmp_path, [{"key": "a", "try": "mutate"}], ltm_agent.Misuse())
+    assert run(tmp_path, [{"key": "a", "try": "read"}], ltm_agent.Misuse()) == [{"tag": "orig"}]
+
+
+def test_a_lone_surrogate_and_a_broken_embedding_model_are_named(tmp_path: Path) -> None:
+    assert run(
+        tmp_path, [{"key": "a", "try": "add", "text": "hello\ud800"}], ltm_agent.Misuse()
+    ) == [None]  # the run failed: its error record says why
+    assert "holds '\\\\ud800' at position 5, a lone surrogate" in _errors(tmp_path)[-1]
+    broken = ltm_agent.Misuse()
+    type(broken).long_term_memory = ratchet.LongTermMemoryConfig(
+        embedding=ltm_agent.BrokenEmbedding()
+    )
+    try:
+        assert run(tmp_path, [{"key": "b", "try": "add", "text": "fine"}], broken) == [None]
+    finally:
+        type(broken).long_term_memory = ratchet.LongTermMemoryConfig(
+            embedding=ltm_agent.SizedEmbedding(16)
+        )
+    assert "returned [['x']], not one list of numbers per text" in _errors(tmp_path)[-1]

@@ -12,6 +12,7 @@ Durable the ratchet way (docs/runtime.md, "Long-term memory"):
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -68,12 +69,24 @@ class LtmService:
 async def embed_texts(model: Any, texts: list[str]) -> list[list[float]]:
     """The durable call of an add (recorded: a crash after it returned never repeats it)."""
     vectors = await model.embed(texts)
-    out = [[float(x) for x in v] for v in vectors]
+    try:
+        out = [[float(x) for x in v] for v in vectors]
+    except (TypeError, ValueError) as exc:  # None, strings, nested lists
+        raise InvalidArgumentError(
+            f"the embedding model {model!r} returned {_shape(vectors)}, not one list of "
+            f"numbers per text ({type(exc).__name__}: {exc}); its embed(texts) must return "
+            f"list[list[float]]"
+        ) from exc
     if len(out) != len(texts):
         raise InvalidArgumentError(
             f"the embedding model returned {len(out)} vector(s) for {len(texts)} text(s)"
         )
     return out
+
+
+def _shape(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _resource_of(model: Any) -> Any:
@@ -88,6 +101,13 @@ def _resource_of(model: Any) -> Any:
 def _check_text(text: Any, what: str) -> str:
     if not isinstance(text, str) or not text.strip():
         raise InvalidArgumentError(f"{what} must be a non-empty string, not {text!r}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: no UTF-8 text can hold it
+        raise InvalidArgumentError(
+            f"{what} holds {text[exc.start]!r} at position {exc.start}, a lone surrogate no "
+            f"UTF-8 text can hold; decode its source with errors='replace'"
+        ) from None
     return text
 
 
@@ -161,13 +181,27 @@ class LongTermMemory:
         if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
             raise InvalidTypeError(f"metadata= takes a dict with string keys, not {metadata!r}")
         codec.check_admissible(meta)
+        meta = copy.deepcopy(meta)  # stored as it is now: the caller may change its dict
         service = self._service()
         ltm_id = self._new_id(text)
         model = service.config.embedding
         [vector] = await self._ctx.durable_execute_async(
             embed_texts, model, [text], resource=_resource_of(model)
         )
-        blob = unit_vector(vector).tobytes()
+        unit = unit_vector(vector)
+        # One scope keeps one size: a vector of another size committed would break every
+        # later read of the scope, so it is refused here, failing this run alone.
+        dims = [
+            len(op[5]) // 4 for op in self._pending() if op[0] == LTM_ADD and op[1] == self._scope
+        ]
+        have = dims[0] if dims else await asyncio.to_thread(service.index.dims, self._scope)
+        if have is not None and have != unit.shape[0]:
+            raise InvalidArgumentError(
+                f"an embedding of {unit.shape[0]} dimensions for long-term memory {self._scope!r}, "
+                f"which holds embeddings of {have}: one scope takes one embedding model (a new "
+                f"model needs a new scope, e.g. ctx.long_term_memory.shared('name-v2'))"
+            )
+        blob = unit.tobytes()
         self._ctx._stm.ops.append(
             (LTM_ADD, self._scope, ltm_id, text, meta, blob, self._ctx._now())
         )

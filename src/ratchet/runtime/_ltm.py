@@ -12,6 +12,8 @@ not depend on it. Ties are broken by id: the same state and query give the same 
 from __future__ import annotations
 
 import collections
+import copy
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -21,6 +23,8 @@ from typing import Any
 from ratchet._errors import ConfigError, InvalidArgumentError
 from ratchet.runtime._memops import LTM_ADD, LTM_DELETE
 from ratchet.store import codec
+
+log = logging.getLogger("ratchet.ltm")
 
 NUMPY_MISSING = "long-term memory needs numpy for its vector search: pip install 'ratchet[memory]'"
 
@@ -101,7 +105,17 @@ def _apply(s: _Scope, op: tuple[Any, ...]) -> None:
 
 
 def item(ltm_id: str, text: str, meta: dict[str, Any], at: float) -> dict[str, Any]:
-    return {"id": ltm_id, "text": text, "metadata": meta, "added_at": at}
+    # A copy of the metadata: a caller changing what it got must not change the index.
+    return {"id": ltm_id, "text": text, "metadata": copy.deepcopy(meta), "added_at": at}
+
+
+def _apply_or_skip(s: _Scope, op: tuple[Any, ...], scope: str) -> None:
+    """Apply a committed write; one the scope cannot hold (a vector of another size, from
+    before adds checked it) is left out with a warning rather than failing every read."""
+    try:
+        _apply(s, op)
+    except InvalidArgumentError as exc:
+        log.warning("long-term memory %r: memory %s left out: %s", scope, op[2], exc)
 
 
 def _matches(meta: dict[str, Any], where: dict[str, Any] | None) -> bool:
@@ -137,14 +151,17 @@ class LongTermIndex:
         loaded = _Scope()
         np = numpy()
         for ltm_id, text, meta, vector, at in self._load(scope):
-            loaded.put(ltm_id, text, codec.decode(meta), np.frombuffer(vector, np.float32), at)
+            try:
+                loaded.put(ltm_id, text, codec.decode(meta), np.frombuffer(vector, np.float32), at)
+            except InvalidArgumentError as exc:  # see _apply_or_skip
+                log.warning("long-term memory %r: memory %s left out: %s", scope, ltm_id, exc)
         with self._lock:
             found = self._scopes.get(scope)
             if found is not None:
                 return found
             for op in self._overlay:
                 if op[1] == scope:
-                    _apply(loaded, op)
+                    _apply_or_skip(loaded, op, scope)
             self._scopes[scope] = loaded
             return loaded
 
@@ -164,13 +181,19 @@ class LongTermIndex:
             for op in ops:
                 s = self._scopes.get(op[1])
                 if s is not None:  # a scope not loaded yet gets it from the overlay
-                    _apply(s, op)
+                    _apply_or_skip(s, op, op[1])
 
     # -- any thread -------------------------------------------------------------------------
 
     def scope(self, scope: str) -> _Scope:
         found: _Scope = self._submit(lambda: self._ensure(scope)).result()
         return found
+
+    def dims(self, scope: str) -> int | None:
+        """The size of the scope's embeddings (None: it holds none yet)."""
+        s = self.scope(scope)
+        with self._lock:
+            return s.dims
 
     def search(
         self,

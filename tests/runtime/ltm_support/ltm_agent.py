@@ -92,3 +92,46 @@ class NoConfig(Agent):
     @action(InputEvent)
     async def on_input(self, event: InputEvent, ctx: Any) -> None:
         await ctx.long_term_memory.add("anything")
+
+
+class SizedEmbedding:
+    """Vectors of `dims` numbers (another model, for the one-size-per-scope rule)."""
+
+    def __init__(self, dims: int) -> None:
+        self.dims = dims
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        return [[1.0 + i] * self.dims for i, _ in enumerate(texts)]
+
+
+class BrokenEmbedding:
+    """Returns what an embedding model must not: strings instead of numbers."""
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        return [["x"] for _ in texts]  # type: ignore[list-item]
+
+
+class Misuse(Agent):
+    """Each input names one thing to try; the output says what happened."""
+
+    long_term_memory = LongTermMemoryConfig(
+        embedding=SizedEmbedding(int(os.environ.get("LTM_DIMS", "16")))
+    )
+
+    @action(InputEvent)
+    async def on_input(self, event: InputEvent, ctx: Any) -> None:
+        data = event.input
+        ltm = ctx.long_term_memory
+        if data["try"] == "add":
+            await ltm.add(data["text"], {"tag": "orig"})
+            ctx.send_event(OutputEvent(output={"count": await ltm.count()}))
+        elif data["try"] == "mutate":
+            meta = {"tag": "orig"}
+            await ltm.add("kept as given", meta)
+            meta["tag"] = "changed after add"
+            (hit,) = await ltm.search("kept as given", k=1)
+            hit["metadata"]["tag"] = "changed by a reader"
+            ctx.send_event(OutputEvent(output={"done": True}))
+        elif data["try"] == "read":
+            (hit,) = await ltm.search("kept as given", k=1)
+            ctx.send_event(OutputEvent(output={"tag": hit["metadata"]["tag"]}))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,31 +202,45 @@ def test_invalid_edited_arguments_reach_the_model_not_the_tool(tmp_path: Path, m
     assert msg["extras"]["is_error"] is True
 
 
-@pytest.mark.parametrize(
-    ("value", "problem"),
-    [
-        ("yes", "the value is a str, not an object"),
-        (True, "the value is a bool, not an object"),
-        (None, "the value is a NoneType, not an object"),
-        ({"approve": True}, 'it has no "approved"'),
-        ({"approved": "yes"}, '"approved" is "yes", not true or false'),
-        ({"approved": True, "arguments": [1]}, '"arguments" is [1], not an object'),
-        ({"approved": True, "reason": 7}, '"reason" is 7, not a string'),
-    ],
-)
-def test_malformed_decision_is_a_rejection_saying_what_is_wrong(
+MALFORMED = [
+    ("yes", "the value is a string, not an object"),
+    (True, "the value is true or false, not an object"),
+    (None, "the value is null, not an object"),
+    ({"approve": True}, 'it has no "approved"'),
+    ({"approved": "yes"}, '"approved" is "yes", not true or false'),
+    ({"approved": True, "arguments": [1]}, '"arguments" is [1], not an object'),
+    ({"approved": True, "reason": 7}, '"reason" is 7, not a string'),
+]
+
+
+@pytest.mark.parametrize(("value", "problem"), MALFORMED)
+def test_a_malformed_decision_is_refused_when_sent_and_the_run_keeps_waiting(
     tmp_path: Path, marks: Path, value: Any, problem: str
 ) -> None:
-    reply = _decide(tmp_path, value, MIXED)
-    assert _refunds(marks, "start") == []
-    msg = _tool_message(reply, "refund")
+    # It was stored (exit 0 / 202) and taken as a rejection for good: a corrected decision
+    # sent after it was never read.
+    _run(tmp_path, MIXED)
     [req] = _requests(tmp_path)
-    assert msg["content"].startswith(
-        "REJECTED: a reviewer did not approve this call of tool 'refund'; it did not run. "
-        f"Reason: the decision sent as signal '{req['signal']}' is not valid ({problem}; got "
-    )
-    assert msg["content"].endswith("so the call was treated as rejected")
-    assert msg["extras"]["approval"]["malformed"] is True
+    with pytest.raises(
+        ratchet.BadInputError, match=f"decides a tool approval.*{re.escape(problem)}"
+    ):
+        ratchet.send_signal(tmp_path / "state", "k", req["signal"], value)
+    assert ratchet.open_state(tmp_path / "state").pending_signals() == []
+    ratchet.send_signal(tmp_path / "state", "k", req["signal"], {"approved": True})
+    _run(tmp_path, MIXED)
+    assert _refunds(marks, "start") != []  # the corrected decision is the one taken
+
+
+@pytest.mark.parametrize(("value", "problem"), MALFORMED)
+def test_a_malformed_decision_stored_before_is_a_rejection_saying_what_is_wrong(
+    value: Any, problem: str
+) -> None:
+    # A decision stored by an earlier ratchet, which did not check it when it was sent.
+    decision = ApprovalDecision.from_signal("c1", value)
+    assert not decision.approved and decision.malformed
+    assert decision.reason is not None
+    assert f"is not valid ({problem}; got " in decision.reason
+    assert decision.reason.endswith("so the call was treated as rejected")
 
 
 def test_two_approvals_decided_in_any_order(tmp_path: Path, marks: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import InvalidArgumentError, InvalidTypeError, StateError
+from ratchet._errors import BadInputError, InvalidArgumentError, InvalidTypeError, StateError
 from ratchet.runtime._shards import Moved, read_layout, shard_for_text, write_in_force
 from ratchet.store import codec
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
@@ -56,6 +56,17 @@ def send_signal(
     key_text = signal_key(key)
     if not isinstance(name, str) or not name:
         raise InvalidTypeError(f"a signal's name is a non-empty str, got {name!r}")
+    if name.startswith("approval:"):
+        # A decision of a tool approval: a malformed one would be taken as a rejection, for
+        # good (a corrected one sent later is never read), so it is refused here.
+        from ratchet.agents.chat._approval import DECISION_SHAPE, decision_problem
+
+        problem = decision_problem(value)
+        if problem is not None:
+            raise BadInputError(
+                f"signal {name!r} decides a tool approval, and its value is not a decision "
+                f"({problem}); send {DECISION_SHAPE}, e.g. --value '{{\"approved\": true}}'"
+            )
     try:
         blob = codec.encode(value)
     except TypeError as exc:

@@ -100,9 +100,28 @@ class ApprovalDecision:
         return rec
 
 
+def decision_problem(value: Any) -> str | None:
+    """What is wrong with a decision signal's value, or None (senders refuse a bad one)."""
+    return _problem(value)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "an array"
+    return f"a {type(value).__name__}"
+
+
 def _problem(value: Any) -> str | None:
     if not isinstance(value, dict):
-        return f"the value is a {type(value).__name__}, not an object"
+        return f"the value is {_json_type(value)}, not an object"
     if "approved" not in value:
         return 'it has no "approved"'
     if not isinstance(value["approved"], bool):

@@ -31,6 +31,7 @@ from ratchet import (
     ConfigError,
     EngineConfig,
     InputEvent,
+    InvalidArgumentError,
     OutputEvent,
     RunnerContext,
     action,
@@ -170,6 +171,30 @@ def test_a_dropped_connection_is_reopened_and_the_call_retried(files: dict[str, 
 
     asyncio.run(scenario())
     assert _marks(files["marks"]) == [("record", "k", "after")]
+
+
+def test_a_prompt_the_server_cannot_render_names_the_server_and_the_prompt(
+    files: dict[str, Path],
+) -> None:
+    # It came back as "MCPError: Internal server error", naming neither.
+    async def scenario() -> None:
+        server = _stdio(files, name="calc")
+        try:
+            assert (await server.get_prompt("greeting", {"name": "Ann"}))[0].content == (
+                "Greet Ann in five words."
+            )
+            with pytest.raises(
+                InvalidArgumentError,
+                match=r"MCP server 'calc' could not render prompt 'greeting' with arguments \[\]",
+            ):
+                await server.get_prompt("greeting", {})
+            with pytest.raises(InvalidArgumentError, match="could not render prompt 'nope'"):
+                await server.get_prompt("nope", {"name": "Ann"})
+            assert server.connections_opened == 1  # a refusal is not a dropped connection
+        finally:
+            await server.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_a_declared_server_pickles_as_its_declaration(files: dict[str, Path]) -> None:

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ratchet._errors import ConfigError
+from ratchet._errors import ConfigError, InvalidArgumentError
 from ratchet.agents._resource import Resource
 from ratchet.agents.chat._errors import ChatError
 from ratchet.agents.chat._messages import ChatMessage, MessageRole
@@ -451,7 +451,19 @@ class MCPServer:
             k: v if isinstance(v, str) else json.dumps(v, sort_keys=True, ensure_ascii=False)
             for k, v in (arguments or {}).items()
         }
-        result = await self._request(f"prompts/get {name}", lambda c: c.get_prompt(name, args))
+        try:
+            result = await self._request(f"prompts/get {name}", lambda c: c.get_prompt(name, args))
+        except Exception as exc:
+            if _dropped(exc):
+                raise
+            # The server's refusal (an unknown prompt, a missing argument) came back as a bare
+            # "MCPError: Internal server error" naming neither the server nor the prompt.
+            leaf = _leaf(exc)
+            raise InvalidArgumentError(
+                f"MCP server {self.name!r} could not render prompt {name!r} with arguments "
+                f"{sorted(args)}: {type(leaf).__name__}: {leaf}; check the prompt's name and "
+                f"its required arguments (the request's prompt_args)"
+            ) from exc
         messages = []
         for m in result.messages:
             role = MessageRole.ASSISTANT if m.role == "assistant" else MessageRole.USER

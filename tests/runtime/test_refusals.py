@@ -662,3 +662,32 @@ def test_a_ctx_used_after_its_action_returned_is_refused_not_silently_dropped(
         assert conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0] == 0
     finally:
         conn.close()
+
+
+class Greets(Agent):
+    @action(InputEvent, inline=True)
+    def greet(self, event: InputEvent, ctx: Any) -> None:
+        n = ctx.short_term_memory.get("n", 0) + 1
+        ctx.short_term_memory.set("n", n)
+        ctx.send_event(OutputEvent(output=f"hello {event.input['name']} ({n})"))
+
+
+@pytest.mark.parametrize("changed", ["first", "last"])
+def test_an_edited_input_list_is_refused_and_an_extended_one_resumes(
+    tmp_path: Path, changed: str
+) -> None:
+    # The edited items were skipped silently as "already taken" (the CLI refuses a different
+    # input file; a Python list was taken for the one it replaced).
+    out: list[Any] = []
+    first = [{"key": "a", "name": "Ann"}, {"key": "b", "name": "Bo"}, {"key": "c", "name": "Cy"}]
+    run(Greets(), inputs=first, output=out.append, state_dir=tmp_path / "s")
+    edited = [dict(x) for x in first]
+    edited[0 if changed == "first" else -1]["name"] = "Zed"
+    with pytest.raises(ratchet.ConfigError, match=r"item (1|3) is not the item it took there"):
+        run(Greets(), inputs=[*edited, {"key": "d", "name": "Di"}], output=out.append,
+            state_dir=tmp_path / "s")  # fmt: skip
+    run(Greets(), inputs=[*first, {"key": "a", "name": "Ann"}], output=out.append,
+        state_dir=tmp_path / "s")  # fmt: skip
+    assert [o["output"] for o in out] == [
+        "hello Ann (1)", "hello Bo (1)", "hello Cy (1)", "hello Ann (2)",
+    ]  # fmt: skip

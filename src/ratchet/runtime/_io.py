@@ -761,14 +761,29 @@ class JsonlFilesSource(Source):
             f.close()
 
 
+def _item_digest(value: Any) -> str:
+    """Names one input item of an iterable, to tell the same list from an edited one."""
+    try:
+        raw = codec.encode(value)
+    except (CodecError, TypeError, ValueError, RecursionError):  # a bad item: named anyway
+        raw = repr(value).encode("utf-8", "replace")
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
 class IterableSource(Source):
-    """A Python iterable of dicts. It must yield the same items in the same order on restart."""
+    """A Python iterable of dicts. It must yield the same items in the same order on restart:
+    the position names the first and the last item taken (digests), and a restart whose
+    iterable differs there is refused (an edited list was taken for the one it replaced)."""
 
     def __init__(self, items: Iterable[Any], key_field: str = "key") -> None:
         self._items = items
         self._it: Iterator[Any] | None = None
         self.key_field = key_field
         self._index = 0
+        self._first: Any = _END  # the first item taken, and the last two (`unread` steps back)
+        self._last: Any = _END
+        self._before_last: Any = _END
+        self._expect: dict[str, str] = {}
 
     def restore(self, position: dict[str, Any]) -> None:
         if position and "index" not in position:
@@ -777,26 +792,50 @@ class IterableSource(Source):
                 f"iterable; pass the same input as before, or use a new state_dir"
             )
         self._index = int(position.get("index", 0))
+        self._expect = {k: v for k, v in position.items() if k in ("first", "last")}
 
     def unread(self) -> None:
         # The iterator cannot step back; the position can, so a restart yields the item again.
         self._index -= 1
+        self._last = self._before_last
 
     def position(self) -> dict[str, Any]:
-        return {"index": self._index}
+        pos: dict[str, Any] = {"index": self._index}
+        if self._index and self._first is not _END and self._last is not _END:
+            pos["first"] = _item_digest(self._first)  # at a checkpoint, not per item
+            pos["last"] = _item_digest(self._last)
+        return pos
+
+    def _changed(self, which: str, number: int, value: Any) -> None:
+        if which in self._expect and _item_digest(value) != self._expect[which]:
+            raise ConfigError(
+                f"the inputs differ from the ones this state read: item {number} is not the "
+                f"item it took there ({self._index} were taken); pass the same items first and "
+                f"append new ones after them, or use a new state_dir"
+            )
 
     def next_record(self) -> Record | None:
         if self._it is None:
             self._it = iter(self._items)
-            for _ in range(self._index):
-                if next(self._it, _END) is _END:
+            for n in range(self._index):
+                value = next(self._it, _END)
+                if value is _END:
                     raise BadInputError(
                         f"the input iterable has fewer items than the checkpointed position {self._index}"
                     )
+                if n == 0:
+                    self._first = value
+                    self._changed("first", 1, value)
+                if n == self._index - 1:
+                    self._last = value
+                    self._changed("last", self._index, value)
         value = next(self._it, _END)
         if value is _END:
             return None
         self._index += 1
+        if self._first is _END:
+            self._first = value
+        self._before_last, self._last = self._last, value
         where = f"input item {self._index}"
         key, err = _key_of(value, self.key_field, where)
         if err:

@@ -753,3 +753,32 @@ def test_a_job_does_not_end_as_done_with_outputs_its_sink_refused(
     sink.fails = 0  # back: the next run writes them, once each
     run(Hoarder(), inputs=[dict(i, size=1) for i in inputs], output=sink, state_dir=state)
     assert sorted(r["output"] for r in sink.got) == [1, 1, 1]
+
+
+def test_metric_names_and_keys_kept_in_memory_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A name per id (`orders.<id>`) and counters for every key ever counted grew without end
+    # in a long-running job's memory (and on /metrics).
+    from ratchet.runtime import _metrics
+
+    monkeypatch.setattr(_metrics, "MAX_NAMES", 3)
+    monkeypatch.setattr(_metrics, "MAX_KEYS", 2)
+
+    class PerId(Agent):
+        @action(InputEvent, inline=True)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            ctx.metrics.inc(f"seen.{event.input['id']}")
+            ctx.metrics.inc("seen")
+
+    inputs = [{"key": f"k{i}", "id": i} for i in range(5)]
+    job = Job(PerId(), inputs=inputs, output=tmp_path / "o.jsonl", state_dir=tmp_path / "s")
+    result = asyncio.run(job.run_async())
+    assert result.metrics == {
+        "actions.metric_names_dropped": 3, "seen": 5, "seen.0": 1, "seen.1": 1,
+    }  # fmt: skip
+    assert [r.message for r in caplog.records].count(
+        next(r.message for r in caplog.records if "counter names already" in r.message)
+    ) == 1
+    assert job.binding.metrics.for_key("k0") == {}  # the oldest keys' counters went
+    assert job.binding.metrics.for_key("k4") == {"actions.metric_names_dropped": 1, "seen": 1}

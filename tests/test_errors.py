@@ -76,11 +76,14 @@ def test_every_error_class_is_public_and_the_submodules_reexport_the_same_classe
         (_errors.StateError("x"), _errors.EXIT_USAGE),
         (_errors.BadInputError("x"), _errors.EXIT_BAD_INPUT),
         (KeyboardInterrupt(), _errors.EXIT_INTERRUPTED),
+        # Not a mistake to fix: the sink was down; exit 1 is one a supervisor restarts.
+        (_errors.SinkError("x"), _errors.EXIT_FAILED),
     ],
 )
 def test_exit_codes(exc: BaseException, code: int) -> None:
     assert _errors.exit_code_for(exc) == code
-    assert code in (2, 3, 130)
+    assert code in (1, 2, 3, 130)
+    assert (code in _errors.EXIT_NO_RESTART) == (code in (2, 3))
 
 
 def test_a_user_mistake_on_the_command_line_is_one_line_and_exit_2(tmp_path: Path) -> None:

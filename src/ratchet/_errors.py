@@ -16,7 +16,7 @@
     ├── MigrationError                a memory migration is missing or raised; exit 2
     ├── SignalTimeout                 (also TimeoutError) ctx.wait_for_signal timed out
     ├── CheckpointError               checkpoints failed more times in a row than tolerated
-    ├── SinkError                     a job ends with outputs its sink would not take; exit 2
+    ├── SinkError                     a job ends with outputs its sink would not take; exit 1
     ├── CodecError                    (also TypeError) a value cannot be stored
     │   └── UnknownTypeError          stored data names a class this process has not registered
     ├── CorruptDataError              (also ValueError) bytes are not something encode wrote
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 # -- exit codes of `ratchet` (documented in README "Exit codes") ---------------------------------
 EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1  # the work ran and failed (a check failed, a supervised job gave up)
+EXIT_FAILED: Final = 1  # the work ran and failed (a check failed, a supervised job gave up, a sink)
 EXIT_USAGE: Final = 2  # a ConfigError/StateError or any other RatchetError: fix and run again
 EXIT_BAD_INPUT: Final = 3  # an input line was refused; everything before it is committed
 EXIT_ERRORS: Final = 4  # the job ran, and runs ended in error (--allow-errors; --max-errors)
@@ -68,6 +68,8 @@ def exit_code_for(exc: BaseException) -> int:
         return EXIT_BAD_INPUT
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED
+    if isinstance(exc, SinkError):  # not a mistake to fix: the sink was down; a restart helps
+        return EXIT_FAILED
     return EXIT_USAGE
 
 

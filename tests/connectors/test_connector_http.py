@@ -89,6 +89,8 @@ def test_a_202_means_the_events_are_committed_to_the_inbox(
         (b"[" * 100_000 + b"]" * 100_000, "the body is not JSON: arrays or objects nested"),
         (b'{"key": "a", "v": ' + b"[" * 97 + b"]" * 97 + b"}", "the event: the input nests more"),
         (b'{"key": "a", "v": ' + b"1" * 5000 + b"}", "the body is not JSON: Exceeds the limit"),
+        (b'{"key": "a", "v": NaN}', "the body is not JSON: NaN is not JSON"),
+        (b'[{"key": "a", "v": -Infinity}]', "the body is not JSON: -Infinity is not JSON"),
     ],
 )
 def test_a_malformed_body_gets_400_naming_the_problem_and_admits_nothing(

@@ -221,6 +221,23 @@ def test_a_stale_copy_fetched_before_the_ack_is_not_admitted_after_the_ack_floor
         src.close()
 
 
+def test_a_message_holding_nan_is_a_bad_input(nats_server: Nats, tmp_path: Path) -> None:
+    # Python's json took NaN and Infinity, which JSON has not (a JSONL line holding one is a
+    # bad input already).
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [b'{"key": "a", "v": NaN}'])
+    src = source(nats_server, s, tmp_path)
+    src.restore({})
+    try:
+        deadline = time.monotonic() + 30
+        while (rec := src.next_record()) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert rec.error is not None and "NaN is not JSON" in rec.error, rec
+    finally:
+        src.close()
+
+
 def test_an_unreachable_server_or_a_subject_outside_the_stream_is_one_line_and_exit_2(
     nats_server: Nats, tmp_path: Path
 ) -> None:

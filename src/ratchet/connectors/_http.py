@@ -32,7 +32,15 @@ from urllib.parse import urlsplit
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError, StateError
 from ratchet.connectors import query_of
-from ratchet.runtime._io import JobIdentity, Record, Source, _key_and_depth, _key_of, _kind_of
+from ratchet.runtime._io import (
+    JobIdentity,
+    Record,
+    Source,
+    _key_and_depth,
+    _key_of,
+    _kind_of,
+    _not_json,
+)
 
 log = logging.getLogger("ratchet.connectors.http")
 
@@ -75,7 +83,7 @@ def parse_events(body: bytes, key_field: str) -> list[str]:
     compact JSON; BadRequest naming the first problem (nothing is admitted then)."""
     try:
         # Decoded as UTF-8 first: json.loads(bytes) would take UTF-16 and UTF-32 too.
-        value = json.loads(body.decode("utf-8-sig"))
+        value = json.loads(body.decode("utf-8-sig"), parse_constant=_not_json)  # no NaN
     except UnicodeDecodeError as exc:
         raise BadRequest(400, f"the body is not UTF-8: {exc}") from exc
     except json.JSONDecodeError as exc:

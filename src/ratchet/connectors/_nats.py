@@ -39,6 +39,7 @@ from ratchet.runtime._io import (
     Source,
     _key_and_depth,
     _kind_of,
+    _not_json,
     to_json_line,
 )
 
@@ -392,7 +393,7 @@ class NatsSource(Source):
                 self._handles[seq] = msg
             self._prev = (seq, msg)
             try:
-                value = json.loads(msg.data)
+                value = json.loads(msg.data, parse_constant=_not_json)  # NaN is not JSON
             except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
                 return Record(seq, error=f"stream {self.stream} message {seq}: invalid JSON ({exc})",
                               raw=msg.data[:65536].decode("utf-8", errors="replace"))  # fmt: skip

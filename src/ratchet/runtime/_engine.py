@@ -896,7 +896,16 @@ class Engine:
                 attempt += 1
                 await self.clock.sleep(min(0.05 * attempt, 1.0))
             await self._forget_released()
-            await self._deliver_what_is_left()
+            if self._unreleased:
+                if self._stop or self._bad is not None:
+                    # A stop asked for (a signal, --max-errors) or a bad input ends the job
+                    # now, as it would have: what the sink refused waits in the outbox.
+                    log.warning(
+                        "%d output(s) the sink refused (%s) are kept in the state and written "
+                        "when the job runs again", len(self._unreleased), self._sink_error,
+                    )  # fmt: skip
+                else:
+                    await self._deliver_what_is_left()
             if self._bad is not None:
                 raise self._bad
         finally:
@@ -1381,7 +1390,7 @@ class Engine:
         for _ in range(5):
             if not self._unreleased:
                 return
-            await self.clock.sleep(delay)
+            await asyncio.sleep(delay)  # real time: a test's fake clock must not hold it
             delay *= 2
             await self._release({})
             if not self._unreleased:  # delivered: record it, as any release is recorded

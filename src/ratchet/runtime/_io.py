@@ -762,11 +762,12 @@ class JsonlFilesSource(Source):
 
 
 def _item_digest(value: Any) -> str:
-    """Names one input item of an iterable, to tell the same list from an edited one."""
+    """Names one input item of an iterable, to tell the same list from an edited one: the
+    same in every process (canonical bytes: a set's order does not depend on the hash seed)."""
     try:
-        raw = codec.encode(value)
-    except (CodecError, TypeError, ValueError, RecursionError):  # a bad item: named anyway
-        raw = repr(value).encode("utf-8", "replace")
+        raw = codec.encode_canonical(value)
+    except (CodecError, TypeError, ValueError, RecursionError):  # a bad item: by its type
+        raw = f"unstorable {type(value).__module__}.{type(value).__qualname__}".encode()
     return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 
@@ -780,8 +781,8 @@ class IterableSource(Source):
         self._it: Iterator[Any] | None = None
         self.key_field = key_field
         self._index = 0
-        self._first: Any = _END  # the first item taken, and the last two (`unread` steps back)
-        self._last: Any = _END
+        self._first: str | None = None  # the first item's digest, made when it is read
+        self._last: Any = _END  # the last two items taken (`unread` steps back)
         self._before_last: Any = _END
         self._expect: dict[str, str] = {}
 
@@ -801,13 +802,13 @@ class IterableSource(Source):
 
     def position(self) -> dict[str, Any]:
         pos: dict[str, Any] = {"index": self._index}
-        if self._index and self._first is not _END and self._last is not _END:
-            pos["first"] = _item_digest(self._first)  # at a checkpoint, not per item
-            pos["last"] = _item_digest(self._last)
+        if self._index and self._first is not None and self._last is not _END:
+            pos["first"] = self._first
+            pos["last"] = _item_digest(self._last)  # at a checkpoint, not per item
         return pos
 
-    def _changed(self, which: str, number: int, value: Any) -> None:
-        if which in self._expect and _item_digest(value) != self._expect[which]:
+    def _changed(self, which: str, number: int, digest: str) -> None:
+        if which in self._expect and digest != self._expect[which]:
             raise ConfigError(
                 f"the inputs differ from the ones this state read: item {number} is not the "
                 f"item it took there ({self._index} were taken); pass the same items first and "
@@ -824,17 +825,17 @@ class IterableSource(Source):
                         f"the input iterable has fewer items than the checkpointed position {self._index}"
                     )
                 if n == 0:
-                    self._first = value
-                    self._changed("first", 1, value)
+                    self._first = _item_digest(value)
+                    self._changed("first", 1, self._first)
                 if n == self._index - 1:
                     self._last = value
-                    self._changed("last", self._index, value)
+                    self._changed("last", self._index, _item_digest(value))
         value = next(self._it, _END)
         if value is _END:
             return None
         self._index += 1
-        if self._first is _END:
-            self._first = value
+        if self._first is None:
+            self._first = _item_digest(value)
         self._before_last, self._last = self._last, value
         where = f"input item {self._index}"
         key, err = _key_of(value, self.key_field, where)

@@ -86,6 +86,10 @@ def test_a_poison_input_is_dead_lettered_then_redriven_once_across_a_kill(tmp_pa
     assert sorted(job.charged()) == [i for i in range(60) if i != 17]
 
     job.flag.touch()  # the fix is deployed
+    # An id past SQLite's integers is a usage error (it was an OverflowError traceback).
+    huge = job.cli("redrive", "--state", str(job.state), "--id", str(2**64))
+    assert huge.returncode == 2 and "is not a dead letter id (0 to 2**63 - 1)" in huge.stderr
+    assert "Traceback" not in huge.stderr, huge.stderr
     done = job.cli("redrive", "--state", str(job.state), "--id", str(letter["id"]))
     assert done.returncode == 0 and "1 dead letter(s) marked" in done.stdout, done.stderr
     # Kill the job at a seeded moment around the redrive's admission, then finish.

@@ -552,3 +552,53 @@ def test_migrate_killed_and_runs_commands_act_on_every_shard(tmp_path: Path) -> 
     listed = json.loads(cli("runs", "list", "--state", str(state2), "--json").stdout)
     assert [r["key"] for r in listed["in_flight"]] == ["a"]
     assert [(d["key"], d["kind"]) for d in listed["dead_letters"]] == [("b", "abandoned")]
+
+
+def _parked(tmp_path: Path, agent: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Run `agent` with 2 workers until one run is parked on a durable timer, then stop it
+    cleanly; the command line that runs it again."""
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "state"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = dict(os.environ, WAITS_LOG=str(tmp_path / "log.jsonl"))
+    base = [*RATCHET, "run", f"{HERE / 'waits_agent.py'}:{agent}", "--input", str(inp),
+            "--output", str(out), "--state", str(state)]  # fmt: skip
+    first = subprocess.Popen([*base, "--workers", "2", "--follow"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    until("the run parked", lambda: status(state).get("in_flight_runs") == 1, first)
+    until("the others done", lambda: len(lines(out)) == len(rows) - 1, first)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+    return base
+
+
+def test_changing_workers_with_a_run_asleep_is_refused_at_once(tmp_path: Path) -> None:
+    # Finishing the old shards waited for the timer, silently, as long as it ran (a reminder
+    # a week away held the change for a week).
+    rows = [{"key": k, "s": 0} for k in "abcd"] + [{"key": "zz", "s": 600}]
+    base = _parked(tmp_path, "Napper", rows)
+    env = dict(os.environ, WAITS_LOG=str(tmp_path / "log.jsonl"))
+    t = time.monotonic()
+    again = subprocess.run([*base, "--workers", "3"], env=env, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert again.returncode == 2, again.stderr
+    assert "cannot change the number of workers to 3" in again.stderr
+    assert "sleeping on a durable timer (the last wakes at " in again.stderr
+    assert "--workers 2 until they wake" in again.stderr and "Traceback" not in again.stderr
+    assert time.monotonic() - t < 60
+    assert json.loads((tmp_path / "state" / "shards" / "layout.json").read_text())["workers"] == 2
+
+
+def test_a_sigint_while_the_old_shards_finish_stops_the_job(tmp_path: Path) -> None:
+    # A delayed event (not a sleep) still holds the finishing; SIGTERM/SIGINT were not
+    # handled meanwhile, and the job went on to the new layout when the timer fired.
+    rows = [{"key": k, "s": 0.1} for k in "abcd"] + [{"key": "zz", "s": 600}]
+    base = _parked(tmp_path, "Reminds", rows)
+    env = dict(os.environ, WAITS_LOG=str(tmp_path / "log.jsonl"))
+    again = subprocess.Popen([*base, "--workers", "3", "--follow"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    time.sleep(3)  # finishing the old shards, which waits for the reminder
+    assert again.poll() is None
+    again.send_signal(signal.SIGINT)
+    _, err = again.communicate(timeout=60)
+    assert again.returncode == 0, err
+    assert json.loads((tmp_path / "state" / "shards" / "layout.json").read_text())["workers"] == 2

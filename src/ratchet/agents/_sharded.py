@@ -26,7 +26,12 @@ from ratchet._errors import ConfigError, RatchetError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding
 from ratchet.agents._run import Job, _sink, _source, load_agent, run_owned
-from ratchet.runtime._engine import EngineConfig, EngineResult, stopped_for_max_errors
+from ratchet.runtime._engine import (
+    EngineConfig,
+    EngineResult,
+    stopped_by_signal,
+    stopped_for_max_errors,
+)
 from ratchet.runtime._forking import open_fds, start_method
 from ratchet.runtime._io import Source, job_identity
 from ratchet.runtime._multiproc import (
@@ -40,6 +45,7 @@ from ratchet.runtime._multiproc import (
 )
 from ratchet.runtime._shards import (
     Layout,
+    check_no_sleepers,
     check_quiet,
     first_redrive_seq,
     frozen,
@@ -169,11 +175,13 @@ def run_sharded(
             changed, drained = _change_workers(
                 spec, instance, binding, layout, workers, sdir, lock,
                 inputs=inputs, output=output, key=key, config=config, append=append_output,
-                no_fork=no_fork,
+                no_fork=no_fork, handle_signals=handle_signals,
             )  # fmt: skip
             if changed is None:
                 assert drained is not None
-                return drained  # it stopped before the old shards were done (--max-errors)
+                # It stopped before the old shards were done (--max-errors, or a SIGTERM or
+                # SIGINT while they finished): the old layout stays in force.
+                return drained
             layout = changed
         if workers == 1:
             lock.release()
@@ -251,11 +259,14 @@ def _change_workers(
     config: EngineConfig,
     append: bool,
     no_fork: str | None,
+    handle_signals: bool = False,
 ) -> tuple[Layout | None, EngineResult | None]:
     """Bring every shard of `layout` to one input position with nothing in flight, then move
     the keys to `workers` shards (at that checkpoint, before any new input is admitted).
     Returns the new layout and what finishing the old shards did; no layout when that
-    stopped early (`--max-errors`): the job stops there, as it would have."""
+    stopped early (`--max-errors`, a SIGTERM or SIGINT): the job stops there, as it would
+    have. A run sleeping on a durable timer is refused before anything is finished."""
+    check_no_sleepers(layout.dirs, workers, layout.workers)
     if layout.workers == 1:
         if not (sdir / DB_NAME).exists():
             return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
@@ -266,9 +277,9 @@ def _change_workers(
             agent, inputs=_NoInput(_source(inputs, key, False)), output=output, state_dir=sdir,
             config=config, append_output=append,
         )  # fmt: skip
-        drained = run_owned(job)
+        drained = run_owned(job, handle_signals=handle_signals)
         lock.acquire()
-        if stopped_for_max_errors(drained.stopped_by):
+        if stopped_for_max_errors(drained.stopped_by) or stopped_by_signal(drained.stopped_by):
             return None, drained
         store = SqliteStore.open_readonly(sdir)
         try:
@@ -281,10 +292,10 @@ def _change_workers(
         furthest = max(read_position(d)[0] for d in layout.dirs)
         drained = _coordinate(
             spec, layout, sdir, inputs=inputs, output=output, key=key, follow=False,
-            config=config, append=append, handle_signals=False, stop_at=furthest,
+            config=config, append=append, handle_signals=handle_signals, stop_at=furthest,
             no_fork=no_fork,
         )  # fmt: skip
-        if stopped_for_max_errors(drained.stopped_by):
+        if stopped_for_max_errors(drained.stopped_by) or stopped_by_signal(drained.stopped_by):
             return None, drained
         spots = [read_position(d) for d in layout.dirs]
         aligned = {(n, f) for n, f, _at in spots}

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+from ratchet._argtypes import whole_number
 from ratchet._errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, RatchetError
 from ratchet.checks import _report
 from ratchet.checks._ci import ci_report, write_junit
@@ -39,17 +40,8 @@ _DESCRIPTION = (
 )
 
 
-def _jobs(text: str) -> int:
-    """--jobs: a whole number of stages at once, at least 1 (0 or less used to mean 1)."""
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: at least one stage must be able to run")
-    return n
+# --jobs: a whole number of stages at once, at least 1 (0 or less used to mean 1).
+_jobs = whole_number(1, out_of_range="{n}: at least one stage must be able to run")
 
 
 def configure(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> None:

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from ratchet._argtypes import whole_number
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import (
     EXIT_BAD_INPUT,
@@ -29,15 +30,13 @@ _SUPERVISION_DESTS: frozenset[str] = frozenset()
 _SUPERVISOR_ONLY: dict[str, tuple[str, Any]] = {}
 
 
-def _port(text: str) -> int:
-    """A TCP port: 0 (any free one) to 65535."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"{n} is not a port (0 to 65535)")
-    return n
+# A TCP port: 0 (any free one) to 65535.
+_port = whole_number(
+    0,
+    65535,
+    not_a_number="{text!r} is not a port number",
+    out_of_range="{n} is not a port (0 to 65535)",
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

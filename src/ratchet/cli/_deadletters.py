@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from ratchet._argtypes import whole_number
 from ratchet._errors import EXIT_OK
 
 
@@ -29,7 +30,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     which = redrive.add_mutually_exclusive_group(required=True)
     which.add_argument("--all", action="store_true", help="every dead letter not redriven yet")
     which.add_argument("--key", help="those of one key")
-    which.add_argument("--id", type=int, help="one, by its id (`ratchet dead-letters`)")
+    which.add_argument(
+        "--id",
+        type=whole_number(
+            0, (1 << 63) - 1, out_of_range="{n} is not a dead letter id (0 to 2**63 - 1)"
+        ),
+        help="one, by its id (`ratchet dead-letters`)",
+    )
     redrive.add_argument("--state", required=True)
     redrive.add_argument("--json", action="store_true")
     redrive.set_defaults(func=cmd_redrive)

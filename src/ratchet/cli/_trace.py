@@ -7,20 +7,11 @@ import json
 import time
 from typing import Any
 
+from ratchet._argtypes import whole_number
 from ratchet._errors import EXIT_FAILED, EXIT_OK
 
-
-def seq_number(text: str) -> int:
-    """An input seq as the state stores it: a whole number from 0 to 2**63 - 1."""
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= n < 1 << 63:
-        raise argparse.ArgumentTypeError(f"{n} is not an input seq (0 to 2**63 - 1)")
-    return n
+# An input seq as the state stores it: a whole number from 0 to 2**63 - 1.
+seq_number = whole_number(0, (1 << 63) - 1, out_of_range="{n} is not an input seq (0 to 2**63 - 1)")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -372,6 +372,11 @@ def stopped_for_max_errors(stopped_by: str) -> bool:
     return MAX_ERRORS_STOP in stopped_by
 
 
+def stopped_by_signal(stopped_by: str) -> bool:
+    """Whether a result's `stopped_by` is a stop SIGTERM or SIGINT asked for."""
+    return stopped_by.startswith("signal ")
+
+
 @dataclass(eq=False)
 class _SignalWait:
     task: Task

@@ -201,6 +201,33 @@ def _quiet(sdir: Path) -> str | None:
     return None
 
 
+def check_no_sleepers(dirs: tuple[Path, ...], workers: int, current: int) -> None:
+    """Before the old shards are finished: a run sleeping on a durable timer cannot move
+    between shards, and finishing would wait for it (silently, for as long as the timer,
+    days for a reminder): refused now, naming when it wakes."""
+    import datetime
+
+    for d in dirs:
+        if not (d / DB_NAME).exists():
+            continue
+        store = SqliteStore.open_readonly(d)
+        try:
+            sleeps = [w for w in store.waits() if w["on"] == "sleep"]
+        finally:
+            store.close()
+        if sleeps:
+            until = max(float(w["until"] or 0) for w in sleeps)
+            when = datetime.datetime.fromtimestamp(until, datetime.UTC).strftime(
+                "%Y-%m-%d %H:%M:%S UTC"
+            )
+            raise ConfigError(
+                f"cannot change the number of workers to {workers}: {d} holds {len(sleeps)} "
+                f"run(s) sleeping on a durable timer (the last wakes at {when}), which cannot "
+                f"move between shards. Run the job with --workers {current} until they wake, "
+                f"then change it"
+            )
+
+
 def check_quiet(dirs: tuple[Path, ...], workers: int) -> None:
     for d in dirs:
         why = _quiet(d)

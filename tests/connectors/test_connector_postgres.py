@@ -72,16 +72,19 @@ def test_a_table_of_the_wrong_shape_is_refused_naming_the_columns(
     )
 
 
-def test_a_table_of_another_job_is_refused(postgres: Postgres, tmp_path: Path) -> None:
-    name = table()
+def _another_jobs_table_is_refused(postgres: Postgres, tmp_path: Path, name: str) -> None:
     first = sink(postgres, name)
     first.open(JobIdentity("job1", tmp_path))
-    first.write([{"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": 1}])
+    first.write([{"id": "a:1:r>x:0", "key": "a", "seq": 1, "task": "r>x", "output": 1}])
     first.close()
     with pytest.raises(
         ConfigError, match="holds outputs of job job1, and this state directory is job job2"
     ):
         sink(postgres, name).open(JobIdentity("job2", tmp_path))
+
+
+def test_a_table_of_another_job_is_refused(postgres: Postgres, tmp_path: Path) -> None:
+    _another_jobs_table_is_refused(postgres, tmp_path, table())
 
 
 def test_an_output_jsonb_cannot_hold_is_named(postgres: Postgres) -> None:
@@ -222,14 +225,7 @@ def test_a_mixed_case_or_special_table_name_is_that_exact_table(
     """The table is looked up by its quoted name: `Res` is not `res`, `my-t` is one name."""
     suffix = next(_names)
     name = f"{name}{suffix}"
-    first = sink(postgres, name)
-    first.open(JobIdentity("job1", tmp_path))
-    first.write([{"id": "a:1:r>x:0", "key": "a", "seq": 1, "task": "r>x", "output": 1}])
-    first.close()
-    with pytest.raises(
-        ConfigError, match="holds outputs of job job1, and this state directory is job job2"
-    ):
-        sink(postgres, name).open(JobIdentity("job2", tmp_path))
+    _another_jobs_table_is_refused(postgres, tmp_path, name)
     # A source reads it by that name too.
     src = source_for(f"{postgres.dsn}?table={name}&id_column=seq", key="key", follow=False)
     src.open(JobIdentity("job1", tmp_path), checkpoint_interval=0.2)

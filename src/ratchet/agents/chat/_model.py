@@ -182,40 +182,35 @@ class ChatModel(ABC):
         model: str | None,
         options: Mapping[str, Any],
     ) -> ChatMessage:
+        def once() -> Awaitable[ChatMessage]:
+            return self._chat_once(
+                messages, model=model or self.model, tools=tools,
+                output_schema=output_schema, options=options,
+            )  # fmt: skip
+
         limit = getattr(self, "rate_limit", None)
         if limit is None:
-            return await self._timed(messages, model, tools, output_schema, options)
+            return await self._timed(once)
         merged = {**getattr(self, "options", {}), **options}
         cap = getattr(self, "max_tokens", None)  # Anthropic's reply cap
         if isinstance(cap, int):
             merged.setdefault("max_tokens", cap)
         estimate = estimate_tokens(messages, [t.spec() for t in tools], merged)
         async with limit.slot(estimate) as usage:
-            reply = await self._timed(messages, model, tools, output_schema, options)
+            reply = await self._timed(once)
             used = reply.usage.total_tokens if reply.usage is not None else 0
             usage.used = used or estimate
             return reply
 
-    async def _timed(
-        self,
-        messages: Sequence[ChatMessage],
-        model: str | None,
-        tools: Sequence[Tool],
-        output_schema: type[BaseModel] | None,
-        options: Mapping[str, Any],
-    ) -> ChatMessage:
+    async def _timed(self, once: Callable[[], Awaitable[ChatMessage]]) -> ChatMessage:
         """One request, bounded in all by `timeout`: the SDKs' timeouts bound each read, so a
         reply that trickles in held the run for as long as it kept coming."""
-        once = self._chat_once(
-            messages, model=model or self.model, tools=tools,
-            output_schema=output_schema, options=options,
-        )  # fmt: skip
         timeout = getattr(self, "timeout", None)  # a subclass that skipped super().__init__
         if timeout is None:
-            return await once
+            return await once()
         try:
             async with asyncio.timeout(timeout):
-                return await once
+                return await once()
         except TimeoutError as exc:
             raise ModelCallError(
                 f"{self.provider}: request timed out: no whole reply within {timeout} s",

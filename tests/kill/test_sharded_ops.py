@@ -554,6 +554,11 @@ def test_migrate_killed_and_runs_commands_act_on_every_shard(tmp_path: Path) -> 
     assert [(d["key"], d["kind"]) for d in listed["dead_letters"]] == [("b", "abandoned")]
 
 
+def _parked_slow(tmp_path: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """`_parked` for a run that is slow, not on a timer."""
+    return _parked(tmp_path, "Lingers", rows)
+
+
 def _parked(tmp_path: Path, agent: str, rows: list[dict[str, Any]]) -> list[str]:
     """Run `agent` with 2 workers until one run is parked on a durable timer, then stop it
     cleanly; the command line that runs it again."""
@@ -571,28 +576,34 @@ def _parked(tmp_path: Path, agent: str, rows: list[dict[str, Any]]) -> list[str]
     return base
 
 
-def test_changing_workers_with_a_run_asleep_is_refused_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("agent", ["Napper", "Reminds"])  # a sleep; a delayed event
+def test_changing_workers_with_a_run_on_a_timer_is_refused_at_once(
+    tmp_path: Path, agent: str
+) -> None:
     # Finishing the old shards waited for the timer, silently, as long as it ran (a reminder
     # a week away held the change for a week).
-    rows = [{"key": k, "s": 0} for k in "abcd"] + [{"key": "zz", "s": 600}]
-    base = _parked(tmp_path, "Napper", rows)
+    rows = [{"key": k, "s": 0.1} for k in "abcd"] + [{"key": "zz", "s": 600}]
+    base = _parked(tmp_path, agent, rows)
     env = dict(os.environ, WAITS_LOG=str(tmp_path / "log.jsonl"))
     t = time.monotonic()
     again = subprocess.run([*base, "--workers", "3"], env=env, capture_output=True, text=True,
                            timeout=120)  # fmt: skip
     assert again.returncode == 2, again.stderr
     assert "cannot change the number of workers to 3" in again.stderr
-    assert "sleeping on a durable timer (the last wakes at " in again.stderr
-    assert "--workers 2 until they wake" in again.stderr and "Traceback" not in again.stderr
+    assert (
+        "1 durable timer(s) of runs in flight (a sleep or a delayed event; the last is due"
+        in again.stderr
+    )
+    assert "--workers 2 until they are due" in again.stderr and "Traceback" not in again.stderr
     assert time.monotonic() - t < 60
     assert json.loads((tmp_path / "state" / "shards" / "layout.json").read_text())["workers"] == 2
 
 
 def test_a_sigint_while_the_old_shards_finish_stops_the_job(tmp_path: Path) -> None:
-    # A delayed event (not a sleep) still holds the finishing; SIGTERM/SIGINT were not
-    # handled meanwhile, and the job went on to the new layout when the timer fired.
-    rows = [{"key": k, "s": 0.1} for k in "abcd"] + [{"key": "zz", "s": 600}]
-    base = _parked(tmp_path, "Reminds", rows)
+    # SIGTERM/SIGINT were not handled while the old shards finished: the job went on to the
+    # new layout when they were done. A slow run in flight holds the finishing here.
+    rows = [{"key": k} for k in "abcd"] + [{"key": "zz", "sleep": 600}]
+    base = _parked_slow(tmp_path, rows)
     env = dict(os.environ, WAITS_LOG=str(tmp_path / "log.jsonl"))
     again = subprocess.Popen([*base, "--workers", "3", "--follow"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip

@@ -3,6 +3,7 @@ go to the file named by WAITS_LOG (outside the state), one JSON line each, with 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -44,6 +45,15 @@ class Reminds(Agent):
     async def remind(self, event: Reminder, ctx: Any) -> None:
         log(what="reminded", key=str(ctx.key))
         ctx.send_event(OutputEvent(output={"reminded": event.n}))
+
+
+class Lingers(Agent):
+    """Outputs its input, after `sleep` seconds of plain (not durable) waiting if it has one."""
+
+    @action(InputEvent)
+    async def go(self, event: InputEvent, ctx: Any) -> None:
+        await asyncio.sleep(event.input.get("sleep", 0))
+        ctx.send_event(OutputEvent(output={"key": str(ctx.key)}))
 
 
 class Requested(Event):

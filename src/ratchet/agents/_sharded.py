@@ -45,7 +45,7 @@ from ratchet.runtime._multiproc import (
 )
 from ratchet.runtime._shards import (
     Layout,
-    check_no_sleepers,
+    check_no_timers,
     check_quiet,
     first_redrive_seq,
     frozen,
@@ -265,8 +265,8 @@ def _change_workers(
     the keys to `workers` shards (at that checkpoint, before any new input is admitted).
     Returns the new layout and what finishing the old shards did; no layout when that
     stopped early (`--max-errors`, a SIGTERM or SIGINT): the job stops there, as it would
-    have. A run sleeping on a durable timer is refused before anything is finished."""
-    check_no_sleepers(layout.dirs, workers, layout.workers)
+    have. A run waiting on a durable timer is refused before anything is finished."""
+    check_no_timers(layout.dirs, workers, layout.workers)
     if layout.workers == 1:
         if not (sdir / DB_NAME).exists():
             return reshard(sdir, layout, workers, binding.name, binding.fingerprint,

@@ -201,10 +201,29 @@ def _quiet(sdir: Path) -> str | None:
     return None
 
 
-def check_no_sleepers(dirs: tuple[Path, ...], workers: int, current: int) -> None:
-    """Before the old shards are finished: a run sleeping on a durable timer cannot move
-    between shards, and finishing would wait for it (silently, for as long as the timer,
-    days for a reminder): refused now, naming when it wakes."""
+def _timers(store: SqliteStore) -> list[float]:
+    """When the timers of the state's runs in flight fall due: sleeps not over, and delayed
+    events (`send_event(delay=)`) whose time has not come (one that has came out at once)."""
+    due = [float(w["until"] or 0) for w in store.waits() if w["on"] == "sleep"]
+    now = store.clock.now()
+    for (journal,) in store.conn.execute("SELECT journal FROM runs"):
+        try:
+            entries = codec.decode(journal, unknown="generic")
+        except (codec.CorruptDataError, TypeError):
+            continue  # damaged: the usual checks name it
+        for entry in entries:
+            for event in entry[4] if len(entry) == 5 and str(entry[0])[:1] != "!" else ():
+                if isinstance(event, tuple) and len(event) == 2 and event[0] == "ratchet.Delayed":
+                    when = event[1].get("due") if isinstance(event[1], dict) else None
+                    if isinstance(when, int | float) and when > now:
+                        due.append(float(when))
+    return due
+
+
+def check_no_timers(dirs: tuple[Path, ...], workers: int, current: int) -> None:
+    """Before the old shards are finished: a run waiting on a durable timer (a sleep, a
+    delayed event) cannot move between shards, and finishing would wait for it (silently, for
+    as long as the timer: days for a reminder): refused now, naming when the last one is due."""
     import datetime
 
     for d in dirs:
@@ -212,19 +231,16 @@ def check_no_sleepers(dirs: tuple[Path, ...], workers: int, current: int) -> Non
             continue
         store = SqliteStore.open_readonly(d)
         try:
-            sleeps = [w for w in store.waits() if w["on"] == "sleep"]
+            due = _timers(store)
         finally:
             store.close()
-        if sleeps:
-            until = max(float(w["until"] or 0) for w in sleeps)
-            when = datetime.datetime.fromtimestamp(until, datetime.UTC).strftime(
-                "%Y-%m-%d %H:%M:%S UTC"
-            )
+        if due:
+            when = datetime.datetime.fromtimestamp(max(due), datetime.UTC)
             raise ConfigError(
-                f"cannot change the number of workers to {workers}: {d} holds {len(sleeps)} "
-                f"run(s) sleeping on a durable timer (the last wakes at {when}), which cannot "
-                f"move between shards. Run the job with --workers {current} until they wake, "
-                f"then change it"
+                f"cannot change the number of workers to {workers}: {d} holds {len(due)} "
+                f"durable timer(s) of runs in flight (a sleep or a delayed event; the last is "
+                f"due at {when:%Y-%m-%d %H:%M:%S} UTC), which cannot move between shards. Run "
+                f"the job with --workers {current} until they are due, then change it"
             )
 
 

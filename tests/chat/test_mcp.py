@@ -138,9 +138,11 @@ def test_tools_come_from_the_server_with_schemas_allowlist_prefix_and_keys(
                 await chosen.call_tool("fail", {"reason": "no luck"}, idempotency_key="k-2")
             # Without an allowlist, every tool whose name providers accept.
             with caplog.at_level(logging.WARNING, logger="ratchet.chat.mcp"):
-                names = sorted(t.name for t in await everything.list_tools())
+                listed = await asyncio.gather(*(everything.list_tools() for _ in range(5)))
+                names = sorted(t.name for t in listed[0])
             assert names == ["block", "fail", "record", "whoami"]
-            assert "'dotted.name' skipped" in caplog.text
+            # Once, though the first calls of a run list the tools at once (it said it 5 times).
+            assert caplog.text.count("'dotted.name' skipped") == 1
             assert await everything.list_prompts() == ["greeting"]
             messages = await chosen.prompt("greeting").format_messages_async({"name": "Ann"})
             assert messages == [

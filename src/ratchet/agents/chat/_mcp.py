@@ -237,6 +237,7 @@ class MCPServer:
         self._thread: _Worker | None = None
         self._link: _Link | None = None  # used on the worker's loop only
         self._tools: dict[str, MCPTool] | None = None
+        self._skipped: set[str] = set()  # tools warned about as skipped
         self.connections_opened = 0  # how many times a connection was opened (for tests, logs)
 
     def __repr__(self) -> str:
@@ -246,7 +247,7 @@ class MCPServer:
         # The declaration only (an agent instance may be shipped to Flink's workers): a copy
         # opens its own connection when it is first used.
         state = dict(self.__dict__)
-        for name in ("_lock", "_thread", "_link", "_tools"):
+        for name in ("_lock", "_thread", "_link", "_tools", "_skipped"):
             state.pop(name, None)
         state["connections_opened"] = 0
         return state
@@ -257,6 +258,7 @@ class MCPServer:
         self._thread = None
         self._link = None
         self._tools = None
+        self._skipped = set()
 
     @property
     def resource(self) -> Resource:
@@ -404,8 +406,10 @@ class MCPServer:
                         f"{exposed!r}, which providers refuse (1-64 letters, digits, '_' or "
                         f"'-'); leave it out of tools= or change prefix="
                     )
-                log.warning("MCP server %s: tool %r skipped: its name is not one providers "
-                            "accept", self.name, exposed)  # fmt: skip
+                if exposed not in self._skipped:  # once: first calls list the tools at once
+                    self._skipped.add(exposed)
+                    log.warning("MCP server %s: tool %r skipped: its name is not one "
+                                "providers accept", self.name, exposed)  # fmt: skip
                 continue
             out[exposed] = MCPTool(self, spec.name, exposed, spec.description, spec.input_schema)
         return out

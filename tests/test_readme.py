@@ -38,23 +38,34 @@ def test_readme_example_runs_and_is_idempotent(tmp_path: Path) -> None:
     assert namespace["result"].inputs == 0  # the second run found everything done
 
 
-def test_readme_cli_command_runs_only_the_agent(tmp_path: Path) -> None:
-    # `ratchet run my_agents.py:Counter` imports the file: its inline job must not run too
-    # (it wrote out.jsonl and .ratchet-state of its own at import).
+def test_readme_cli_commands_run_as_written_after_the_python_example(tmp_path: Path) -> None:
+    # As a newcomer follows the page: the Python example first (`python my_agents.py`), then
+    # the shell lines as written. They reused its state and output (both refused, exit 2)
+    # and never showed events.jsonl. `ratchet run my_agents.py:Counter` imports the file: its
+    # inline job must not run again then.
     (tmp_path / "my_agents.py").write_text(_example())
-    (tmp_path / "events.jsonl").write_text('{"key": "carol"}\n')
-    command = re.search(r"^ratchet run (my_agents\.py:Counter .*)$", README.read_text(), re.M)
-    assert command is not None
-    args = command.group(1).replace("out.jsonl", "cli.jsonl").replace(".ratchet-state", "st")
+    first = subprocess.run([sys.executable, "my_agents.py"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    inline_out = (tmp_path / "out.jsonl").read_text()
+    block = re.search(r"```sh\n(printf .*?\nratchet run my_agents\.py:Counter .*?)\n```",
+                      README.read_text(), re.S)  # fmt: skip
+    assert block is not None
+    printf, command = block.group(1).splitlines()
+    subprocess.run(printf, shell=True, cwd=tmp_path, check=True)
+    args = command.removeprefix("ratchet run ").split()
     proc = subprocess.run(
-        [sys.executable, "-m", "ratchet.cli", "run", *args.split()],
+        [sys.executable, "-m", "ratchet.cli", "run", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert not (tmp_path / "out.jsonl").exists()
-    assert not (tmp_path / ".ratchet-state").exists()
-    lines = [json.loads(x) for x in (tmp_path / "cli.jsonl").read_text().splitlines()]
-    assert [x["output"] for x in lines] == [{"key": "carol", "label": "SEEN 1 TIMES"}]
+    assert (tmp_path / "out.jsonl").read_text() == inline_out  # the inline job did not run
+    lines = [json.loads(x) for x in (tmp_path / "cli-out.jsonl").read_text().splitlines()]
+    assert sorted((x["output"]["key"], x["output"]["label"]) for x in lines) == [
+        ("alice", "SEEN 1 TIMES"),
+        ("alice", "SEEN 2 TIMES"),
+        ("bob", "SEEN 1 TIMES"),
+    ]

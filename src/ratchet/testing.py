@@ -21,6 +21,11 @@ from ratchet.store._memory import MemoryStore
 __all__ = ["FakeClock", "FaultyStore", "Injected", "MemoryStore"]
 
 
+def _seconds(what: str, value: object) -> None:
+    if type(value) not in (int, float) or value != value:  # bool and NaN refused too
+        raise ConfigError(f"{what}: takes a number of seconds, got {value!r}")
+
+
 class FakeClock:
     """A clock for tests: virtual wall time and monotonic time, moved by `advance`.
 
@@ -29,6 +34,7 @@ class FakeClock:
     """
 
     def __init__(self, start: float = 1_800_000_000.0, *, autojump: bool = False) -> None:
+        _seconds("FakeClock(start=)", start)
         self._epoch = float(start)
         self._offset = 0.0
         self.autojump = autojump
@@ -47,6 +53,7 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         """Move virtual time forward by `seconds`, waking every sleeper now due."""
+        _seconds(f"FakeClock.advance({seconds!r})", seconds)
         if seconds < 0:
             raise ConfigError(f"FakeClock.advance({seconds}): time only moves forward")
         with self._lock:
@@ -56,7 +63,9 @@ class FakeClock:
             waker.wake()
 
     def jump_to(self, monotonic: float) -> None:
-        """Move virtual monotonic time to `monotonic` (not backwards)."""
+        """Move virtual monotonic time to `monotonic`. A time already passed does nothing
+        (the clock never goes back; a driver thread may jump to a deadline another passed)."""
+        _seconds(f"FakeClock.jump_to({monotonic!r})", monotonic)
         self.advance(max(0.0, monotonic - self.monotonic()))
 
     def next_deadline(self) -> float | None:

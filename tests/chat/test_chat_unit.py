@@ -164,3 +164,17 @@ def test_scripted_model_replies_by_conversation_position() -> None:
     assert asyncio.run(m.chat([ChatMessage.user("q")])).tool_calls == first.tool_calls
     tool_msg = ChatMessage(role=MessageRole.TOOL, content="{}", tool_call_id="call_lookup")
     assert asyncio.run(m.chat([ChatMessage.user("q"), first, tool_msg])).content == "done"
+
+
+def test_scripted_model_mistakes_are_refused_when_it_is_made() -> None:
+    from ratchet import InvalidArgumentError, InvalidTypeError
+
+    # A str is a sequence: replies="hello" answered "h", and a test asserted the wrong thing.
+    with pytest.raises(InvalidTypeError, match=r"write replies=\['hello'\], not replies='hello'"):
+        ScriptedChatModel(replies="hello")  # type: ignore[arg-type]
+    # A reply of no known shape failed at its turn, mid-job (a dead letter, exit 4).
+    with pytest.raises(InvalidTypeError, match=r"replies\[1\]: a scripted reply must be"):
+        ScriptedChatModel(replies=["ok", 42])  # type: ignore[list-item]
+    # Both: respond= won silently.
+    with pytest.raises(InvalidArgumentError, match="replies=.* or respond=.*, not both"):
+        ScriptedChatModel(replies=["ok"], respond=lambda messages: "computed")

@@ -220,3 +220,37 @@ def test_a_new_states_job_id_comes_from_the_injected_random(tmp_path: Path) -> N
         )
     jobs = [json.loads((tmp_path / n / "job.json").read_text())["job"] for n in ("a", "b")]
     assert jobs[0] == jobs[1] == f"{random.Random(42).getrandbits(64):016x}"
+
+
+def test_fake_clock_misuse_is_named() -> None:
+    from ratchet import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"FakeClock\(start=\): takes a number of seconds, got 'x'"
+    ):
+        FakeClock("x")  # type: ignore[arg-type]
+    clock = FakeClock()
+    with pytest.raises(ConfigError, match=r"advance\('5'\): takes a number of seconds"):
+        clock.advance("5")  # type: ignore[arg-type]
+    clock.advance(10)
+    clock.jump_to(3)  # a time already passed does nothing (a driver may race another)
+    assert clock.monotonic() == 10
+
+
+def test_a_clock_that_is_not_one_is_refused_before_the_state_is_touched(tmp_path: Path) -> None:
+    # clock=time (the module) failed deep in the store with an AttributeError and left the
+    # state directory behind, holding a lock file.
+    import time as time_module
+
+    from ratchet import Agent, InputEvent, InvalidTypeError, action, run
+
+    class Plain(Agent):
+        @action(InputEvent, inline=True)
+        def go(self, event: InputEvent, ctx: Any) -> None:
+            pass
+
+    for bad in (object(), time_module):
+        with pytest.raises(InvalidTypeError, match=r"clock= must be a ratchet Clock \(now, "):
+            run(Plain(), inputs=[{"key": "a"}], output=tmp_path / "o.jsonl",
+                state_dir=tmp_path / "s", clock=bad)  # type: ignore[arg-type]  # fmt: skip
+        assert not (tmp_path / "s").exists()

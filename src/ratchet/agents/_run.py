@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import ConfigError, InvalidArgumentError, StateError
+from ratchet._errors import ConfigError, InvalidArgumentError, InvalidTypeError, StateError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding, install_task_factory
 from ratchet.connectors import is_uri, sink_for, source_for
@@ -164,6 +164,20 @@ def _failure(exc: BaseException) -> str:
 _SOURCE_DIGEST = "__ratchet_source_sha256__"
 
 
+_CLOCK_METHODS = ("now", "monotonic", "sleep", "sleep_sync")
+
+
+def _check_clock(clock: Any) -> None:
+    """A clock is checked before the state directory is touched (`clock=time`, the module,
+    failed deep in the store with an AttributeError and left a lock file behind)."""
+    missing = [m for m in _CLOCK_METHODS if not callable(getattr(clock, m, None))]
+    if missing:
+        raise InvalidTypeError(
+            f"clock= must be a ratchet Clock ({', '.join(_CLOCK_METHODS)}), e.g. "
+            f"ratchet.testing.FakeClock(); got {clock!r}, which has no {', '.join(missing)}"
+        )
+
+
 def _same_file(name: str | None, path: Path) -> bool:
     return name is not None and Path(name).resolve() == path.resolve()
 
@@ -256,6 +270,7 @@ class Job:
     ) -> None:
         self.config = config or EngineConfig()
         self.config.validate()
+        _check_clock(clock)
         self.binding = AgentBinding(agent, agent_config)
         # The connectors first: a wrong input or output path is refused before the state
         # directory is created.

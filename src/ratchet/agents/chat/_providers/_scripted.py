@@ -80,8 +80,22 @@ class ScriptedChatModel(ChatModel):
             model=model, retry=retry, rate_limit=rate_limit, resource_name=resource_name,
             probe_delay=probe_delay, max_probe_delay=max_probe_delay,
         )  # fmt: skip
+        if isinstance(replies, str | bytes):  # a str is a sequence: it answered "h" for "hello"
+            raise InvalidTypeError(
+                f"ScriptedChatModel(replies=) takes a list of replies, one per turn: write "
+                f"replies=[{replies!r}], not replies={replies!r}"
+            )
+        if replies and respond is not None:
+            raise InvalidArgumentError(
+                "ScriptedChatModel takes replies=[...] or respond=..., not both"
+            )
         if not replies and respond is None:
             raise InvalidArgumentError("ScriptedChatModel needs replies=[...] or respond=...")
+        for i, reply in enumerate(replies):  # a bad one fails here, not at its turn mid-job
+            try:
+                as_reply(reply)
+            except InvalidTypeError as exc:
+                raise InvalidTypeError(f"ScriptedChatModel replies[{i}]: {exc}") from None
         self.replies = list(replies)
         self.respond = respond
         self.fail_first = list(fail_first)

@@ -273,3 +273,43 @@ def test_a_lone_surrogate_and_a_broken_embedding_model_are_named(tmp_path: Path)
             embedding=ltm_agent.SizedEmbedding(16)
         )
     assert "returned [['x']], not one list of numbers per text" in _errors(tmp_path)[-1]
+
+
+def test_the_integer_key_1_and_the_string_key_1_have_memories_of_their_own(
+    tmp_path: Path,
+) -> None:
+    # Both read and wrote scope `key:1`: the string key found the integer key's secret.
+    out = run(
+        tmp_path,
+        [{"key": 1, "text": "secret of int key one"}, {"key": "1", "text": "note of str key"}],
+        ltm_agent.Secrets(),
+    )
+    assert len(out) == 2
+    found = run(tmp_path, [{"key": "1", "q": "secret note key"}, {"key": 1, "q": "secret note"}],
+                ltm_agent.Secrets())  # fmt: skip
+    assert sorted(map(json.dumps, found)) == sorted(
+        map(json.dumps, [{"found": ["note of str key"]}, {"found": ["secret of int key one"]}])
+    )
+    assert sorted(r[0] for r in rows(tmp_path)) == ["key#int:1", "key:1"]
+
+
+def test_a_state_from_before_gives_an_integer_keys_memories_their_own_scope(
+    tmp_path: Path,
+) -> None:
+    # Schema 9 kept them under `key:<text>`: migration 10 moves them when no string key of
+    # that text exists (where one does, the two shared a scope and stay together).
+    run(tmp_path, [{"key": 7, "text": "int seven"}, {"key": 8, "text": "int eight"},
+                   {"key": "8", "text": "str eight"}], ltm_agent.Secrets())  # fmt: skip
+    db = tmp_path / "state" / "ratchet.db"
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("UPDATE ltm SET scope = replace(scope, 'key#int:', 'key:')")
+        conn.execute("PRAGMA user_version = 9")
+        conn.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'",
+                     (ratchet.store.codec.encode(9),))  # fmt: skip
+    conn.close()
+    found = run(tmp_path, [{"key": 7, "q": "seven"}], ltm_agent.Secrets())
+    assert found == [{"found": ["int seven"]}]
+    assert sorted((r[0], r[2]) for r in rows(tmp_path)) == [
+        ("key#int:7", "int seven"), ("key:8", "int eight"), ("key:8", "str eight"),
+    ]  # fmt: skip

@@ -47,7 +47,7 @@ from ratchet.runtime._dispatch import RETRY_FN, SIGNAL_FN, SLEEP_FN, TaskCalls, 
 from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.runtime._metrics import KeyMetrics, Metrics
 from ratchet.store import codec
-from ratchet.store._base import AgentVersion, DispatchTable
+from ratchet.store._base import AgentVersion, DispatchTable, ltm_key_scope
 
 log = logging.getLogger("ratchet.agents")
 
@@ -216,7 +216,7 @@ class RunnerContext:
         memory"); `.shared(name)` for one all keys share. Async methods: add, search, get,
         delete, count."""
         if self._ltm is None:
-            self._ltm = LongTermMemory(self, f"key:{self._task.run.key}")
+            self._ltm = LongTermMemory(self, ltm_key_scope(self._task.run.key))
         ltm: LongTermMemory = self._ltm
         return ltm
 

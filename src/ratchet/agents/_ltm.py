@@ -136,7 +136,8 @@ class LongTermMemory:
 
     @property
     def scope(self) -> str:
-        """`key:<key text>` for a key's own memory, `shared:<name>` for a shared one."""
+        """`key:<text>` for a string key's own memory, `key#<type>:<text>` for another key's
+        (`ratchet.store._base.ltm_key_scope`), `shared:<name>` for a shared one."""
         return self._scope
 
     def shared(self, name: str) -> LongTermMemory:

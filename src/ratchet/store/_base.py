@@ -128,6 +128,15 @@ class Adopted:
     upgraded_from: str | None = None
 
 
+def ltm_key_scope(key: Any) -> str:
+    """The long-term memory scope of a key: `key:<text>` for a string key, `key#<type>:<text>`
+    for any other (no `key:` scope can equal it), so the integer key 1 and the string key "1"
+    each have their own (they shared `key:1`: each read the other's memories)."""
+    if type(key) is str:
+        return f"key:{key}"
+    return f"key#{type(key).__name__}:{key}"
+
+
 def version_id(fingerprint: str, memory_version: int) -> str:
     """What a run in flight is pinned to: the dispatch table and the memory layout."""
     return f"{fingerprint}.m{memory_version}"

@@ -35,6 +35,7 @@ from ratchet.store._base import (
     Pinned,
     adopt_pins,
     check_adoption,
+    ltm_key_scope,
     version_id,
 )
 from ratchet.store._files import fsync_dir
@@ -131,12 +132,34 @@ _MIGRATIONS: list[tuple[str, ...]] = [
         "CREATE TRIGGER IF NOT EXISTS spilled_replaced AFTER INSERT ON keys WHEN NEW.memory "
         "IS NOT NULL BEGIN DELETE FROM spilled WHERE key = NEW.key; END",
     ),
+    (),  # 10: long-term memory of a key that is not a string: its own scope (_typed_ltm_scopes)
 ]
 # Whether a stored key (its codec bytes) is a string: msgpack's str forms (fixstr a0-bf, str
 # 8/16/32 d9-db) and nothing else start with these bytes, and the codec writes only exact
 # `str` values so. Frozen: it is keys_by_text's WHERE, and SQLite uses a partial index only
 # for a query that repeats its WHERE.
 _KEY_IS_STR = "(key >= x'a0' AND key < x'c0' OR key >= x'd9' AND key < x'dc')"
+
+
+def _typed_ltm_scopes(c: sqlite3.Connection) -> None:
+    """Migration 10: the long-term memories of a key that is not a string move from `key:<text>`
+    to its own scope (`ltm_key_scope`). Where a string key of the same text exists too, the two
+    shared one scope and their rows cannot be told apart: they stay with the string key."""
+    if c.execute("SELECT 1 FROM sqlite_master WHERE name = 'ltm'").fetchone() is None:
+        return  # made on first use: none kept yet
+    rows = c.execute(f"SELECT key, key_text FROM keys WHERE NOT {_KEY_IS_STR}").fetchall()
+    for blob, text in rows:
+        if c.execute("SELECT 1 FROM keys WHERE key = ?", (codec.encode(str(text)),)).fetchone():
+            continue
+        try:
+            key = codec.decode(bytes(blob), unknown="generic")
+        except (codec.CorruptDataError, TypeError):
+            continue  # damaged: the usual checks name it when the key is read
+        c.execute("UPDATE ltm SET scope = ? WHERE scope = ?", (ltm_key_scope(key), f"key:{text}"))
+
+
+# Python steps of migrations whose work SQL alone cannot do, by the version they reach.
+_PY_MIGRATIONS = {10: _typed_ltm_scopes}
 # Tables a new database creates when first written (an empty table still takes a page), with
 # the statements that created them in older databases.
 _LAZY_TABLES = {"traces": _MIGRATIONS[5], "ltm": _MIGRATIONS[6]}
@@ -347,9 +370,12 @@ class SqliteStore:
     @staticmethod
     def _apply(c: sqlite3.Connection, start: int, stop: int) -> None:
         """Run migrations start+1 .. stop and record `stop` (inside the caller's transaction)."""
-        for migration in _MIGRATIONS[start:stop]:
+        for version, migration in enumerate(_MIGRATIONS[start:stop], start + 1):
             for stmt in migration:
                 c.execute(stmt)
+            step = _PY_MIGRATIONS.get(version)
+            if step is not None:
+                step(c)
         # Not a bound parameter: PRAGMA takes none. `stop` is an int from this module.
         c.execute(f"PRAGMA user_version = {int(stop)}")
 

@@ -135,3 +135,19 @@ class Misuse(Agent):
         elif data["try"] == "read":
             (hit,) = await ltm.search("kept as given", k=1)
             ctx.send_event(OutputEvent(output={"tag": hit["metadata"]["tag"]}))
+
+
+class Secrets(Agent):
+    """`add`: remember `text`; `search`: output what this key's memory finds for `q`."""
+
+    long_term_memory = LongTermMemoryConfig(embedding=WordEmbedding())
+
+    @action(InputEvent)
+    async def on_input(self, event: InputEvent, ctx: Any) -> None:
+        data = event.input
+        if "text" in data:
+            await ctx.long_term_memory.add(data["text"])
+            ctx.send_event(OutputEvent(output={"added": data["text"]}))
+        else:
+            hits = await ctx.long_term_memory.search(data["q"], k=5)
+            ctx.send_event(OutputEvent(output={"found": sorted(h["text"] for h in hits)}))

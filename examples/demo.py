@@ -139,6 +139,10 @@ def main() -> int:
     )
     table.add_row("bytes in memory came back as bytes", ok(blob_ok, "last_order_digest"))
     table.add_row("tasks replayed from the journal (not run again)", str(summary["tasks_replayed"]))
+    table.add_row(
+        "durable calls answered from their records after the restart (not made again)",
+        str(int(summary["metrics"].get("durable_calls.replayed", 0))),
+    )
     table.add_row("tasks executed after the restart", str(summary["tasks_executed"]))
     table.add_row(
         "orders already done before the kill (not touched)",

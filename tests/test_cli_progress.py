@@ -50,3 +50,19 @@ def test_a_terminal_gets_a_progress_line_and_a_done_line(tmp_path: Path, workers
         assert f"({workers} workers)" in shown
     assert "done: 40 runs, 40 outputs" in shown, shown[-2000:]
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 40
+
+
+def test_the_json_summary_carries_the_processs_counters(tmp_path: Path) -> None:
+    # ctx.metrics and ratchet's own counters (durable calls made, replayed) reached only a
+    # supervised job's /metrics: an unsupervised run could not show them.
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"key": f"k{i % 3}", "value": i}) + "\n" for i in range(6))
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "run", AGENT, "--input", str(tmp_path / "in.jsonl"),
+         "--output", str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "st"), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    metrics = json.loads(done.stdout)["metrics"]
+    assert metrics.get("durable_calls.made") == 6, metrics

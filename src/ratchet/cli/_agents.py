@@ -262,6 +262,9 @@ def _summary(result: Any) -> dict[str, Any]:
         "bad_inputs": result.bad_inputs,
         "stopped_by": result.stopped_by,
         "checkpoints": result.checkpoints,
+        # ctx.metrics counters and ratchet's own (durable_calls.made / .replayed, ...) of this
+        # process: an unsupervised run had no way to show them.
+        "metrics": result.metrics,
     }
 
 

@@ -176,26 +176,23 @@ async def test_persistent_5xx_gives_up_after_max_attempts(provider: Any) -> None
     assert len(server.requests) == 3
 
 
+@pytest.mark.parametrize(
+    ("fault", "seconds"),
+    # A reply that does not come; and one sent a byte every 50 ms: the SDKs' timeouts bound
+    # each read, so it held the call for as long as it kept coming (about 9 s in the review's
+    # case). `timeout` is the whole request's now.
+    [(Fault(delay=1.5), 0.4), (Fault(trickle=0.05), 1.0)],
+    ids=["silent", "trickling"],
+)
 @sync
-async def test_timeout_is_transient_and_retried(provider: Any) -> None:
+async def test_a_reply_past_the_timeout_is_transient_and_retried(
+    provider: Any, fault: Fault, seconds: float
+) -> None:
     _, server, sleeps, make = provider
-    server.fail_next(Fault(delay=1.5))
-    reply = await make(timeout=0.4).chat(ASK, tools=TOOLS)
+    server.fail_next(fault)
+    reply = await make(timeout=seconds).chat(ASK, tools=TOOLS)
     assert reply.tool_calls
-    assert len(server.requests) == 2
-    assert len(sleeps.delays) == 1
-
-
-@sync
-async def test_a_reply_that_trickles_in_past_the_timeout_times_out(provider: Any) -> None:
-    # The SDKs' timeouts bound each read: a reply sent a byte every 50 ms held the call for
-    # as long as it kept coming (about 9 s in the review's case). `timeout` is the whole
-    # request's now.
-    _, server, sleeps, make = provider
-    server.fail_next(Fault(trickle=0.05))
-    reply = await make(timeout=1.0).chat(ASK, tools=TOOLS)
-    assert reply.tool_calls
-    assert len(server.requests) == 2  # the trickled reply timed out; the retry's came whole
+    assert len(server.requests) == 2  # the late reply timed out; the retry's came whole
     assert len(sleeps.delays) == 1
 
 

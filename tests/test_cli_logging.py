@@ -79,3 +79,16 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path) -> None:
     with proc.stderr:
         err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0 and b"Traceback" not in err, err
+
+
+def test_json_logs_hold_the_commands_own_lines_too(tmp_path: Path) -> None:
+    # "--workers auto: ..." and "restored savepoint ..." were plain lines among the JSON ones.
+    (tmp_path / "in.jsonl").write_text('{"key": "a", "i": 1}\n')
+    cmd = [*RATCHET, "--log-format", "json", "run", AGENT, "--input", str(tmp_path / "in.jsonl"),
+           "--output", str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "s"),
+           "--workers", "auto"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(x) for x in done.stderr.splitlines()]  # every line is JSON
+    said = [x["message"] for x in lines if x["logger"] == "ratchet.cli.course"]
+    assert len(said) == 1 and said[0].startswith("--workers auto: 1 ("), lines

@@ -424,21 +424,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.input is not None and not is_uri(args.input):
         check_input_path(args.input)
     check_endpoint(args.otel_endpoint)  # or the OTEL_EXPORTER_OTLP_* variables
+    from ratchet.cli._logging import say
+
     if args.from_savepoint is not None:
         from pathlib import Path
 
         from ratchet.runtime._savepoints import restore_savepoint
 
         restore_savepoint(Path(args.from_savepoint), Path(args.state))
-        print(
-            f"ratchet: restored savepoint {args.from_savepoint} into {args.state}",
-            file=sys.stderr,
+        say(
+            f"restored savepoint {args.from_savepoint} into {args.state}",
+            getattr(args, "log_format", "text"),
         )
     if args.workers == "auto":
         from ratchet.runtime._auto_workers import auto_workers
 
         args.workers, why = auto_workers(args.state, args.input, args.follow)
-        print(f"ratchet: --workers auto: {args.workers} ({why})", file=sys.stderr)
+        say(f"--workers auto: {args.workers} ({why})", getattr(args, "log_format", "text"))
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1 or auto, not {args.workers}")
     if args.workers > 1:

@@ -67,10 +67,6 @@ class Job:
     def outputs(self) -> list[Any]:
         return [r["output"] for r in self.lines(self.output)]
 
-    def in_flight(self) -> int:
-        done = self.cli("status", "--state", str(self.state), "--json")
-        return int(json.loads(done.stdout)["in_flight_runs"]) if done.returncode == 0 else 0
-
     def waiting(self) -> list[dict[str, Any]]:
         done = self.cli("status", "--state", str(self.state), "--json")
         return list(json.loads(done.stdout)["waiting"]) if done.returncode == 0 else []
@@ -125,7 +121,10 @@ def test_a_timer_that_fell_due_while_the_job_was_down_ends_the_job_normally(
     job = Job(tmp_path, "Reminds")
     job.write({"key": "a", "s": 1.0})
     first = job.start("--follow")
-    until("the timer recorded", lambda: job.in_flight() == 1, first)
+    # `status` lists the run as waiting for its delayed event (it showed only "in flight").
+    waits = until("the timer recorded", lambda: job.waiting(), first)
+    assert [(w["key"], w["on"]) for w in waits] == [("a", "delayed event Reminder")], waits
+    assert waits[0]["until"] > time.time()
     kill(first)
     time.sleep(1.2)  # past its due time, while the job is down
     second = job.start("--json")

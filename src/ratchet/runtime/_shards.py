@@ -203,21 +203,12 @@ def _quiet(sdir: Path) -> str | None:
 
 def _timers(store: SqliteStore) -> list[float]:
     """When the timers of the state's runs in flight fall due: sleeps not over, and delayed
-    events (`send_event(delay=)`) whose time has not come (one that has came out at once)."""
-    due = [float(w["until"] or 0) for w in store.waits() if w["on"] == "sleep"]
-    now = store.clock.now()
-    for (journal,) in store.conn.execute("SELECT journal FROM runs"):
-        try:
-            entries = codec.decode(journal, unknown="generic")
-        except (codec.CorruptDataError, TypeError):
-            continue  # damaged: the usual checks name it
-        for entry in entries:
-            for event in entry[4] if len(entry) == 5 and str(entry[0])[:1] != "!" else ():
-                if isinstance(event, tuple) and len(event) == 2 and event[0] == "ratchet.Delayed":
-                    when = event[1].get("due") if isinstance(event[1], dict) else None
-                    if isinstance(when, int | float) and when > now:
-                        due.append(float(when))
-    return due
+    events (`send_event(delay=)`) not due yet."""
+    return [
+        float(w["until"] or 0)
+        for w in store.waits()
+        if w["on"] == "sleep" or str(w["on"]).startswith("delayed event ")
+    ]
 
 
 def check_no_timers(dirs: tuple[Path, ...], workers: int, current: int) -> None:

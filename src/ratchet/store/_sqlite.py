@@ -1116,8 +1116,9 @@ class SqliteStore:
             )
 
     def waits(self) -> list[dict[str, Any]]:
-        """Durable waits of runs in flight, from their call records: signal waits not answered
-        yet, and sleeps (`ratchet status` of a state, running or stopped)."""
+        """Durable waits of runs in flight: signal waits not answered yet and sleeps (from
+        their call records), and delayed events not due yet (from their journals) (`ratchet
+        status` of a state, running or stopped)."""
         out = []
         rows = self.conn.execute(
             "SELECT c.seq, r.key, c.task_id, c.fn, c.digest, c.status, c.payload FROM calls c "
@@ -1145,6 +1146,40 @@ class SqliteStore:
                     "until": when.get("until") if isinstance(when, dict) else None,
                 }
             )
+        return out + self._delayed_events()
+
+    def _delayed_events(self) -> list[dict[str, Any]]:
+        """Runs in flight holding a delayed event (`send_event(delay=)`) not due yet: their
+        journals hold it as `ratchet.Delayed` (one due already came out when the job ran)."""
+        out = []
+        now = self.clock.now()
+        for seq, key, journal in self.conn.execute("SELECT seq, key, journal FROM runs"):
+            try:
+                entries = codec.decode(journal, unknown="generic")
+            except (codec.CorruptDataError, TypeError):
+                continue  # damaged: the usual checks name it when the run is restored
+            for entry in entries if isinstance(entries, list) else ():
+                if not (isinstance(entry, tuple) and len(entry) == 5) or str(entry[0])[:1] == "!":
+                    continue
+                for event in entry[4]:
+                    if not (isinstance(event, tuple) and len(event) == 2):
+                        continue
+                    name, fields = event
+                    due = fields.get("due") if isinstance(fields, dict) else None
+                    if name != "ratchet.Delayed" or not isinstance(due, int | float) or due <= now:
+                        continue
+                    inner = fields.get("event")
+                    what = inner[0] if isinstance(inner, tuple) and inner else "?"
+                    out.append(
+                        {
+                            "key": codec.decode(key, unknown="generic"),
+                            "seq": seq,
+                            "task": entry[0],
+                            "on": f"delayed event {what}",
+                            "since": None,
+                            "until": float(due),
+                        }
+                    )
         return out
 
     def ltm_rows(self, scope: str) -> list[tuple[str, str, bytes, bytes, float]]:

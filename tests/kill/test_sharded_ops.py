@@ -569,8 +569,13 @@ def _parked(tmp_path: Path, agent: str, rows: list[dict[str, Any]]) -> list[str]
             "--output", str(out), "--state", str(state)]  # fmt: skip
     first = subprocess.Popen([*base, "--workers", "2", "--follow"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    until("the run parked", lambda: status(state).get("in_flight_runs") == 1, first)
-    until("the others done", lambda: len(lines(out)) == len(rows) - 1, first)
+    try:
+        until("the run parked", lambda: status(state).get("in_flight_runs") == 1, first)
+        until("the others done", lambda: len(lines(out)) == len(rows) - 1, first)
+    except BaseException:
+        first.kill()  # a failed check must not leave the --follow job running
+        first.wait(timeout=60)
+        raise
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
     return base
@@ -607,9 +612,11 @@ def test_a_sigint_while_the_old_shards_finish_stops_the_job(tmp_path: Path) -> N
     env = dict(os.environ, WAITS_LOG=str(tmp_path / "log.jsonl"))
     again = subprocess.Popen([*base, "--workers", "3", "--follow"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
-    time.sleep(3)  # finishing the old shards, which waits for the reminder
-    assert again.poll() is None
-    again.send_signal(signal.SIGINT)
+    time.sleep(3)  # finishing the old shards, which waits for the slow run
+    try:
+        assert again.poll() is None
+    finally:
+        again.send_signal(signal.SIGINT)  # whatever the check said: the job must not linger
     _, err = again.communicate(timeout=60)
     assert again.returncode == 0, err
     assert json.loads((tmp_path / "state" / "shards" / "layout.json").read_text())["workers"] == 2

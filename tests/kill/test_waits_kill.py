@@ -121,11 +121,13 @@ def test_a_timer_that_fell_due_while_the_job_was_down_ends_the_job_normally(
     job = Job(tmp_path, "Reminds")
     job.write({"key": "a", "s": 1.0})
     first = job.start("--follow")
-    # `status` lists the run as waiting for its delayed event (it showed only "in flight").
-    waits = until("the timer recorded", lambda: job.waiting(), first)
-    assert [(w["key"], w["on"]) for w in waits] == [("a", "delayed event Reminder")], waits
-    assert waits[0]["until"] > time.time()
-    kill(first)
+    try:
+        # `status` lists the run as waiting for its delayed event (it showed only "in flight").
+        waits = until("the timer recorded", lambda: job.waiting(), first)
+        assert [(w["key"], w["on"]) for w in waits] == [("a", "delayed event Reminder")], waits
+        assert waits[0]["until"] > time.time()
+    finally:
+        kill(first)  # a failed check must not leave the --follow job running
     time.sleep(1.2)  # past its due time, while the job is down
     second = job.start("--json")
     out, err = second.communicate(timeout=120)

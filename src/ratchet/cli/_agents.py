@@ -424,7 +424,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.input is not None and not is_uri(args.input):
         check_input_path(args.input)
     check_endpoint(args.otel_endpoint)  # or the OTEL_EXPORTER_OTLP_* variables
-    from ratchet.cli._logging import say
+    import logging
+
+    from ratchet.runtime._say import say
+
+    course = logging.getLogger("ratchet.cli.course")  # its own lines (a savepoint, auto)
 
     if args.from_savepoint is not None:
         from pathlib import Path
@@ -433,6 +437,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         restore_savepoint(Path(args.from_savepoint), Path(args.state))
         say(
+            course,
             f"restored savepoint {args.from_savepoint} into {args.state}",
             getattr(args, "log_format", "text"),
         )
@@ -440,7 +445,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from ratchet.runtime._auto_workers import auto_workers
 
         args.workers, why = auto_workers(args.state, args.input, args.follow)
-        say(f"--workers auto: {args.workers} ({why})", getattr(args, "log_format", "text"))
+        say(course, f"--workers auto: {args.workers} ({why})", getattr(args, "log_format", "text"))
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1 or auto, not {args.workers}")
     if args.workers > 1:

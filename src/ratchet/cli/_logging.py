@@ -4,24 +4,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["JsonLogFormatter", "configure_logging", "say"]
-
-# What a command says about its own course (a savepoint restored, the workers `auto` chose):
-# shown without -v, and one JSON record each under --log-format json (a plain line among JSON
-# lines breaks a log shipper).
-_course = logging.getLogger("ratchet.cli.course")
-
-
-def say(message: str, log_format: str) -> None:
-    """`ratchet: MESSAGE` on stderr, or a log record with --log-format json."""
-    if log_format == "json":
-        if _course.level == logging.NOTSET:
-            _course.setLevel(logging.INFO)
-        _course.info(message)
-    else:
-        import sys
-
-        print(f"ratchet: {message}", file=sys.stderr)
+__all__ = ["JsonLogFormatter", "configure_logging"]
 
 
 class JsonLogFormatter(logging.Formatter):

@@ -24,7 +24,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import uuid
 from collections import deque
@@ -35,6 +34,7 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import EXIT_FAILED, EXIT_NO_RESTART, EXIT_OK, ConfigError
+from ratchet.runtime._say import say
 from ratchet.runtime._supervisor_env import (
     RESOURCE_ID_ENV,
     REST_TOKEN_ENV,
@@ -397,14 +397,7 @@ class Supervisor:
         self._say(logging.INFO, f"REST API on {base}/v1/job, dashboard on {base}/")
 
     def _say(self, level: int, message: str) -> None:
-        """A lifecycle line: `ratchet: MESSAGE` on stderr, or with --log-format json a record
-        the JSON formatter writes (a plain line among JSON lines breaks a log shipper)."""
-        if self.log_format == "json":
-            if lifecycle.level == logging.NOTSET:
-                lifecycle.setLevel(logging.INFO)
-            lifecycle.log(level, message)
-        else:
-            print(f"ratchet: {message}", file=sys.stderr)
+        say(lifecycle, message, self.log_format, level)
 
     # -- workers ----------------------------------------------------------------------------
 

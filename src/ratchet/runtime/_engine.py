@@ -41,7 +41,7 @@ from ratchet.runtime._dispatch import (
     TaskCalls,
     take_all,
 )
-from ratchet.runtime._io import SKIP_BAD_INPUT, Sink, Source, writable
+from ratchet.runtime._io import Sink, Source, stopped_at_bad_input, writable
 from ratchet.runtime._journal import (
     decode_event,
     decode_journal,
@@ -1027,10 +1027,7 @@ class Engine:
         # Rewind so the bad line is read again after it is fixed; nothing before it is lost.
         self.source.unread()
         self.result.bad_inputs.append(rec.error)
-        self._bad = BadInputError(
-            f"{rec.error}; stopped before admitting it (inputs before it are processed and "
-            f"checkpointed; fix the line and run again, or {SKIP_BAD_INPUT})"
-        )
+        self._bad = stopped_at_bad_input(rec.error)
 
     # -- dispatch ---------------------------------------------------------------------------
 

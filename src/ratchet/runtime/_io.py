@@ -39,6 +39,14 @@ log = logging.getLogger("ratchet.io")
 SKIP_BAD_INPUT = "pass --on-bad-input skip (from Python: config=EngineConfig(on_bad_input='skip'))"
 
 
+def stopped_at_bad_input(error: str) -> BadInputError:
+    """The error a job stops with before a bad input (one engine, or the coordinator of N)."""
+    return BadInputError(
+        f"{error}; stopped before admitting it (inputs before it are processed and "
+        f"checkpointed; fix the line and run again, or {SKIP_BAD_INPUT})"
+    )
+
+
 @dataclass(slots=True)
 class Record:
     """One input read from a source: its key and value, or why it is bad."""

@@ -45,13 +45,13 @@ from ratchet._errors import BadInputError, RatchetError, StateError
 from ratchet.runtime._engine import EngineConfig, EngineResult, stopped_for_max_errors
 from ratchet.runtime._forking import ForkedWorker, fork_unsafe, fork_worker, start_method
 from ratchet.runtime._io import (
-    SKIP_BAD_INPUT,
     JsonlSink,
     Record,
     Sink,
     Source,
     line_problem,
     output_line,
+    stopped_at_bad_input,
     writable,
 )
 from ratchet.runtime._shards import Layout, shard_of, write_in_force
@@ -753,11 +753,7 @@ class Coordinator:
                         continue
                     src.unread()  # read again at the next start, once it is fixed
                     self.result.bad_inputs.append(rec.error)
-                    self._bad = BadInputError(
-                        f"{rec.error}; stopped before admitting it (inputs before it are "
-                        f"processed and checkpointed; fix the line and run again, or "
-                        f"{SKIP_BAD_INPUT})"
-                    )
+                    self._bad = stopped_at_bad_input(rec.error)
                     exhausted = True
                     break
                 seq = self.seq

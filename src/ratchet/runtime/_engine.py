@@ -1389,9 +1389,7 @@ class Engine:
         few times more; a job whose sink still refuses them does not end as if it were done
         (it exited 0 with the outputs missing from the sink)."""
         delay = 0.1
-        for _ in range(5):
-            if not self._unreleased:
-                return
+        for _ in range(5):  # the caller found outputs unreleased
             await asyncio.sleep(delay)  # real time: a test's fake clock must not hold it
             delay *= 2
             await self._release({})

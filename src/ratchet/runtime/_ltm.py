@@ -149,12 +149,11 @@ class LongTermIndex:
         if found is not None:
             return found
         loaded = _Scope()
-        np = numpy()
         for ltm_id, text, meta, vector, at in self._load(scope):
-            try:
-                loaded.put(ltm_id, text, codec.decode(meta), np.frombuffer(vector, np.float32), at)
-            except InvalidArgumentError as exc:  # see _apply_or_skip
-                log.warning("long-term memory %r: memory %s left out: %s", scope, ltm_id, exc)
+            # A stored row is applied as the add it was committed by.
+            _apply_or_skip(
+                loaded, (LTM_ADD, scope, ltm_id, text, codec.decode(meta), vector, at), scope
+            )
         with self._lock:
             found = self._scopes.get(scope)
             if found is not None:

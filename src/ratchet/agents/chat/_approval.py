@@ -70,7 +70,7 @@ class ApprovalDecision:
     @classmethod
     def from_signal(cls, call_id: str, value: Any) -> ApprovalDecision:
         """The decision a signal's value holds; never raises (a bad value is a rejection)."""
-        problem = _problem(value)
+        problem = decision_problem(value)
         if problem is not None:
             shown = _show(value)
             return cls(
@@ -100,11 +100,6 @@ class ApprovalDecision:
         return rec
 
 
-def decision_problem(value: Any) -> str | None:
-    """What is wrong with a decision signal's value, or None (senders refuse a bad one)."""
-    return _problem(value)
-
-
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
@@ -119,7 +114,8 @@ def _json_type(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _problem(value: Any) -> str | None:
+def decision_problem(value: Any) -> str | None:
+    """What is wrong with a decision signal's value, or None (senders refuse a bad one)."""
     if not isinstance(value, dict):
         return f"the value is {_json_type(value)}, not an object"
     if "approved" not in value:

@@ -906,15 +906,13 @@ def _get(url: str, model: Any, timeout: float = 5.0, token: str | None = None) -
 def _status_url(args: argparse.Namespace) -> int:
     import os
 
-    from ratchet._errors import ConfigError
     from ratchet.runtime._rest import CheckpointStatistics, JobConfig, JobInfo
-    from ratchet.runtime._supervisor_env import REST_TOKEN_ENV, token_problem
+    from ratchet.runtime._supervisor_env import REST_TOKEN_ENV, check_token
 
     base = args.url.rstrip("/")
     token = args.rest_token or os.environ.get(REST_TOKEN_ENV)
-    problem = None if not token else token_problem(token)
-    if problem is not None:
-        raise ConfigError(f"--rest-token (or {REST_TOKEN_ENV}) {problem}")
+    if token:
+        check_token(token)
     job = _get(f"{base}/v1/job", JobInfo, token=token)
     checkpoints = _get(f"{base}/v1/job/checkpoints", CheckpointStatistics, token=token)
     config = _get(f"{base}/v1/job/config", JobConfig, token=token)

@@ -40,7 +40,7 @@ from ratchet.runtime._supervisor_env import (
     REST_TOKEN_ENV,
     STATUS_FD_ENV,
     SUPERVISOR_PID_ENV,
-    token_problem,
+    check_token,
 )
 from ratchet.store._sqlite import StateLock
 
@@ -159,9 +159,8 @@ class Supervisor:
             raise ConfigError("--restart-attempts and --restart-delay must be >= 0")
         if rest_token is None:
             rest_token = os.environ.get(REST_TOKEN_ENV) or None
-        problem = None if rest_token is None else token_problem(rest_token)
-        if problem is not None:
-            raise ConfigError(f"--rest-token (or {REST_TOKEN_ENV}) {problem}")
+        if rest_token is not None:
+            check_token(rest_token)
         if rest_port is not None:
             require_rest_server()
             if rest_token is None and not is_loopback(rest_host):

@@ -10,16 +10,18 @@ SUPERVISOR_PID_ENV = "RATCHET_SUPERVISOR_PID"
 REST_TOKEN_ENV = "RATCHET_REST_TOKEN"
 
 
-def token_problem(token: str) -> str | None:
-    """Why `token` cannot be a bearer token, or None. HTTP headers carry Latin-1 text, so a
+def check_token(token: str) -> None:
+    """Refuse what cannot be a bearer token (ConfigError). HTTP headers carry Latin-1 text, so a
     token with a character outside printable ASCII (or with a space) could never be sent and
     compared as it was given: it is refused where it is given, not at every request."""
+    from ratchet._errors import ConfigError
+
     if not token.strip():
-        return "must not be empty"
+        raise ConfigError(f"--rest-token (or {REST_TOKEN_ENV}) must not be empty")
     bad = sorted({c for c in token if not "!" <= c <= "~"})
     if bad:
-        return (
-            f"holds {', '.join(repr(c) for c in bad[:5])}: use printable ASCII without spaces "
-            f"(letters, digits, -._~+/=), e.g. the output of `openssl rand -hex 32`"
+        raise ConfigError(
+            f"--rest-token (or {REST_TOKEN_ENV}) holds {', '.join(repr(c) for c in bad[:5])}: "
+            f"use printable ASCII without spaces (letters, digits, -._~+/=), e.g. the output "
+            f"of `openssl rand -hex 32`"
         )
-    return None

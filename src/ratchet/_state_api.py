@@ -240,7 +240,7 @@ class State:
         description (None where the journal does not hold them)."""
 
         def read(s: SqliteStore) -> list[dict[str, Any]]:
-            waits = [w for w in s.waits() if str(w["on"]).startswith("signal approval:")]
+            waits = [w for w in s.call_waits() if str(w["on"]).startswith("signal approval:")]
             journals: dict[int, Any] = {}
             out = []
             for w in waits:

@@ -1119,6 +1119,11 @@ class SqliteStore:
         """Durable waits of runs in flight: signal waits not answered yet and sleeps (from
         their call records), and delayed events not due yet (from their journals) (`ratchet
         status` of a state, running or stopped)."""
+        return self.call_waits() + self._delayed_events()
+
+    def call_waits(self) -> list[dict[str, Any]]:
+        """The waits kept in call records: signals not answered yet, and sleeps not over
+        (without decoding every journal, as the delayed events need)."""
         out = []
         rows = self.conn.execute(
             "SELECT c.seq, r.key, c.task_id, c.fn, c.digest, c.status, c.payload FROM calls c "
@@ -1146,7 +1151,7 @@ class SqliteStore:
                     "until": when.get("until") if isinstance(when, dict) else None,
                 }
             )
-        return out + self._delayed_events()
+        return out
 
     def _delayed_events(self) -> list[dict[str, Any]]:
         """Runs in flight holding a delayed event (`send_event(delay=)`) not due yet: their

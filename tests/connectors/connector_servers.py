@@ -30,6 +30,20 @@ PG_PACKAGE = "postgresql"
 NATS_PACKAGE = "nats-server"
 
 
+def nats_binary() -> str:
+    """nats-server's path, or the test skips naming the package that has it."""
+    import pytest
+
+    binary = shutil.which("nats-server")
+    if binary is None:
+        pytest.skip(
+            f"nats-server not found; install the Debian package {NATS_PACKAGE} "
+            f"(`apt-get install {NATS_PACKAGE}`)"
+        )
+    pytest.importorskip("nats", reason="nats-py is not installed: pip install 'ratchet[nats]'")
+    return binary
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

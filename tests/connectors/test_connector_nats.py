@@ -5,14 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from connector_servers import AGENT, RATCHET, Nats, free_port
+from connector_servers import AGENT, RATCHET, Nats, free_port, nats_binary
 
 from ratchet._errors import ConfigError
 from ratchet.connectors import sink_for, source_for
@@ -270,9 +269,7 @@ def test_an_unreachable_server_or_a_subject_outside_the_stream_is_one_line_and_e
 def test_a_server_going_away_and_back_is_a_line_each_not_tracebacks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    binary = shutil.which("nats-server")
-    assert binary is not None  # the nats_server fixture skipped otherwise
-    own = Nats(binary)  # one this test may stop
+    own = Nats(nats_binary())  # one this test may stop
     try:
         own.add_stream("OUT", ["out.x"])
         out = sink_for(f"{own.url}?stream=OUT&subject=out.x", append=False)

@@ -15,6 +15,10 @@ from typing import Any
 from ratchet import Agent, Event, InputEvent, OutputEvent, action
 
 _LOG = os.environ.get("RATCHET_TEST_EXEC_LOG")
+# Set by a test that kills the job part-way: once the log holds this many lines, every further
+# execution blocks (the job stalls with runs in flight), so a fast run cannot end before the
+# test's kill lands.
+_HOLD_AT = int(os.environ.get("RATCHET_TEST_HOLD_AT") or 0)
 # Opened on first use in each process, not at import: a module that holds a file open from its
 # import has its workers started as new interpreters rather than forked (docs/operations.md).
 _fds: dict[int, int] = {}
@@ -27,6 +31,10 @@ def note(*parts: Any) -> None:
         if fd is None:
             fd = _fds[pid] = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(fd, (" ".join(str(p) for p in (pid, *parts)) + "\n").encode())
+        if _HOLD_AT:
+            with open(_LOG, "rb") as fh:
+                if fh.read().count(b"\n") >= _HOLD_AT:
+                    time.sleep(3600)  # until the test's SIGKILL
 
 
 class Counted(Event):

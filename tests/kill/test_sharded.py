@@ -57,11 +57,15 @@ def start(
     workers: int,
     niced: bool = False,
     summary: Path | None = None,
+    hold_at: int = 0,
 ) -> subprocess.Popen[bytes]:
     """`niced`: the job runs at a lower priority than this test, whose loop watching the
     executions to kill at a chosen one must not be starved on a busy 2-core machine (CI once
-    saw a whole run end before the loop noticed 10 executions)."""
+    saw a whole run end before the loop noticed 10 executions). `hold_at`: every execution
+    after the log holds that many lines blocks until the kill (kill_agent.py)."""
     env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp / "exec.log"))
+    if hold_at:
+        env["RATCHET_TEST_HOLD_AT"] = str(hold_at)
     with open(tmp / "stderr.log", "ab") as err, open(summary or os.devnull, "wb") as stdout:
         return subprocess.Popen(
             [
@@ -248,7 +252,7 @@ def test_workers_change_between_runs_1_2_3_1(tmp_path: Path, reference: dict[str
     # The count to kill at is taken before the start: counted after it, a run that was quick
     # to begin had its executions in the base, and ended before the target (CI, seed 11).
     target = len(log_lines(tmp_path)) + rng.randint(10, 60)
-    proc = start(tmp_path, inp, state, out, 2, niced=True)
+    proc = start(tmp_path, inp, state, out, 2, niced=True, hold_at=target)
     while proc.poll() is None and len(log_lines(tmp_path)) < target:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)

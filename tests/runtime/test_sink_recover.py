@@ -150,3 +150,75 @@ def test_a_last_line_of_nul_bytes_is_dropped_as_a_crash_leaves_it(
         sink.open(JobIdentity(JOB, tmp_path))
         sink.close()
         assert path.read_bytes() == whole
+
+
+class _Echo:
+    """An agent whose outputs are its inputs (made inside the test: ratchet is imported)."""
+
+    @staticmethod
+    def make() -> Any:
+        import ratchet
+
+        class Echo(ratchet.Agent):
+            @ratchet.action(ratchet.InputEvent, inline=True)
+            def echo(self, event: ratchet.InputEvent, ctx: ratchet.RunnerContext) -> None:
+                ctx.send_event(ratchet.OutputEvent(output=event.input))
+
+        return Echo()
+
+
+def _cut_last_line(out: Path, keep: int) -> str:
+    data = out.read_bytes()
+    last = data[:-1].rsplit(b"\n", 1)[-1]
+    out.write_bytes(data[: len(data) - len(last) - 1 + keep])
+    return str(json.loads(last)["id"])
+
+
+@pytest.mark.parametrize("keep", [40, 12])  # the whole id kept, or only its start
+def test_a_line_cut_after_its_output_was_released_is_named_as_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep: int
+) -> None:
+    import ratchet
+
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "o.jsonl", tmp_path / "s"
+    inp.write_text("".join(json.dumps({"key": f"k{i}", "i": i}) + "\n" for i in range(10)))
+    ratchet.run(_Echo.make(), inputs=inp, output=out, state_dir=state)
+    lost = _cut_last_line(out, keep)
+    with inp.open("a") as fh:
+        fh.write(json.dumps({"key": "k1", "i": 99}) + "\n")
+    with caplog.at_level("INFO", logger="ratchet"):
+        ratchet.run(_Echo.make(), inputs=inp, output=out, state_dir=state)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "that output is lost" in warned[0], warned
+    assert repr(lost if keep == 40 else lost[: keep - len('{"id":"')]) in warned[0]
+    assert lost not in {json.loads(x)["id"] for x in out.read_text().splitlines()}
+
+
+def test_a_line_a_crash_cut_is_written_again_without_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a kill -9 between the line's write and its sync leaves: the output still in the
+    outbox (released only after the sync), its line cut."""
+    import sqlite3
+
+    import ratchet
+    from ratchet.store import codec
+
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "o.jsonl", tmp_path / "s"
+    inp.write_text("".join(json.dumps({"key": f"k{i}", "i": i}) + "\n" for i in range(10)))
+    ratchet.run(_Echo.make(), inputs=inp, output=out, state_dir=state)
+    line = json.loads(out.read_text().splitlines()[-1])
+    record = {k: line[k] for k in ("id", "key", "seq", "task", "output")}
+    with sqlite3.connect(state / "ratchet.db") as db:
+        db.execute(
+            "INSERT INTO outbox(id, seq, record) VALUES (?, ?, ?)",
+            (record["id"], record["seq"], codec.encode(record)),
+        )
+    _cut_last_line(out, 40)
+    with caplog.at_level("INFO", logger="ratchet"):
+        ratchet.run(_Echo.make(), inputs=inp, output=out, state_dir=state)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert "was cut by a crash; it is written again" in caplog.text
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["id"] for x in lines].count(record["id"]) == 1
+    assert len(lines) == 10

@@ -33,6 +33,7 @@ from ratchet.runtime._io import (
     Sink,
     Source,
     job_identity,
+    refuse_output_read_as_input,
 )
 from ratchet.store._sqlite import SqliteStore, StateLock
 
@@ -270,6 +271,7 @@ class Job:
         self.binding = AgentBinding(agent, agent_config)
         # The connectors first: a wrong input or output path is refused before the state
         # directory is created.
+        refuse_output_read_as_input(inputs, output)
         source = _source(inputs, key, follow)
         sink = _sink(output, append_output)
         self.state_dir = Path(state_dir)

@@ -33,7 +33,7 @@ from ratchet.runtime._engine import (
     stopped_for_max_errors,
 )
 from ratchet.runtime._forking import open_fds, start_method
-from ratchet.runtime._io import Source, job_identity
+from ratchet.runtime._io import Source, job_identity, refuse_output_read_as_input
 from ratchet.runtime._multiproc import (
     Coordinator,
     PipeSink,
@@ -220,6 +220,7 @@ def _coordinate(
     no_fork: str | None = None,
 ) -> EngineResult:
     """`no_fork`: why the workers must be new interpreters (None: forked where safe)."""
+    refuse_output_read_as_input(inputs, output)
     source = _source(inputs, key, follow and stop_at is None)
     sink = _sink(output, append)
     try:

@@ -415,7 +415,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ratchet.cli import end_startup
     from ratchet.connectors import is_uri
     from ratchet.runtime._engine import stopped_for_max_errors
-    from ratchet.runtime._io import check_input_path, check_output_path
+    from ratchet.runtime._io import (
+        check_input_path,
+        check_output_path,
+        refuse_output_read_as_input,
+    )
     from ratchet.runtime._otel import check_endpoint
 
     # Refused before anything is created (the supervisor creates the state directory).
@@ -423,6 +427,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_output_path(args.output)
     if args.input is not None and not is_uri(args.input):
         check_input_path(args.input)
+        refuse_output_read_as_input(args.input, args.output)
     check_endpoint(args.otel_endpoint)  # or the OTEL_EXPORTER_OTLP_* variables
     import logging
 

@@ -816,6 +816,7 @@ class Engine:
         for out_id, _seq, blob in loaded.outbox:
             record = decoded("outbox", out_id, codec.decode, blob)
             self._unreleased[out_id] = record  # already a sink record
+        self._check_cut_output()
         src = loaded.source
         self._next_seq = int(src.get("next_seq", 0))
         redrives = self.store.redrives()  # numbered after the restored inputs, not from 0
@@ -1401,6 +1402,28 @@ class Engine:
             f"{len(self._unreleased)} output(s) of completed checkpoints could not be written "
             f"to the sink ({self._sink_error}); they are kept in the state and written, once "
             f"each, when the job runs again: fix the sink, then run the same command"
+        )
+
+    def _check_cut_output(self) -> None:
+        """A crash can cut only a line whose output is still in the outbox (a line is synced
+        before its output is released): one cut otherwise was cut from outside, and is lost."""
+        cut = getattr(self.sink, "cut", None)
+        if cut is None:
+            return
+        text, whole = cut
+        pending = (
+            text in self._unreleased if whole else any(i.startswith(text) for i in self._unreleased)
+        )
+        if pending:
+            log.info("output %r was cut by a crash; it is written again", text)
+            return
+        log.warning(
+            "--output %s: its last line (output %s%r) was cut after the output was written, "
+            "not by a crash; the line was dropped and that output is lost. Restore the file "
+            "from a backup if you need it",
+            getattr(self.sink, "path", "?"),
+            "" if whole else "beginning ",
+            text,
         )
 
     async def _release(self, records: dict[str, dict[str, Any]]) -> None:

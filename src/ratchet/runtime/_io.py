@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import decimal
+import fnmatch
 import glob
 import hashlib
 import json
@@ -1098,6 +1099,14 @@ def _torn_line(tail: bytes) -> bool:
     return False
 
 
+def _cut_id(tail: bytes) -> tuple[str, bool]:
+    """The id a cut last line begins with, and whether all of it is there."""
+    body = tail[len(b'{"id":"') :]
+    end = re.search(rb'(?<!\\)"', body)
+    text = (body if end is None else body[: end.start()]).decode("utf-8", "replace")
+    return text, end is not None
+
+
 def _line_id(raw: bytes) -> tuple[str, str | None]:
     """The id and job id of an output line. ratchet writes them first, so only those two
     strings are decoded; a line written some other way is read whole."""
@@ -1150,6 +1159,60 @@ def check_output_path(output: str | os.PathLike[str]) -> None:
             f"{where} cannot be written ({exc.strerror or exc}); choose a file in a place "
             f"you can write to"
         ) from exc
+
+
+def refuse_output_read_as_input(inputs: Any, output: Any) -> None:
+    """An output file that the input also reads feeds every output back in as a new input:
+    each run (or, with --follow, each output) adds more work, billed calls included.
+    `inputs` and `output` as given to `ratchet run` (anything but paths passes)."""
+    if not isinstance(inputs, str | os.PathLike) or not isinstance(output, str | os.PathLike):
+        return
+    text = os.fspath(inputs)
+    if "://" in text or "://" in os.fspath(output):
+        return  # a connector's URI
+    out = Path(output)
+    path = Path(text)
+    if path.is_dir() or (glob.has_magic(text) and not path.is_file()):
+        hit, also = _glob_matches(files_pattern(text), out), "is one of the files it matches"
+    else:
+        hit, also = _same_path(out, path), "is that same file"
+    if hit:
+        raise ConfigError(
+            f"--output {os.fspath(output)} {also} (--input {text}): every output would be "
+            f"read back as a new input. Write the output outside the input's files (another "
+            f"directory, or a name the pattern does not match)"
+        )
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _glob_matches(pattern: str, path: Path) -> bool:
+    """Whether `glob.glob(pattern)` lists `path`, also before `path` exists (one component at
+    a time, as glob matches: a wildcard does not match a leading dot, nor a '/')."""
+    if path.exists():
+        try:
+            st = os.stat(path)
+            for name in glob.glob(pattern):
+                if os.path.samefile(name, path) or os.stat(name) == st:
+                    return True
+        except OSError:
+            pass
+    pat = Path(os.path.abspath(pattern)).parts
+    have = Path(os.path.abspath(path)).parts
+    if len(pat) != len(have):
+        return False
+    for p, name in zip(pat, have, strict=True):
+        if not glob.has_magic(p):
+            if p != name:
+                return False
+        elif (name.startswith(".") and not p.startswith(".")) or not fnmatch.fnmatchcase(name, p):
+            return False
+    return True
 
 
 class Sink:
@@ -1224,6 +1287,10 @@ class JsonlSink(Sink):
         self._fh = fh
         self._job = job.id if job is not None else None
 
+    # The id (and whether it is whole) of the cut last line `_recover` dropped: the engine
+    # tells whether its output is still to be written (a crash cut it) or was lost.
+    cut: tuple[str, bool] | None = None
+
     def _recover(self, job: JobIdentity | None) -> None:
         if not self.path.exists():
             return
@@ -1242,6 +1309,8 @@ class JsonlSink(Sink):
         # writes it again), or a whole line that only lacks the newline (kept, and ended).
         # Anything else is not ratchet's to cut: refused, as any other foreign line is.
         end_it = bool(tail) and not _torn_line(tail)
+        if tail and not end_it and tail.strip(b"\0"):
+            self.cut = _cut_id(tail)
         if end_it:
             mine += self._read_lines(tail + b"\n", job, others)  # refuses a foreign line
             keep += len(tail)

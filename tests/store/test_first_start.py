@@ -277,3 +277,80 @@ def test_a_lost_database_of_a_state_that_has_run_is_refused(
     assert "has run before" in again.stderr and "Traceback" not in again.stderr
     assert (tmp_path / "o.jsonl").read_bytes() == outputs
     assert (db.exists() and db.stat().st_size == 0) if damage == "truncated" else not db.exists()
+
+
+# --- a write-ahead log removed after a kill --------------------------------------------------------
+
+
+def _killed_after_outputs(tmp_path: Path, n_outputs: int) -> tuple[list[str], Path]:
+    """A real job SIGKILLed once `n_outputs` outputs are in its file (0: before its first
+    checkpoint): its committed work is in ratchet.db-wal, which is left as the kill left it."""
+    with (tmp_path / "in.jsonl").open("w") as fh:
+        for i in range(400):
+            fh.write(json.dumps({"key": f"k{i % 4}", "id": i, "value": i}) + "\n")
+    out, state = tmp_path / "o.jsonl", tmp_path / "st"
+    argv = [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+            "--state", str(state), "--checkpoint-interval", "20"]  # fmt: skip
+    env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp_path / "exec.log"))
+    if n_outputs == 0:
+        env["RATCHET_TEST_HOLD_AT"] = "1"  # the first execution blocks: no checkpoint yet
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the job ended before the kill"
+            assert time.monotonic() < deadline, "no progress in 60 s"
+            if n_outputs == 0 and (tmp_path / "exec.log").exists():
+                break
+            if n_outputs and out.exists() and out.read_bytes().count(b"\n") >= n_outputs:
+                break
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert (state / (DB_NAME + "-wal")).exists()
+    return argv, state
+
+
+def test_a_removed_write_ahead_log_after_outputs_is_refused(tmp_path: Path) -> None:
+    # It was taken for a first start: every input redone and every durable call repeated,
+    # exit 0 (the output file's dedup hid it). The main file held no checkpoint: all of them
+    # were in the WAL.
+    argv, state = _killed_after_outputs(tmp_path, 30)
+    for name in (DB_NAME + "-wal", DB_NAME + "-shm"):
+        (state / name).unlink()
+    calls_before = (tmp_path / "exec.log").read_text()
+    outputs = (tmp_path / "o.jsonl").read_bytes()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, again.stderr
+    assert "has no completed checkpoint, but --output" in again.stderr
+    assert "ratchet.db-wal was removed" in again.stderr and "Traceback" not in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+    assert (tmp_path / "exec.log").read_text() == calls_before  # nothing ran again
+    assert (tmp_path / "o.jsonl").read_bytes() == outputs
+
+
+def test_the_wal_merged_by_another_sqlite_client_resumes(tmp_path: Path) -> None:
+    # The sqlite3 shell (or Python's module) opening the killed state merges the WAL into
+    # ratchet.db and removes it as it closes: nothing is lost, and the job resumes.
+    argv, state = _killed_after_outputs(tmp_path, 30)
+    conn = sqlite3.connect(state / DB_NAME)
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    conn.close()
+    assert not (state / (DB_NAME + "-wal")).exists()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    ids = [json.loads(line)["id"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 400
+
+
+def test_a_removed_log_of_a_job_killed_before_its_first_checkpoint_starts_over(
+    tmp_path: Path,
+) -> None:
+    # Nothing was committed, no output released: starting over loses nothing.
+    argv, state = _killed_after_outputs(tmp_path, 0)
+    for name in (DB_NAME + "-wal", DB_NAME + "-shm"):
+        (state / name).unlink(missing_ok=True)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 400

@@ -25,8 +25,10 @@ from ratchet.connectors import is_uri, sink_for, source_for
 from ratchet.runtime._dispatch import AGENT_FILE_MODULE_PREFIX
 from ratchet.runtime._engine import Engine, EngineConfig, EngineResult
 from ratchet.runtime._io import (
+    JOB_FILE,
     CallbackSink,
     IterableSource,
+    JobIdentity,
     JsonlFilesSource,
     JsonlSink,
     JsonlSource,
@@ -35,7 +37,7 @@ from ratchet.runtime._io import (
     job_identity,
     refuse_output_read_as_input,
 )
-from ratchet.store._sqlite import SqliteStore, StateLock
+from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
 
 log = logging.getLogger("ratchet.agents")
 
@@ -242,6 +244,26 @@ def _sink(output: Any, append: bool) -> Sink:
     raise ConfigError(f"output must be a JSONL path, a callable or a Sink, not {output!r}")
 
 
+def _refuse_lost_history(state_dir: Path, store: SqliteStore, sink: Sink, job: JobIdentity) -> None:
+    """A state with no completed checkpoint whose job has outputs in its sink lost its
+    history (an output is released only after its checkpoint completed): ratchet.db's
+    write-ahead log removed, or the file copied without it. Running would redo every input
+    and repeat every durable call."""
+    from ratchet.runtime._savepoints import SAVEPOINT_META
+
+    restored = store.conn.execute("SELECT 1 FROM meta WHERE name = ?", (SAVEPOINT_META,))
+    if restored.fetchone() is not None or not sink.holds_outputs_of(job):
+        return  # a savepoint's outputs may run ahead of it: the job was rolled back to it
+    raise StateError(
+        f"{state_dir / DB_NAME} has no completed checkpoint, but {sink.describe()} holds "
+        f"outputs of its job {job.id}: the state lost its committed work (its write-ahead "
+        f"log {DB_NAME}-wal was removed, or {DB_NAME} was copied without it) and a run would "
+        f"redo every input and repeat every durable call. Restore {DB_NAME} together with "
+        f"its {DB_NAME}-wal file, or continue from a savepoint (--state NEW --from-savepoint "
+        f"PATH); to start the job over, remove {state_dir} and write to a new output"
+    )
+
+
 class Job:
     """One agent, one state directory: opened (and locked) on enter, closed on exit.
 
@@ -305,8 +327,11 @@ class Job:
             )
             # A state that completed checkpoints but has no job file predates job ids.
             history = store.stats()["counts"]["completed"] > 0
+            had_job = (self.state_dir / JOB_FILE).exists()
             self.job = job_identity(self.state_dir, has_history=history, clock=clock, rng=rng)
             sink.open(self.job)
+            if had_job and not history:
+                _refuse_lost_history(self.state_dir, store, sink, self.job)
             source.open(self.job, checkpoint_interval=self.config.checkpoint_interval)
             self.store = store
             self._closed = False

@@ -222,6 +222,20 @@ class PostgresSink(Sink):
                     f"job's --state directory to resume it"
                 )
 
+    def holds_outputs_of(self, job: JobIdentity) -> bool | None:
+        if self._conn is None:
+            return None
+        try:
+            row = self._conn.execute(
+                sql.SQL("SELECT 1 FROM {} WHERE job = %s LIMIT 1").format(self.ident), (job.id,)
+            ).fetchone()
+        except psycopg.Error as exc:
+            raise _refused(self.where, exc, "to read the output table") from exc
+        return row is not None
+
+    def describe(self) -> str:
+        return self.where
+
     def validate(self, record: dict[str, Any]) -> str | None:
         try:
             to_json_line(record)

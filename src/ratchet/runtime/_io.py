@@ -1218,6 +1218,14 @@ def _glob_matches(pattern: str, path: Path) -> bool:
 class Sink:
     """Receives outputs after the checkpoint holding them completed."""
 
+    def holds_outputs_of(self, job: JobIdentity) -> bool | None:
+        """Whether the sink holds outputs `job` wrote, after `open`; None: it cannot tell.
+        A state that has completed no checkpoint cannot have released any."""
+        return None
+
+    def describe(self) -> str:
+        return type(self).__name__
+
     def open(self, job: JobIdentity | None) -> None:
         """Called by `Job` before the first write, with the job of the state directory."""
 
@@ -1286,6 +1294,12 @@ class JsonlSink(Sink):
             raise
         self._fh = fh
         self._job = job.id if job is not None else None
+
+    def holds_outputs_of(self, job: JobIdentity) -> bool | None:
+        return bool(self._ids) and self._job == job.id
+
+    def describe(self) -> str:
+        return f"--output {self.path}"
 
     # The id (and whether it is whole) of the cut last line `_recover` dropped: the engine
     # tells whether its output is still to be written (a crash cut it) or was lost.

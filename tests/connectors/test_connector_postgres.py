@@ -53,6 +53,23 @@ def test_the_sink_creates_its_table_and_writes_each_output_once(
     ]
 
 
+def test_the_sink_says_whether_it_holds_outputs_of_the_job(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    # What a state with no completed checkpoint is checked against: a job that has outputs
+    # in its sink lost its history (ratchet.db-wal removed), and must not start over.
+    s = sink(postgres, table())
+    job = JobIdentity("job1", tmp_path)
+    s.open(job)
+    try:
+        assert s.holds_outputs_of(job) is False
+        s.write([{"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": 1}])
+        assert s.holds_outputs_of(job) is True
+        assert s.holds_outputs_of(JobIdentity("job2", tmp_path)) is False
+    finally:
+        s.close()
+
+
 def test_a_table_of_the_wrong_shape_is_refused_naming_the_columns(
     postgres: Postgres, tmp_path: Path
 ) -> None:

@@ -322,7 +322,11 @@ def test_a_file_replaced_in_place_is_refused_and_a_moved_one_resumes(tmp_path: P
     out2 = tmp_path / "o2.jsonl"
     run(Echo(), inputs=moved, output=out2, state_dir=tmp_path / "s2")
     moved.write_text("")
-    with pytest.raises(BadInputError, match=rf"{moved} is shorter \(0 bytes\).*truncated"):
+    with pytest.raises(
+        BadInputError,
+        match=rf"{moved} is shorter \(0 bytes\).*truncated\. Put its first \d+ bytes back.*"
+        r"new --state directory",
+    ):
         run(Echo(), inputs=moved, output=out2, state_dir=tmp_path / "s2")
 
 

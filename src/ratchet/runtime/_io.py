@@ -471,7 +471,9 @@ class JsonlSource(Source):
         if same and st.st_size < rec.offset:
             raise BadInputError(
                 f"{self.path} is shorter ({st.st_size} bytes) than the checkpointed read "
-                f"position ({rec.offset}); the input file was replaced or truncated"
+                f"position ({rec.offset}); the input file was replaced or truncated. Put its "
+                f"first {rec.offset} bytes back to continue the job, or use a new --state "
+                f"directory to process this file from its start"
             )
         now = "the same file, changed" if same else f"device {st.st_dev} inode {st.st_ino}"
         if rec.path != self.path:

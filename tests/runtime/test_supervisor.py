@@ -240,3 +240,32 @@ def test_rest_port_0_prints_the_port_it_got(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_status_url_takes_the_address_the_supervisor_printed(tmp_path: Path) -> None:
+    """`ratchet status --url http://127.0.0.1:PORT/v1/job` (as printed) asked
+    .../v1/job/v1/job and failed with a 404."""
+    import re
+
+    proc = supervised(tmp_path, [{"key": "a"}], "--follow", "--rest-port", "0")
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline().decode()
+        found = re.search(r"REST API on (http://127\.0\.0\.1:(\d+))/v1/job", line)
+        assert found, line
+        base = found[1]
+        assert f"`ratchet status --url {base}`" in line
+        wait_running(int(found[2]))
+        for url in (f"{base}/v1/job", f"{base}/v1/job/", base, f"{base}/"):
+            status = subprocess.run(
+                [sys.executable, "-m", "ratchet.cli", "status", "--url", url, "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert status.returncode == 0, (url, status.stderr)
+            assert json.loads(status.stdout)["job"]["state"] == "running", url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0

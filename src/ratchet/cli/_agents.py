@@ -183,7 +183,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     where = status.add_mutually_exclusive_group(required=True)
     where.add_argument("--state", help="read a state directory")
-    where.add_argument("--url", help="ask a supervised job's REST API, e.g. http://127.0.0.1:8765")
+    where.add_argument(
+        "--url",
+        help="ask a supervised job's REST API, e.g. http://127.0.0.1:8765 (or the "
+        "http://127.0.0.1:8765/v1/job it printed)",
+    )
     where.add_argument(
         "--jobmanager",
         metavar="HOST:PORT",
@@ -914,7 +918,9 @@ def _status_url(args: argparse.Namespace) -> int:
     from ratchet.runtime._rest import CheckpointStatistics, JobConfig, JobInfo
     from ratchet.runtime._supervisor_env import REST_TOKEN_ENV, check_token
 
-    base = args.url.rstrip("/")
+    # The supervisor prints its API as http://HOST:PORT/v1/job: take that form as well as
+    # the base address (it asked .../v1/job/v1/job, a 404).
+    base = args.url.rstrip("/").removesuffix("/v1/job").rstrip("/")
     token = args.rest_token or os.environ.get(REST_TOKEN_ENV)
     if token:
         check_token(token)

@@ -393,7 +393,10 @@ class Supervisor:
             # --rest-port 0: the port the system chose (it printed ":0")
             self.rest_port = int(server.servers[0].sockets[0].getsockname()[1])
         base = f"http://{self.rest_host}:{self.rest_port}"
-        self._say(logging.INFO, f"REST API on {base}/v1/job, dashboard on {base}/")
+        self._say(
+            logging.INFO,
+            f"REST API on {base}/v1/job, dashboard on {base}/ (`ratchet status --url {base}`)",
+        )
 
     def _say(self, level: int, message: str) -> None:
         say(lifecycle, message, self.log_format, level)

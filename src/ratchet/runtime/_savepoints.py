@@ -118,19 +118,24 @@ def _tables(conn: sqlite3.Connection) -> dict[str, list[str]]:
     return {n: [c[1] for c in conn.execute(f"PRAGMA main.table_info({_q(n)})")] for n in names}
 
 
-def _check(conn: sqlite3.Connection, what: str, full: bool) -> None:
-    """SQLite's integrity check (or the quicker one) of `what`; StateError unless it is ok."""
+def _check(conn: sqlite3.Connection, what: str, full: bool, then: str = "") -> None:
+    """SQLite's integrity check (or the quicker one) of `what`; StateError unless it is ok.
+    `then` is the rest of the sentence: what was (not) written, and the fix."""
     pragma = "integrity_check" if full else "quick_check"
     found = [" ".join(str(row[0]).split()) for row in conn.execute(f"PRAGMA {pragma}").fetchall()]
     if found != ["ok"]:
         shown = "; ".join(found[:5]) + ("; ..." if len(found) > 5 else "")
-        raise StateError(f"{what} failed SQLite's integrity check ({shown})")
+        raise StateError(
+            f"{what} failed SQLite's integrity check ({shown})" + (f"; {then}" if then else "")
+        )
 
 
 def _copy_damaged(db: Path, target: Path) -> str:
+    """The rest of the sentence when the copy of a state's database fails its check."""
     return (
-        f"the copy of {db}; nothing was written at {target}: the state itself may be damaged; "
-        f"see `sqlite3 {db} 'PRAGMA integrity_check'`"
+        f"nothing was written at {target}; the state's database is likely damaged (see "
+        f"`sqlite3 {db} 'PRAGMA integrity_check'`): restore it from a backup or an earlier "
+        f"savepoint"
     )
 
 
@@ -506,7 +511,12 @@ def take_savepoint(
                     "schema_version": meta["schema_version"],
                 }
                 _set_meta(dest, SAVEPOINT_META, record)
-                _check(dest, _copy_damaged(sdir / DB_NAME, target), full=True)
+                _check(
+                    dest,
+                    f"the copy of {sdir / DB_NAME}",
+                    True,
+                    _copy_damaged(sdir / DB_NAME, target),
+                )
                 if _meta(dest, staging.path).get(SAVEPOINT_META) != record:
                     raise InternalError(f"{staging.path}: the savepoint record did not read back")
                 counts = _describe(dest)
@@ -575,7 +585,7 @@ def read_savepoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     fix = "pass a file written by `ratchet savepoint`"
     try:
         try:
-            _check(conn, str(p), full=True)
+            _check(conn, str(p), True)  # the handler below adds the fix
             meta = _meta(conn, p)
             counts = _describe(conn)
         except sqlite3.DatabaseError as exc:
@@ -626,7 +636,13 @@ def restore_savepoint(
             finally:
                 source.close()
             try:
-                _check(dest, f"the copy of {sp}; nothing was restored", full=False)
+                _check(
+                    dest,
+                    f"the copy of savepoint {sp}",
+                    False,
+                    f"nothing was restored at {target}; the savepoint passed its check, so "
+                    "suspect the disk: check it and run again, or restore another savepoint",
+                )
                 _meta(dest, db)
             finally:
                 dest.close()
@@ -802,7 +818,12 @@ def fork_state(
                 )
                 if any(removed.values()):
                     dest.execute("VACUUM")  # a fork of a few keys should not keep all the pages
-                _check(dest, _copy_damaged(sdir / DB_NAME, target), full=False)
+                _check(
+                    dest,
+                    f"the copy of {sdir / DB_NAME}",
+                    False,
+                    _copy_damaged(sdir / DB_NAME, target),
+                )
                 after = _describe(dest)
                 kept = sorted(str(t) for (t,) in dest.execute("SELECT key_text FROM keys"))
             finally:

@@ -10,6 +10,7 @@ keeps a key's signals in the key's shard (the same hash that routes its inputs).
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
 from pathlib import Path
@@ -32,6 +33,24 @@ def signal_key(key: Any) -> str:
     if not text:
         raise InvalidArgumentError("a signal's key must not be empty")
     return text
+
+
+def non_finite(value: Any) -> str | None:
+    """The first NaN, Infinity or -Infinity in `value` (nested in dicts, lists, tuples and
+    sets, keys included), as JSON-like Python writes it; None if there is none. A loop, not
+    recursion: a deeply nested value must not raise RecursionError here."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple | set | frozenset):
+            stack.extend(v)
+    return None
 
 
 def send_signal(
@@ -67,6 +86,14 @@ def send_signal(
                 f"signal {name!r} decides a tool approval, and its value is not a decision "
                 f"({problem}); send {DECISION_SHAPE}, e.g. --value '{{\"approved\": true}}'"
             )
+    where = non_finite(value)
+    if where is not None:
+        # The waiting run would put it in its outputs, whose JSON has no NaN or Infinity: the
+        # job's sink would refuse them later, far from the sender.
+        raise BadInputError(
+            f"signal {name!r}: its value holds {where}, which is not JSON; send null, a "
+            f"finite number or a string instead"
+        )
     try:
         blob = codec.encode(value)
     except TypeError as exc:

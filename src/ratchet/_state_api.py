@@ -35,6 +35,47 @@ __all__ = ["State", "open_state"]
 _T = TypeVar("_T")
 
 
+# What to do about a stored value that no longer decodes (the file was damaged, or altered
+# outside ratchet): said by `State`, `ratchet inspect` and `ratchet trace` alike.
+DAMAGED_FIX = (
+    "the state is damaged: restore it from a backup or a savepoint (`ratchet run AGENT "
+    "--state NEW --from-savepoint FILE`), or point --state at a new directory"
+)
+
+
+def undecodable_memory(db: Path, key: str, exc: BaseException) -> StateError:
+    """The error for a key whose committed memory does not decode."""
+    return StateError(f"{db}: the memory of key {key!r} cannot be decoded ({exc}); {DAMAGED_FIX}")
+
+
+def undecodable_trace(db: Path, key: str, seq: int, exc: BaseException) -> StateError:
+    """The error for a kept trace that does not decode."""
+    return StateError(
+        f"{db}: the trace of key {key!r}, input {seq}, cannot be decoded ({exc}); {DAMAGED_FIX}"
+    )
+
+
+def read_traces(
+    store: SqliteStore, key_text: str, seq: int | None = None
+) -> tuple[list[dict[str, Any]], list[tuple[int, Exception]]]:
+    """`store.traces(key_text, seq)`, and apart the (seq, error) of each trace that does not
+    decode: one damaged row must not hide the others, and the error names its seq."""
+    try:
+        return store.traces(key_text, seq), []
+    except (CodecError, CorruptDataError, TypeError, ValueError):
+        pass  # read them one by one to find the damaged ones (rare: only then)
+    sql = "SELECT seq FROM traces WHERE key_text = ?" + (" AND seq = ?" if seq is not None else "")
+    params: list[Any] = [key_text] if seq is None else [key_text, seq]
+    good: list[dict[str, Any]] = []
+    bad: list[tuple[int, Exception]] = []
+    for (s,) in store.conn.execute(sql + " ORDER BY seq DESC", params).fetchall():
+        try:
+            good += store.traces(key_text, int(s))
+        except (CodecError, CorruptDataError, TypeError, ValueError) as exc:
+            bad.append((int(s), exc))
+    return good, bad
+
+
 def open_state(state_dir: str | os.PathLike[str]) -> State:
     """Open the state directory of a job (the `--state DIR` of `ratchet run`) for reading.
 
@@ -175,18 +216,16 @@ class State:
         rows = self._read(lambda s: s.memories(str(key)))
         if not rows:
             return None
-        # Every key that reads as `key` (the string "1" and the integer 1 are two keys):
-        # the one of `key`'s own type, else the only one there is.
-        exact = [m for k, m in rows if _same_key(codec.decode(k, unknown="generic"), key)]
-        if not exact and len(rows) > 1:
-            return None
-        raw = exact[0] if exact else rows[0][1]
         try:
+            # Every key that reads as `key` (the string "1" and the integer 1 are two keys):
+            # the one of `key`'s own type, else the only one there is.
+            exact = [m for k, m in rows if _same_key(codec.decode(k, unknown="generic"), key)]
+            if not exact and len(rows) > 1:
+                return None
+            raw = exact[0] if exact else rows[0][1]
             memory = nested(from_wire(codec.decode(raw, unknown="generic")))
         except (RatchetError, TypeError, KeyError, ValueError) as exc:
-            raise StateError(
-                f"{self._dir / DB_NAME}: the memory of key {str(key)!r} cannot be decoded ({exc})"
-            ) from exc
+            raise undecodable_memory(self._dir / DB_NAME, str(key), exc) from exc
         shown: dict[str, Any] = _shown(memory, as_json)
         return shown
 
@@ -321,7 +360,14 @@ class State:
         index, replayed, started, duration, attempts, calls, notes, memory, events). The first
         one is what `ratchet trace --key K [--seq N] --json` prints. Runs in flight have no
         trace yet; older ones go by the job's `--trace-retention`."""
-        return self._read(lambda s: _shown(s.traces(str(key), seq), False))
+
+        def read(s: SqliteStore) -> list[dict[str, Any]]:
+            good, bad = read_traces(s, str(key), seq)
+            if bad:
+                raise undecodable_trace(self._dir / DB_NAME, str(key), bad[0][0], bad[0][1])
+            return good
+
+        return self._read(lambda s: _shown(read(s), False))
 
     def checkpoints(self) -> dict[str, Any]:
         """What `ratchet checkpoints --json` prints: counts, latest_restored, the statistics

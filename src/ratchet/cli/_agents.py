@@ -762,12 +762,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ratchet's own registered types (the chat layer's `TokenUsage`, `ChatMessage`, ...) always
     decode; `--agent` loads the user's module so the types it registers decode too.
     """
+    from pathlib import Path
+
     import ratchet.agents.chat  # noqa: F401 - registers ratchet's chat types; no provider SDK
-    from ratchet._state_api import _shown
+    from ratchet._errors import StateError
+    from ratchet._state_api import DAMAGED_FIX, _shown, undecodable_memory
     from ratchet.agents._memory import nested
     from ratchet.runtime._memops import from_wire
     from ratchet.store import codec
-    from ratchet.store._sqlite import SqliteStore
+    from ratchet.store._sqlite import DB_NAME, SqliteStore
 
     loaded_agent = None
     if args.agent is not None:
@@ -777,19 +780,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         loaded_agent = f"{type(agent).__module__}.{type(agent).__qualname__}"
     from ratchet.runtime._shards import state_dirs
 
-    rows: list[tuple[bytes, bytes]] = []
+    rows: list[tuple[bytes, bytes, Path]] = []  # key, memory, and the file they are from
     owner = None
     if args.flink_memory is not None:
-        rows = _flink_memory_rows(args.flink_memory, args.key)
+        where = Path(args.flink_memory)
+        rows = [(k, m, where) for k, m in _flink_memory_rows(args.flink_memory, args.key)]
     for sdir in state_dirs(args.state) if args.state is not None else []:
         # every shard of a sharded job: a key is in one
         store = SqliteStore.open_readonly(sdir)
         try:
-            rows += store.memories(args.key)
+            rows += [(k, m, Path(sdir) / DB_NAME) for k, m in store.memories(args.key)]
             owner = store.meta("agent_name") if loaded_agent is not None else None
         finally:
             store.close()
-    rows.sort(key=lambda r: str(codec.decode(r[0], unknown="generic")))
     if owner is not None and owner != loaded_agent:
         print(
             f"ratchet: note: --agent {args.agent} is {loaded_agent}, but {args.state} was "
@@ -799,7 +802,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.key is not None and not rows:
         print(f"ratchet: no committed memory for key {args.key!r}", file=sys.stderr)
         return EXIT_FAILED
-    decoded = [(codec.decode(k, unknown="generic"), m) for k, m in rows]
+    # A row that does not decode is reported after the others are shown, not instead of
+    # them: one damaged key must not hide a state's every other key.
+    decoded: list[tuple[Any, Any]] = []
+    damaged: list[tuple[str, Path, Exception]] = []
+    for k, m, where in rows:
+        try:
+            key = codec.decode(k, unknown="generic")
+        except (RatchetError, TypeError, KeyError, ValueError) as exc:
+            damaged.append(("(a key whose stored name cannot be decoded either)", where, exc))
+            continue
+        try:
+            decoded.append((key, nested(from_wire(codec.decode(m, unknown="generic")))))
+        except (RatchetError, TypeError, KeyError, ValueError) as exc:
+            damaged.append((str(key), where, exc))
+    decoded.sort(key=lambda r: str(r[0]))
     texts: dict[str, int] = {}
     for k, _m in decoded:
         texts[str(k)] = texts.get(str(k), 0) + 1
@@ -810,7 +827,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         text = str(k)
         return text if type(k) is str or texts[text] == 1 else f"{text} ({type(k).__name__})"
 
-    memories = {label(k): nested(from_wire(codec.decode(m, unknown="generic"))) for k, m in decoded}
+    memories = {label(k): memory for k, memory in decoded}
+
+    def report_damaged() -> int:
+        if not damaged:
+            return EXIT_OK
+        key, where, exc = damaged[0]
+        if not memories and len(damaged) == 1:
+            raise undecodable_memory(where, key, exc) from exc
+        files = ", ".join(sorted({str(w) for _k, w, _e in damaged}))
+        if len(damaged) == 1:
+            what = f"the memory of key {key!r} cannot be decoded ({exc})"
+        else:
+            names = ", ".join(repr(k) for k, _w, _e in damaged[:10])
+            more = f" and {len(damaged) - 10} more" if len(damaged) > 10 else ""
+            what = (
+                f"the memory of {len(damaged)} keys cannot be decoded ({names}{more}; the "
+                f"first: {exc})"
+            )
+        shown_too = "the other keys are shown above; " if memories else ""
+        raise StateError(f"{files}: {what}; {shown_too}{DAMAGED_FIX}") from exc
+
     unregistered: set[str] = set()
 
     class Unregistered:
@@ -862,10 +899,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
+    if not memories:  # every row asked for is damaged: the error alone
+        return report_damaged()
     if args.json:
         print(to_json_line(_shown(memories, True, unregistered)))
         note_unregistered()
-        return EXIT_OK
+        return report_damaged()
     from rich.console import Console
     from rich.markup import escape
     from rich.pretty import Pretty
@@ -874,7 +913,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for key, memory in memories.items():
         console.print(f"[bold]{escape(key)}[/]", Pretty(shown(memory)))
     note_unregistered()
-    return EXIT_OK
+    return report_damaged()
 
 
 def _get(url: str, model: Any, timeout: float = 5.0, token: str | None = None) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from ratchet._argtypes import whole_number
@@ -35,17 +36,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_trace(args: argparse.Namespace) -> int:
     import sys
 
+    from ratchet._state_api import read_traces, undecodable_trace
     from ratchet.runtime._shards import state_dirs
-    from ratchet.store._sqlite import SqliteStore
+    from ratchet.store._sqlite import DB_NAME, SqliteStore
 
     found: list[dict[str, Any]] = []
+    damaged: list[tuple[int, Path, Exception]] = []
     for sdir in state_dirs(args.state):  # a sharded job: the key's runs are in its shard
         store = SqliteStore.open_readonly(sdir)
         try:
-            found += store.traces(args.key, args.seq)
+            good, bad = read_traces(store, args.key, args.seq)
         finally:
             store.close()
+        found += good
+        damaged += [(seq, Path(sdir) / DB_NAME, exc) for seq, exc in bad]
     found.sort(key=lambda t: t["seq"], reverse=True)  # newest first, as one database gives
+    # The run asked for (or the newest) is the one shown: an error if it is damaged; a
+    # damaged older one does not hide it.
+    newest_bad = max(damaged, key=lambda d: d[0], default=None)
+    if newest_bad is not None and (not found or newest_bad[0] > found[0]["seq"]):
+        seq, db, exc = newest_bad
+        raise undecodable_trace(db, args.key, seq, exc) from exc
     if not found:
         which = f"input {args.seq} of key {args.key!r}" if args.seq is not None else args.key
         print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -416,3 +417,63 @@ def test_a_row_with_a_null_key_is_named_as_such(postgres: Postgres, tmp_path: Pa
     assert rec is not None and rec.error == (
         f"{name} row id=1: key field 'key' is null (NULL); keys must be strings or integers"
     )
+
+
+def test_a_stop_is_honoured_while_the_output_database_does_not_answer(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    """SIGSTOP the server while the job writes outputs to it (its sockets stay open, no
+    statement returns): SIGTERM still stops the job within seconds, and a restart writes
+    every output once."""
+    name = table()
+    inp, out_uri = tmp_path / "in.jsonl", f"{postgres.dsn}?table={name}&write_timeout=2"
+    inp.write_text("".join(json.dumps({"key": f"k{i % 3}", "i": i}) + "\n" for i in range(10)))
+    args = [*RATCHET, "run", AGENT, "--input", str(inp), "--output", out_uri,
+            "--state", str(tmp_path / "state")]  # fmt: skip
+    err = tmp_path / "stderr.log"
+    with open(err, "wb") as fh:
+        proc = subprocess.Popen([*args, "--follow"], stderr=fh)
+    stopped: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while _rows(postgres, name) < 10:
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.05)
+        stopped = server_pids(postgres)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        with inp.open("a") as f:
+            f.write("".join(json.dumps({"key": "k0", "i": i}) + "\n" for i in range(10, 20)))
+        time.sleep(1.5)  # their outputs' write now hangs
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - began
+        assert code == 0, err.read_text()
+        assert took < 15, took
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    rows = postgres.execute(f"SELECT record FROM {name}")
+    assert sorted(r[0]["output"]["i"] for r in rows) == list(range(20))
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "soon"])
+def test_a_write_timeout_that_is_not_a_positive_number_is_refused(
+    postgres: Postgres, bad: str
+) -> None:
+    with pytest.raises(ConfigError, match="write_timeout is a number of seconds > 0"):
+        sink_for(f"{postgres.dsn}?table=t&write_timeout={bad}", append=False)
+
+
+def _rows(server: Postgres, name: str) -> int:
+    try:
+        return int(server.execute(f"SELECT count(*) FROM {name}")[0][0])
+    except Exception:  # noqa: BLE001 - the table is made by the job's sink
+        return 0

@@ -4,9 +4,12 @@ Source: `--input postgresql://USER@HOST:PORT/DB?table=NAME[&id_column=id][&poll=
 the rows in order of an integer id column; the last id read is ratchet's position, in its
 checkpoint (the table is never written). With `--follow` it polls for rows above that id.
 
-Sink: `--output postgresql://USER@HOST:PORT/DB?table=NAME` inserts each output once: the
-output id is the primary key, each release is one transaction, and a row that is already
-there (a release repeated after a crash) is skipped by `ON CONFLICT DO NOTHING`.
+Sink: `--output postgresql://USER@HOST:PORT/DB?table=NAME[&write_timeout=30]` inserts each
+output once: the output id is the primary key, each release is one transaction, and a row
+that is already there (a release repeated after a crash) is skipped by `ON CONFLICT DO
+NOTHING`. A write the server does not answer within `write_timeout` seconds fails (its
+connection is cut; the outputs stay in the outbox and are written again later): a server
+that hangs with its sockets open would otherwise hold every later write, and a stop, forever.
 
 psycopg is imported here, so `ratchet[postgres]` is needed only by those who use this.
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 import threading
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -55,7 +60,8 @@ OUTPUT_COLUMNS = {
 }
 _INTEGER_TYPES = ("smallint", "integer", "bigint")
 _SOURCE_PARAMS = frozenset({"table", "id_column", "poll"})
-_SINK_PARAMS = frozenset({"table"})
+_SINK_PARAMS = frozenset({"table", "write_timeout"})
+_WRITE_TIMEOUT = 30.0
 _READ_BATCH = 500
 _RETRY = 1.0  # seconds between attempts while the database cannot be read (--follow)
 # How long next_record waits for a read in the source's thread before it answers "nothing
@@ -91,9 +97,11 @@ def _split(uri: str, flag: str, known: frozenset[str]) -> tuple[str, dict[str, s
     return conninfo, ours, parts
 
 
-def _connect(conninfo: str, flag: str, uri: str) -> psycopg.Connection[Any]:
+def _connect(conninfo: str, flag: str, uri: str, timeout: float = 10) -> psycopg.Connection[Any]:
     try:
-        return psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+        # libpq takes whole seconds, at least 2.
+        wait = max(2, math.ceil(min(timeout, 10)))
+        return psycopg.connect(conninfo, autocommit=True, connect_timeout=wait)
     except psycopg.Error as exc:
         raise ConfigError(f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {exc}") from exc
 
@@ -152,13 +160,32 @@ def _shape(columns: dict[str, str]) -> str:
     return ", ".join(f"{n} {t}" for n, t in columns.items())
 
 
+def _cut_off(conn: psycopg.Connection[Any]) -> None:
+    """End a write the server does not answer: shutting the socket down makes the blocked
+    libpq call return with an error in the writing thread (closing the connection from
+    this thread, under that call, is not safe)."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except (OSError, psycopg.Error):
+        return  # closed meanwhile: the write ended
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
 class PostgresSink(Sink):
     """Outputs as rows of a table keyed by output id, each written once (see module doc)."""
 
-    def __init__(self, uri: str, conninfo: str, table: list[str]) -> None:
+    def __init__(
+        self, uri: str, conninfo: str, table: list[str], write_timeout: float = _WRITE_TIMEOUT
+    ) -> None:
         self.uri = uri
         self.conninfo = conninfo
         self.table = table
+        self.write_timeout = write_timeout
         self.ident = sql.Identifier(*table)
         self._conn: psycopg.Connection[Any] | None = None
         self._job: str | None = None
@@ -166,8 +193,17 @@ class PostgresSink(Sink):
     @classmethod
     def from_uri(cls, uri: str) -> PostgresSink:
         _require("--output", uri)
-        conninfo, _params, table = _split(uri, "--output", _SINK_PARAMS)
-        return cls(uri, conninfo, table)
+        conninfo, params, table = _split(uri, "--output", _SINK_PARAMS)
+        try:
+            timeout = float(params.get("write_timeout", _WRITE_TIMEOUT))
+        except ValueError:
+            timeout = math.nan
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ConfigError(
+                f"--output {redact(uri)}: write_timeout is a number of seconds > 0 "
+                f"(default {_WRITE_TIMEOUT:g})"
+            )
+        return cls(uri, conninfo, table, timeout)
 
     @property
     def where(self) -> str:
@@ -248,8 +284,8 @@ class PostgresSink(Sink):
     def write(self, records: list[dict[str, Any]]) -> int:
         if self._conn is None:
             self.open(None)  # used without a Job (a Sink built by hand): not bound to one
-        elif self._conn.closed:
-            self._conn = _connect(self.conninfo, "--output", self.uri)  # after a lost connection
+        elif self._conn.closed:  # after a lost connection
+            self._conn = _connect(self.conninfo, "--output", self.uri, self.write_timeout)
         assert self._conn is not None
         rows = [
             (
@@ -266,14 +302,25 @@ class PostgresSink(Sink):
             "INSERT INTO {} (id, job, key, seq, task, record) VALUES (%s, %s, %s, %s, %s, "
             "%s::jsonb) ON CONFLICT (id) DO NOTHING"
         ).format(self.ident)
+        conn = self._conn
+        timer = threading.Timer(self.write_timeout, _cut_off, (conn,))
+        timer.daemon = True
+        timer.start()
         try:
-            with self._conn.transaction(), self._conn.cursor() as cur:
+            with conn.transaction(), conn.cursor() as cur:
                 cur.executemany(stmt, rows)
                 # Rows inserted, over every statement: an id the table holds is not one.
                 inserted = cur.rowcount
-        except psycopg.OperationalError:
-            self._conn.close()  # reconnected at the next release
+        except psycopg.OperationalError as exc:
+            conn.close()  # reconnected at the next release
+            if not timer.is_alive():
+                raise psycopg.OperationalError(
+                    f"PostgreSQL did not answer a write of {len(rows)} output(s) within "
+                    f"{self.write_timeout:g} s (write_timeout); the connection was cut"
+                ) from exc
             raise
+        finally:
+            timer.cancel()
         return max(inserted, 0)
 
     def close(self) -> None:

@@ -177,6 +177,9 @@ def read_receipt(
             f"receipt of run {run_id!r} at {path} does not match its seal: "
             "it was altered or corrupted and is not trusted"
         )
+    # A seal proves who wrote a receipt, not which run folder it belongs in: another run's
+    # genuine receipt copied here would otherwise pass for this run.
+    _check_belongs(receipt, run_id, path)
     if receipt["fingerprint_version"] != FINGERPRINT_VERSION:
         raise LegacyReceiptError(
             f"receipt of run {run_id!r} has fingerprint_version "
@@ -187,6 +190,22 @@ def read_receipt(
         # In flight, or crashed: what happened since the start is in the journal.
         return _fold_journal(receipt, journal_path(path), run_id, key)
     return receipt
+
+
+def _check_belongs(receipt: Mapping[str, Any], run_id: str, path: Path) -> None:
+    """Raise ReceiptError unless the receipt names the run whose folder it was read from.
+
+    `receipt_path` is compared by its run folder only: a state folder may be moved."""
+    recorded = receipt.get("run_id")
+    where = receipt.get("receipt_path")
+    folder = Path(where).parent.name if isinstance(where, str) and where else run_id
+    if recorded != run_id or folder != run_id:
+        other = recorded if recorded != run_id else folder
+        raise ReceiptError(
+            f"receipt at {path} is the receipt of run {other!r}, not of run {run_id!r} whose "
+            "folder holds it: it was copied or moved there and is not trusted; resume from "
+            f"run {other!r} itself, or run without --resume"
+        )
 
 
 def _fold_journal(

@@ -1,0 +1,56 @@
+"""Defects a review of `ratchet checks` found, one test each, on real git repositories
+through the command line (`ratchet checks ...` in process, as the other CLI tests do)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from checks_helpers import Workspace, check
+
+from ratchet.checks import ReceiptError
+from ratchet.cli import main as ratchet_main
+
+KEY = "k" * 32
+
+
+def _common(ws: Workspace) -> list[str]:
+    return ["checks", "--workspace-root", str(ws.root), "--state-dir", str(ws.state_dir)]
+
+
+# --- a receipt belongs to its run folder -------------------------------------------------
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_a_receipt_copied_into_another_run_folder_is_refused(
+    two_repos: Workspace,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    signed: bool,
+) -> None:
+    ws = two_repos
+    if signed:
+        monkeypatch.setenv("RATCHET_CHECKS_SIGNING_KEY", KEY)
+    flag = ws.control / "fail"
+    ws.project([check("t", f"import os, sys; sys.exit(os.path.exists({str(flag)!r}))")])
+    common = _common(ws)
+    assert ratchet_main([*common, "run", "--no-cache", "--json"]) == 0
+    good = json.loads(capsys.readouterr().out)
+    flag.touch()
+    assert ratchet_main([*common, "run", "--no-cache", "--json"]) == 1
+    bad = json.loads(capsys.readouterr().out)
+    # Someone who can write the state folder passes the failed run off as the passed one.
+    shutil.copyfile(good["receipt_path"], bad["receipt_path"])
+
+    with pytest.raises(ReceiptError, match=f"receipt of run '{good['run_id']}', not of run"):
+        ws.receipt(bad["run_id"])
+    assert ratchet_main([*common, "list", "--json"]) == 0
+    runs = {r["run_id"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert runs[bad["run_id"]]["status"] == "untrusted"
+    assert runs[good["run_id"]]["status"] == "passed"
+    assert ratchet_main([*common, "explain", bad["run_id"], "t"]) == 2
+    err = capsys.readouterr().err
+    assert bad["run_id"] in err and good["run_id"] in err and "Traceback" not in err
+    assert ratchet_main([*common, "run", "--no-cache", "--resume", bad["run_id"]]) == 2
+    assert "not trusted" in capsys.readouterr().err

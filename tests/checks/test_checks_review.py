@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
-from checks_helpers import Workspace, check
+from checks_helpers import Workspace, by_id, check
 
 from ratchet.checks import ReceiptError
 from ratchet.cli import main as ratchet_main
@@ -54,3 +55,46 @@ def test_a_receipt_copied_into_another_run_folder_is_refused(
     assert bad["run_id"] in err and good["run_id"] in err and "Traceback" not in err
     assert ratchet_main([*common, "run", "--no-cache", "--resume", bad["run_id"]]) == 2
     assert "not trusted" in capsys.readouterr().err
+
+
+# --- gc keeps the evidence kept runs reuse ---------------------------------------------
+
+
+def test_gc_in_the_ci_loop_keeps_the_run_folders_whose_logs_kept_runs_reuse(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("t", repos=["app"])])
+    common = _common(ws)
+    assert ratchet_main([*common, "run", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    for _ in range(3):  # the documented CI loop
+        assert ratchet_main([*common, "run", "--resume", "latest", "--json"]) == 0
+        resumed = json.loads(capsys.readouterr().out)
+        assert by_id(resumed)["t"]["log_path"] == by_id(first)["t"]["log_path"]
+        assert ratchet_main([*common, "gc", "--keep-runs", "2", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    assert report["kept_referenced_runs"] == [first["run_id"]]
+    assert f"whose logs kept runs reuse ({first['run_id']})" in report["text"]
+    assert ratchet_main([*common, "run", "--resume", "latest", "--json"]) == 0
+    assert by_id(json.loads(capsys.readouterr().out))["t"]["status"] == "passed"
+    runs = sorted(p.name for p in (ws.state_dir / "runs").iterdir())
+    assert len(runs) == 4 and first["run_id"] in runs  # 2 kept, the one they reuse, the last
+
+
+def test_gc_keeps_the_cache_blob_a_kept_run_reuses_as_its_log(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("t", repos=["app"])])
+    common = _common(ws)
+    assert ratchet_main([*common, "run", "--json"]) == 0
+    capsys.readouterr()
+    assert ratchet_main([*common, "run", "--json"]) == 0  # reused from the cache
+    second = json.loads(capsys.readouterr().out)
+    assert "blobs" in Path(by_id(second)["t"]["log_path"]).parts
+    assert ratchet_main([*common, "gc", "--keep-runs", "1", "--max-age-days", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["removed_entries"], report["removed_blobs"]) == (1, 0)
+    assert ratchet_main([*common, "run", "--resume", second["run_id"], "--json"]) == 0
+    assert by_id(json.loads(capsys.readouterr().out))["t"]["reused_from"] == second["run_id"]

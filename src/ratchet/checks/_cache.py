@@ -280,12 +280,18 @@ def _copy_atomic(source: Path, target: Path) -> None:
 
 
 def gc(
-    cache_root: Path, *, max_age_seconds: float, now: float, dry_run: bool = False
+    cache_root: Path,
+    *,
+    max_age_seconds: float,
+    now: float,
+    dry_run: bool = False,
+    keep_blobs: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Drop entries stored more than `max_age_seconds` ago (and unreadable ones), then every
-    blob no remaining entry names. Returns what was (or would be) removed."""
+    blob no remaining entry names and `keep_blobs` (the logs kept runs reuse) does not
+    name. Returns what was (or would be) removed."""
     entries_dir, blobs_dir = cache_root / "entries", cache_root / "blobs"
-    removed_entries, kept_blobs = 0, set()
+    removed_entries, kept_blobs = 0, set(keep_blobs)
     for path in sorted(entries_dir.glob("*/*.json")) if entries_dir.is_dir() else []:
         try:
             entry = read_json(path)

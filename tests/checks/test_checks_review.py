@@ -98,3 +98,37 @@ def test_gc_keeps_the_cache_blob_a_kept_run_reuses_as_its_log(
     assert (report["removed_entries"], report["removed_blobs"]) == (1, 0)
     assert ratchet_main([*common, "run", "--resume", second["run_id"], "--json"]) == 0
     assert by_id(json.loads(capsys.readouterr().out))["t"]["reused_from"] == second["run_id"]
+
+
+# --- CI reports of a log with terminal colours, control characters and backticks ----------
+
+_NOISY = (
+    "import sys\n"
+    "sys.stdout.write('\\x1b[31mFAILED\\x1b[0m test_x\\n')\n"
+    "sys.stdout.write('bell \\x07 nul \\x00 end\\n')\n"
+    "sys.stdout.write('````\\nnot code\\n')\n"
+    "sys.exit(1)\n"
+)
+
+
+def test_junit_and_the_step_summary_survive_a_log_with_escapes_and_fences(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from xml.etree import ElementTree as ET
+
+    ws = two_repos
+    ws.project([check("test", _NOISY, repos=["app"])])
+    summary = ws.control / "summary.md"
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    junit = ws.control / "junit.xml"
+    assert ratchet_main([*_common(ws), "run", "--no-cache", "--junit", str(junit)]) == 1
+    capsys.readouterr()
+    failure = ET.parse(junit).find(".//failure")  # well-formed XML
+    assert failure is not None and failure.text is not None
+    assert "FAILED test_x" in failure.text  # the colours are gone
+    assert "bell \\x07 nul \\x00 end" in failure.text  # other control characters escaped
+    text = summary.read_text()
+    # The tail holds a line of four backticks, so the fence is five: it ends after the tail.
+    assert "`````\nFAILED test_x\n" in text
+    assert text.rstrip().endswith("not code\n`````\n</details>")

@@ -6,6 +6,7 @@ Both are views of a finished receipt; neither changes what the receipt says.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +19,11 @@ __all__ = ["LOG_TAIL_LINES", "ci_report", "log_tail", "write_junit"]
 
 LOG_TAIL_LINES = 20
 _BAD = ("failed", "stale")
+# Terminal escape sequences (colours, cursor moves) a tool such as `pytest --color=yes`
+# writes: noise in a report, and their ESC is a character XML 1.0 cannot hold.
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-_])")
+# What XML 1.0 does not allow in a document at all, even escaped.
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 def log_tail(path: Any, lines: int = LOG_TAIL_LINES) -> str:
@@ -32,7 +38,21 @@ def log_tail(path: Any, lines: int = LOG_TAIL_LINES) -> str:
             data = handle.read()
     except OSError:
         return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+    text = _ANSI.sub("", data.decode("utf-8", "replace"))
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _xml_safe(text: str) -> str:
+    """`text` with each character XML 1.0 disallows written as `\\xNN` (or `\\uNNNN`), so
+    the report stays well-formed and still shows that the character was there."""
+    return _NOT_XML.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def _fence(text: str) -> str:
+    """A Markdown code fence longer than any run of backticks in `text`, which would
+    otherwise close it early."""
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    return "`" * max(3, longest + 1)
 
 
 def write_junit(result: Mapping[str, Any], path: Path) -> None:
@@ -53,15 +73,16 @@ def write_junit(result: Mapping[str, Any], path: Path) -> None:
             suite,
             "testcase",
             classname="ratchet.checks",
-            name=str(s.get("id")),
+            name=_xml_safe(str(s.get("id"))),
             time=f"{float(s.get('duration_seconds') or 0.0):.3f}",
         )
         status = s.get("status")
         if status in _BAD:
-            failure = ET.SubElement(case, "failure", message=str(s.get("error") or status))
-            failure.text = log_tail(s.get("log_path"))
+            message = _xml_safe(str(s.get("error") or status))
+            failure = ET.SubElement(case, "failure", message=message)
+            failure.text = _xml_safe(log_tail(s.get("log_path")))
         elif status == "skipped":
-            ET.SubElement(case, "skipped", message=str(s.get("error") or "skipped"))
+            ET.SubElement(case, "skipped", message=_xml_safe(str(s.get("error") or "skipped")))
         if s.get("reused_from"):
             out = ET.SubElement(case, "system-out")
             out.text = f"reused from run {s['reused_from']}"
@@ -105,6 +126,6 @@ def ci_report(
     for s in stages:
         if s.get("status") in _BAD and (tail := log_tail(s.get("log_path"))):
             lines += ["", f"<details><summary>{s.get('id')}: last lines of the log</summary>", ""]
-            lines += ["```", tail, "```", "</details>"]
+            lines += [_fence(tail), tail, _fence(tail), "</details>"]
     with open(summary, "a", encoding="utf-8") as handle:
         handle.write("\n".join(lines) + "\n")

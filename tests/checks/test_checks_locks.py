@@ -20,6 +20,7 @@ from checks_helpers import Workspace, by_id, check
 from ratchet._errors import InvalidArgumentError
 from ratchet.checks.common import machine_lock_dir, resource_lock, scope_lock_dir, state_root
 from ratchet.checks.runner import read_receipt
+from ratchet.cli import main as ratchet_main
 
 _HOLDER = """
 import pathlib, sys, time
@@ -86,6 +87,27 @@ def test_a_stage_gives_up_after_the_lock_timeout(two_repos: Workspace) -> None:
     assert result["status"] == "failed"
     assert "resource 'db' is busy (held by another process" in rec["error"]
     assert "gave up after waiting 0.2 s (raise it with --lock-timeout SECONDS)" in rec["error"]
+
+
+def test_lock_timeout_inf_waits_as_long_as_it_takes_and_nan_is_refused(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"], resources=["db"])])
+    common = ["checks", "--workspace-root", str(ws.root), "--state-dir", str(ws.state_dir)]
+    holder = _hold(ws, "until-waited")
+    try:  # the old runner failed the stage with an OverflowError
+        code = ratchet_main([*common, "run", "--no-cache", "--lock-timeout", "inf", "--json"])
+    finally:
+        holder.communicate(timeout=60)
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0, by_id(result)["a"]["error"]
+    assert by_id(result)["a"]["waiting_for_resource"] is None  # it waited, then got it
+
+    assert ratchet_main([*common, "run", "--no-cache", "--lock-timeout", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert "--lock-timeout must be a number of seconds >= 0" in err and "nan" in err
+    assert len(list((ws.state_dir / "runs").iterdir())) == 1  # refused before it started
 
 
 # --- across clones: the machine-wide lock of the project's resources -----------------------

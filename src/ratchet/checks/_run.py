@@ -10,6 +10,7 @@ once a receipt holding it is on disk; then the locks are released and consumers 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -92,6 +93,7 @@ def run_checks(
     `seams` the clock, random source, prober, executor, writer and waiter (default: real).
     """
     seams = seams if seams is not None else Seams()
+    lock_timeout = _lock_timeout(args)  # a bad value is refused before anything is probed
     workspace_root = Path(getattr(args, "workspace_root", None) or ".").resolve()
     state_dir = state_dir_for(workspace_root, getattr(args, "state_dir", None))
     project = project_path(workspace_root, getattr(args, "project", None))
@@ -192,7 +194,7 @@ def run_checks(
         strict_env=strict_env,
         key=key,
         cache=_open_cache(args, state_dir),
-        lock_timeout=_lock_timeout(args),
+        lock_timeout=lock_timeout,
         shared_locks_dir=_shared_locks_dir(args, project, planned),
     )
     book.persist()
@@ -342,11 +344,13 @@ def _take_lock(run: _Run, sid: str, locks: contextlib.ExitStack, name: str) -> N
     Two locks make up one resource: the workspace's own (in its state folder, as before)
     and the machine-wide one of the project (`--lock-dir`), shared by every clone. Both are
     taken or neither: a run never sits on one while it waits for the other."""
-    polls = max(0, math.ceil(run.lock_timeout / LOCK_POLL_SECONDS))
+    # An infinite timeout waits until the resource is free or the run is interrupted.
+    forever = math.isinf(run.lock_timeout)
+    polls = 0 if forever else max(0, math.ceil(run.lock_timeout / LOCK_POLL_SECONDS))
     folders = [run.locks_dir]
     if run.shared_locks_dir is not None:
         folders.append(run.shared_locks_dir)
-    for attempt in range(polls + 1):
+    for attempt in itertools.count() if forever else range(polls + 1):
         try:
             with contextlib.ExitStack() as both:
                 for folder in folders:
@@ -355,7 +359,7 @@ def _take_lock(run: _Run, sid: str, locks: contextlib.ExitStack, name: str) -> N
         except RuntimeError as exc:
             if "busy" not in str(exc):
                 raise
-            if attempt == polls:
+            if attempt == polls and not forever:
                 raise RuntimeError(
                     f"{exc}; gave up after waiting {run.lock_timeout:g} s "
                     "(raise it with --lock-timeout SECONDS)"
@@ -697,11 +701,21 @@ def _shared_locks_dir(
 
 
 def _lock_timeout(args: argparse.Namespace) -> float:
+    """`--lock-timeout` in seconds: a number >= 0, or infinity (wait as long as it takes).
+    NaN is refused here, before anything runs, not by the first stage that waits."""
     value = getattr(args, "lock_timeout", None)
     if value is None:
         return DEFAULT_LOCK_TIMEOUT_SECONDS
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"lock timeout must be a number of seconds >= 0, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or math.isnan(value)
+        or value < 0
+    ):
+        raise ConfigError(
+            f"--lock-timeout must be a number of seconds >= 0 (or inf to wait as long as it "
+            f"takes), got {value!r}"
+        )
     return float(value)
 
 

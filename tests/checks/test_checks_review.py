@@ -132,3 +132,23 @@ def test_junit_and_the_step_summary_survive_a_log_with_escapes_and_fences(
     # The tail holds a line of four backticks, so the fence is five: it ends after the tail.
     assert "`````\nFAILED test_x\n" in text
     assert text.rstrip().endswith("not code\n`````\n</details>")
+
+
+# --- a state folder that cannot be used is named as such ----------------------------------
+
+
+def test_a_bad_state_dir_is_named_with_its_fix(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"])])
+    afile = ws.control / "afile"
+    afile.write_text("x")
+    for bad, reason in ((afile, "it is a file, not a folder"), (afile / "sub", "Not a directory")):
+        for extra in ([], ["--dry-run"]):
+            argv = ["checks", "--workspace-root", str(ws.root), "--state-dir", str(bad), "run"]
+            assert ratchet_main([*argv, "--no-cache", *extra]) == 2
+            err = capsys.readouterr().err
+            assert f"--state-dir {bad} cannot be used: " in err and reason in err
+            assert "pass --state-dir a folder you can write" in err
+            assert ".gitignore" not in err and len(err.strip().splitlines()) == 1

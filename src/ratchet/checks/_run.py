@@ -96,6 +96,7 @@ def run_checks(
     lock_timeout = _lock_timeout(args)  # a bad value is refused before anything is probed
     workspace_root = Path(getattr(args, "workspace_root", None) or ".").resolve()
     state_dir = state_dir_for(workspace_root, getattr(args, "state_dir", None))
+    _check_state_dir(state_dir, given=bool(getattr(args, "state_dir", None)))
     project = project_path(workspace_root, getattr(args, "project", None))
     planned = normalize_stages(stages)
     if not planned and not getattr(args, "allow_empty", False):
@@ -201,6 +202,31 @@ def run_checks(
     jobs = max(1, int(getattr(args, "jobs", 1) or 1))
     with active(run_id):
         return _finish(run, jobs, _progress_enabled(args))
+
+
+def _check_state_dir(state_dir: Path, *, given: bool) -> None:
+    """Make the state folder, or raise ConfigError naming where it came from: otherwise
+    the first write into it fails later, reported as an unreadable input."""
+    reason = ""
+    try:
+        if state_dir.exists() and not state_dir.is_dir():
+            reason = "it is a file, not a folder"
+        else:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(state_dir, os.W_OK | os.X_OK):
+                reason = "it is not writable"
+    except OSError as exc:
+        reason = str(exc)
+    if reason:
+        fix = (
+            "pass --state-dir a folder you can write (or leave it out)"
+            if given
+            else "set XDG_STATE_HOME to a folder you can write, or pass --state-dir DIR"
+        )
+        raise ConfigError(
+            f"{'--state-dir ' if given else 'state folder '}{state_dir} cannot be used: "
+            f"{reason}; {fix}"
+        )
 
 
 def project_path(workspace_root: Path, project: str | os.PathLike[str] | None) -> Path | None:

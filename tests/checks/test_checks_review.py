@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from checks_helpers import Workspace, by_id, check
 
-from ratchet.checks import ReceiptError
+from ratchet.checks import ProjectError, ReceiptError, load_project
+from ratchet.checks._plan import validate_project
 from ratchet.cli import main as ratchet_main
 
 KEY = "k" * 32
@@ -152,3 +153,65 @@ def test_a_bad_state_dir_is_named_with_its_fix(
             assert f"--state-dir {bad} cannot be used: " in err and reason in err
             assert "pass --state-dir a folder you can write" in err
             assert ".gitignore" not in err and len(err.strip().splitlines()) == 1
+
+
+# --- a malformed project file: one line naming the field, exit 2 -------------------------
+
+_HEAD = '{"schema_version": 1, "name": "x", "repositories": [{"name": "app", "path": "app"}], '
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            _HEAD + '"checks": [{"id": "c", "argv": ["true"], "timeout_seconds": NaN}]}',
+            "checks[0].timeout_seconds: NaN is not a JSON number; write a finite number",
+        ),
+        (
+            _HEAD + '"checks": [{"id": "c", "argv": ["true"], "timeout_seconds": -Infinity}]}',
+            "checks[0].timeout_seconds: -Infinity is not a JSON number",
+        ),
+        (
+            _HEAD + '"checks": [{"id": "\\ud800", "argv": ["true"]}]}',
+            "checks[0].id: '\\ud800' holds a lone surrogate (not valid Unicode)",
+        ),
+        (
+            _HEAD + '"checks": [{"id": "c", "argv": ["echo", "\\udfff"]}]}',
+            "checks[0].argv[1]: '\\udfff' holds a lone surrogate",
+        ),
+        (
+            _HEAD + '"checks": [{"id": "c", "id": "d", "argv": ["true"]}]}',
+            "checks[0]: key 'id' appears twice; keep one",
+        ),
+        (
+            _HEAD + '"checks": [{"id": "c", "argv": ["true"]}], "checks": []}',
+            "project: key 'checks' appears twice",
+        ),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+    ],
+    ids=["nan", "infinity", "surrogate-id", "surrogate-argv", "dup-key", "dup-top", "deep"],
+)
+def test_a_malformed_project_file_is_one_line_naming_the_field(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    ws = two_repos
+    (ws.root / "checks.project.json").write_text(text)
+    assert ratchet_main([*_common(ws), "run", "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert f"checks.project.json: {message}" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_escaped_surrogate_pair_is_read_as_its_character(two_repos: Workspace) -> None:
+    ws = two_repos
+    (ws.root / "checks.project.json").write_text(
+        _HEAD + '"checks": [{"id": "c", "title": "\\ud83d\\ude00", "argv": ["true"]}]}'
+    )
+    assert load_project(ws.root / "checks.project.json")["checks"][0]["title"] == "\U0001f600"
+
+
+def test_a_hand_built_project_with_an_infinite_timeout_is_refused() -> None:
+    raw = json.loads(_HEAD + '"checks": [{"id": "c", "argv": ["true"]}]}')
+    raw["checks"][0]["timeout_seconds"] = float("inf")
+    with pytest.raises(ProjectError, match="timeout_seconds: must be a positive finite number"):
+        validate_project(raw)

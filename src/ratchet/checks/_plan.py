@@ -7,13 +7,13 @@ pulls in their data dependencies and orders them topologically.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ratchet.checks._errors import ProjectError
-from ratchet.checks.common import read_json
 from ratchet.store import canonical_json, sha256_bytes
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 DEFAULT_TIMEOUT_SECONDS = 3600.0
 REUSE_POLICIES = ("auto", "never")
+_INF = float("inf")
 
 _PROJECT_FIELDS = {"schema_version", "name", "description", "repositories", "checks", "profiles"}
 _REPO_FIELDS = {"name", "path"}
@@ -93,15 +94,113 @@ def load_project(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a project file; every error names the offending field."""
     p = Path(path)
     try:
-        raw = read_json(p)
+        raw = _read_project_json(p)
     except FileNotFoundError as exc:
         raise ProjectError(f"{p}: project file not found") from exc
+    except ProjectError as exc:
+        raise ProjectError(f"{p}: {exc}") from None
     except ValueError as exc:
         raise ProjectError(str(exc)) from exc
     try:
         return validate_project(raw)
     except ProjectError as exc:
         raise ProjectError(f"{p}: {exc}") from None
+
+
+class _Constant:
+    """What `NaN`, `Infinity` or `-Infinity` (which Python's JSON reader takes, and JSON
+    does not have) parse to, so the field holding one can be named."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class _Duplicated(dict):  # type: ignore[type-arg]
+    """An object in which key `key` appears twice: refused, where `json` lets the later
+    one win (a typo would then be silently ignored)."""
+
+    key = ""
+
+
+# A \\uD800-\\uDFFF escape: the only way a UTF-8 project file can hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _read_project_json(p: Path) -> Any:
+    """Parse a project file, refusing (ProjectError naming the field) what Python's JSON
+    reader would take silently or fail on without saying where: a duplicated key,
+    NaN/Infinity, a lone surrogate (no command can be given one), or nesting too deep to
+    parse. The walk that names the field runs only when one of them is there."""
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProjectError(f"is not UTF-8 ({exc}); save it as UTF-8") from None
+    flagged: list[bool] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(items)
+        if len(obj) == len(items):
+            return obj
+        flagged.append(True)
+        dup = _Duplicated(obj)
+        seen: set[str] = set()
+        for k, _ in items:
+            if k in seen:
+                dup.key = k
+                break
+            seen.add(k)
+        return dup
+
+    def constant(name: str) -> _Constant:
+        flagged.append(True)
+        return _Constant(name)
+
+    try:
+        raw = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise ProjectError(
+            "nested too deeply to read (arrays or objects inside each other too many times); "
+            "a project file needs only a few levels"
+        ) from None
+    if flagged or _SURROGATE_ESCAPE.search(text):
+        _refuse_values(raw)
+    return raw
+
+
+_WRITE = "write the character itself, or a valid surrogate pair"
+
+
+def _refuse_values(raw: Any) -> None:
+    """Raise ProjectError naming the first field (in file order) holding a duplicated
+    key, NaN/Infinity, or a string that is not valid Unicode; walked without recursion."""
+    todo: list[tuple[str, Any]] = [("project", raw)]
+    while todo:
+        field, value = todo.pop()
+        if isinstance(value, _Constant):
+            raise _fail(field, f"{value.text} is not a JSON number; write a finite number")
+        if isinstance(value, str) and not _is_unicode(value):
+            raise _fail(field, f"{value!r} holds a lone surrogate (not valid Unicode); {_WRITE}")
+        if isinstance(value, _Duplicated):
+            raise _fail(
+                field, f"key {value.key!r} appears twice; keep one (the later would silently win)"
+            )
+        if isinstance(value, dict):
+            for key in reversed(list(value)):
+                if not _is_unicode(key):
+                    raise _fail(field, f"key {key!r} holds a lone surrogate; {_WRITE}")
+                todo.append((key if field == "project" else f"{field}.{key}", value[key]))
+        elif isinstance(value, list):
+            todo.extend((f"{field}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate_project(raw: Any) -> dict[str, Any]:
@@ -270,8 +369,8 @@ def _reuse(value: Any, field: str) -> str:
 
 
 def _timeout(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise _fail(field, f"must be a positive number of seconds, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < _INF:
+        raise _fail(field, f"must be a positive finite number of seconds, got {value!r}")
     return float(value)
 
 

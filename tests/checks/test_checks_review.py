@@ -215,3 +215,62 @@ def test_a_hand_built_project_with_an_infinite_timeout_is_refused() -> None:
     raw["checks"][0]["timeout_seconds"] = float("inf")
     with pytest.raises(ProjectError, match="timeout_seconds: must be a positive finite number"):
         validate_project(raw)
+
+
+# --- explain names the declared component that changed ----------------------------------
+
+_WRITE_OUT = "import pathlib; pathlib.Path('out').mkdir(exist_ok=True); pathlib.Path('out/a.txt').write_text('a')"
+
+
+def test_explain_names_a_changed_env_value_runtime_input_env_mode_or_outputs(
+    ws: Workspace, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws.repo("app", {"main.py": "x\n", ".gitignore": "out/\n"})
+    (ws.root / "tool.txt").write_text("v1")  # a runtime input outside every repository
+    (ws.root / ".gitignore").write_text("tool.txt\n")
+
+    def project(outputs: list[str]) -> None:
+        runtime = [{"path": "tool.txt"}]
+        ws.project(
+            [
+                check(
+                    "u",
+                    _WRITE_OUT,
+                    cwd="app",
+                    repos=["app"],
+                    env=["FOO"],
+                    runtime_inputs=runtime,
+                    outputs=outputs,
+                )
+            ]
+        )
+
+    ran: list[str] = []
+
+    def reasons(**overrides: object) -> list[str]:
+        result = ws.run(resume=last, cache=False, **overrides)
+        ran.append(result["run_id"])
+        return list(by_id(result)["u"]["explain"]["reasons"])
+
+    project(["app/out"])
+    monkeypatch.setenv("FOO", "1")
+    last = ws.run()["run_id"]
+    monkeypatch.setenv("FOO", "2")
+    assert reasons() == ["declared env variable 'FOO': value changed"]
+    last = ws.run(cache=False)["run_id"]
+    (ws.root / "tool.txt").write_text("v2")
+    assert reasons() == ["runtime input 'tool.txt' changed"]
+    last = ws.run(cache=False)["run_id"]
+    assert reasons(strict_env=True) == [
+        "environment mode changed: inherited -> strict (--strict-env)"
+    ]
+    project(["app/out/*.txt"])
+    got = reasons()
+    assert got == ["declared outputs changed: ['app/out'] -> ['app/out/*.txt']"]
+    # `explain` reads the same reasons back, and a dry run predicts them.
+    rid = ran[-1]
+    assert ratchet_main([*_common(ws), "explain", rid, "u"]) == 0
+    assert "declared outputs changed" in capsys.readouterr().out
+    monkeypatch.delenv("FOO")
+    dry = ws.run(resume=rid, dry_run=True, cache=False)
+    assert by_id(dry)["u"]["reasons"][0] == "declared env variable 'FOO': now unset"

@@ -113,6 +113,51 @@ def diff_components(
                     "new": new.get("environment"),
                 }
             )
+    changes += _diff_declared(old, new)
+    return changes
+
+
+# The components `_diff_declared` names; `cache_components` adds them only to stages that
+# declare them (`env_mode` only under --strict-env).
+_DECLARED = ("env", "runtime", "env_mode", "outputs")
+_DIFFED = {"fingerprint_version", "command", "cwd", "scope", "inputs", "deps", "environment"}
+
+
+def _diff_declared(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Changes in the declared `env` values, `runtime_inputs`, env mode and `outputs`, and
+    any other component a newer ratchet adds: never just "the cache key changed"."""
+    changes: list[dict[str, Any]] = []
+    old_env, new_env = old.get("env") or {}, new.get("env") or {}
+    for name in sorted(set(old_env) | set(new_env)):
+        if name not in old_env or name not in new_env:
+            what = "declared" if name not in old_env else "no longer declared"
+        elif old_env[name] == new_env[name]:
+            continue
+        elif old_env[name] is None or new_env[name] is None:
+            what = "now set" if old_env[name] is None else "now unset"
+        else:
+            what = "value changed"
+        changes.append({"component": "env", "key": name, "change": what})
+    old_rt, new_rt = old.get("runtime") or {}, new.get("runtime") or {}
+    for label in sorted(set(old_rt) | set(new_rt)):
+        if old_rt.get(label) != new_rt.get(label):
+            how = "added" if label not in old_rt else "removed" if label not in new_rt else None
+            changes.append({"component": "runtime_input", "input": label, "change": how})
+    if old.get("env_mode") != new.get("env_mode"):
+        changes.append(
+            {
+                "component": "env_mode",
+                "old": old.get("env_mode") or "inherited",
+                "new": new.get("env_mode") or "inherited",
+            }
+        )
+    if old.get("outputs") != new.get("outputs"):
+        changes.append(
+            {"component": "outputs", "old": old.get("outputs"), "new": new.get("outputs")}
+        )
+    for name in sorted((set(old) | set(new)) - _DIFFED - set(_DECLARED)):
+        if old.get(name) != new.get(name):
+            changes.append({"component": name})
     return changes
 
 
@@ -142,6 +187,22 @@ def describe(change: Mapping[str, Any]) -> str:
         if change.get("key"):
             return f"environment key {change['key']!r} changed"
         return f"environment fingerprint changed: {change.get('old')} -> {change.get('new')}"
+    if kind == "env":
+        return f"declared env variable {change.get('key')!r}: {change.get('change')}"
+    if kind == "runtime_input":
+        label = str(change.get("input"))
+        what = change.get("change")
+        if label.startswith("argv:"):
+            name = f"runtime input command {label[len('argv:') :]}"
+            return f"{name} {what}" if what else f"{name}: its exit code or output changed"
+        name = f"runtime input {label[len('path:') :]!r}" if label.startswith("path:") else label
+        return f"{name} {what}" if what else f"{name} changed"
+    if kind == "env_mode":
+        return (
+            f"environment mode changed: {change.get('old')} -> {change.get('new')} (--strict-env)"
+        )
+    if kind == "outputs":
+        return f"declared outputs changed: {change.get('old')} -> {change.get('new')}"
     if kind == "fingerprint_version":
         return f"fingerprint version changed (was {change.get('old')})"
     return f"{kind} changed"

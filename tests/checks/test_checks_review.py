@@ -274,3 +274,27 @@ def test_explain_names_a_changed_env_value_runtime_input_env_mode_or_outputs(
     monkeypatch.delenv("FOO")
     dry = ws.run(resume=rid, dry_run=True, cache=False)
     assert by_id(dry)["u"]["reasons"][0] == "declared env variable 'FOO': now unset"
+
+
+# --- --junit is checked before the run ---------------------------------------------------
+
+
+def test_a_junit_path_that_cannot_be_written_is_refused_before_the_run(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"])])
+    afile = ws.control / "afile"
+    afile.write_text("x")
+    for bad, message in (
+        (ws.control, f"--junit {ws.control} is a folder; give a file path"),
+        (afile / "j.xml", f"--junit {afile / 'j.xml'}: {afile} is not a folder"),
+    ):
+        assert ratchet_main([*_common(ws), "run", "--no-cache", "--junit", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+    assert not (ws.state_dir / "runs").exists()  # nothing ran
+    # Missing parent folders are made, as most CI tools do.
+    nested = ws.control / "reports" / "ci" / "checks.xml"
+    assert ratchet_main([*_common(ws), "run", "--no-cache", "--junit", str(nested)]) == 0
+    assert "<testsuites" in nested.read_text()

@@ -185,11 +185,44 @@ def _handle_run(parsed: argparse.Namespace) -> dict[str, Any]:
         changed=bool(parsed.changed),
         base=getattr(parsed, "base", None),
     )
+    junit = Path(parsed.junit) if getattr(parsed, "junit", None) else None
+    if junit is not None:
+        _check_junit(junit)
     result = run_checks(parsed, stages)
-    if getattr(parsed, "junit", None):
-        write_junit(result, Path(parsed.junit))
+    if junit is not None:
+        try:
+            write_junit(result, junit)
+        except OSError as exc:
+            raise ConfigError(
+                f"--junit {junit}: the run ended {result.get('status')} but the report could "
+                f"not be written ({exc}); its receipt is {result.get('receipt_path')}"
+            ) from exc
     ci_report(result)
     return result
+
+
+def _check_junit(path: Path) -> None:
+    """Refuse, before the run, a --junit path the report could not be written to: else a
+    run that passed ends with exit 2 and a bare OS error. Missing parent folders are fine
+    (they are made, as most CI tools do), but not a parent that is a file or unwritable."""
+    if path.is_dir():
+        raise ConfigError(
+            f"--junit {path} is a folder; give a file path, e.g. {path / 'checks.xml'}"
+        )
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"--junit {path} is not writable; give a path you can write")
+        return
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"--junit {path}: {parent} is not a folder, so the report cannot go there; "
+            "give a path under a folder"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--junit {path}: {parent} is not writable; give a path you can write")
 
 
 def _handle_recover(parsed: argparse.Namespace) -> dict[str, Any]:

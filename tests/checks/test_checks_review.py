@@ -298,3 +298,21 @@ def test_a_junit_path_that_cannot_be_written_is_refused_before_the_run(
     nested = ws.control / "reports" / "ci" / "checks.xml"
     assert ratchet_main([*_common(ws), "run", "--no-cache", "--junit", str(nested)]) == 0
     assert "<testsuites" in nested.read_text()
+
+
+# --- a cache that cannot be written says so, once ------------------------------------------
+
+
+def test_a_cache_that_cannot_be_written_is_one_warning_per_run(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"]), check("b", repos=["lib"])])
+    blocked = ws.control / "not-a-folder"
+    blocked.write_text("x")
+    assert ratchet_main([*_common(ws), "run", "--cache-dir", str(blocked), "--json"]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, captured.err
+    assert f"the cache {blocked} cannot be written (" in warnings[0]
+    assert all(s["cache_error"] for s in json.loads(captured.out)["stages"])

@@ -262,6 +262,8 @@ class _Run:
         # resource): what makes two clones of the workspace exclude each other.
         self.shared_locks_dir = shared_locks_dir
         self.stopping = threading.Event()
+        self._warned_lock = threading.Lock()
+        self._cache_warned = False
         self.commands_started = 0  # stage commands started in this run
         self.strict_env = strict_env
         self.key = key
@@ -282,6 +284,21 @@ class _Run:
 
     def now(self) -> str:
         return utc_iso(self.clock)
+
+    def warn_cache_write(self, exc: BaseException) -> None:
+        """Say once per run that the cache cannot be written: otherwise the only sign is
+        each stage's `cache_error` in the receipt, and nothing is shared."""
+        with self._warned_lock:
+            if self._cache_warned:
+                return
+            self._cache_warned = True
+        root = getattr(self.cache, "root", None)
+        print(
+            f"ratchet checks: warning: the cache {root} cannot be written ({exc}); this run's "
+            "results are not stored in it (each stage's cache_error in the receipt says why)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def interrupt(self) -> None:
         """The run was interrupted: stop waiting for locks, kill the stage commands."""
@@ -623,6 +640,7 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
             )
         except (OSError, ValueError) as exc:
             book.update(sid, cache_error=f"not stored in the cache: {exc}")
+            run.warn_cache_write(exc)
 
 
 def _reuse_from_cache(

@@ -123,3 +123,49 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.kill
+def test_recover_with_a_live_stage_group_names_stop_stages_and_prints_no_raw_json(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    pid_file = ws.control / "sleeper.pid"
+    # The stage dies with ratchet (parent-death signal); the child it started does not, so
+    # the stage's process group outlives the run, as `sh -c 'sleep 30 & wait'` does.
+    slow = (
+        "import pathlib, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(child.pid))\n"
+        "child.wait()\n"
+    )
+    ws.project([check("slow", slow, repos=["lib"])])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ratchet.checks", "run", "--workspace-root", str(ws.root)]
+        + ["--state-dir", str(ws.state_dir), "--no-cache"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(lambda: pid_file.exists() and pid_file.read_text(), "the sleeper to start")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    sleeper = int(pid_file.read_text())
+    try:
+        (run_dir,) = (ws.state_dir / "runs").iterdir()
+        common = ["checks", "--workspace-root", str(ws.root), "--state-dir", str(ws.state_dir)]
+        assert ratchet_main([*common, "recover", run_dir.name]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # the table wraps long lines
+        assert "--apply --confirm-processes-stopped --stop-stages" in out
+        assert "stage process groups are still alive: slow (process group" in out
+        argv = [*common, "recover", run_dir.name, "--apply", "--confirm-processes-stopped"]
+        assert ratchet_main(argv) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""  # the refusal is on stderr; its JSON only with --json
+        assert "or pass --stop-stages" in captured.err
+        assert ratchet_main([*argv, "--stop-stages"]) == 0
+        assert "marked interrupted" in capsys.readouterr().out
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sleeper, signal.SIGKILL)

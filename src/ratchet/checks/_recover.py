@@ -109,6 +109,14 @@ def recover(
         "live_process_groups": live,
     }
     if not apply:
+        # With stage groups still alive, --apply alone would be refused: say what it needs.
+        how = "re-run with --apply --confirm-processes-stopped" + (
+            " --stop-stages (stage process groups are still alive: "
+            + ", ".join(f"{g['stage']} (process group {g['pgid']})" for g in live)
+            + "; --stop-stages kills them), or stop them yourself first"
+            if live
+            else ""
+        )
         return {
             **base,
             **plan,
@@ -117,8 +125,7 @@ def recover(
             "status": "running",
             "text": (
                 f"would mark run {run_id} interrupted (failed: {was_running or 'none'}, "
-                f"skipped: {not_started or 'none'}, kept: {kept or 'none'}); "
-                "re-run with --apply --confirm-processes-stopped"
+                f"skipped: {not_started or 'none'}, kept: {kept or 'none'}); {how}"
             ),
         }
     if not confirm_processes_stopped:

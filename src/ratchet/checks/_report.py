@@ -124,4 +124,6 @@ def render(result: Mapping[str, Any], stream: TextIO | None = None) -> None:
     if "text" in result:
         console.print(result["text"], markup=False, highlight=False)
         return
+    if result.get("ok") is False and result.get("error"):
+        return  # a refusal: the dispatcher prints its error on stderr; JSON needs --json
     console.print_json(data=dict(result))

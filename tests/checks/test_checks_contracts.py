@@ -328,6 +328,25 @@ def test_contract_6_reuse_never_runs_with_its_consumers_but_not_after_successors
     )
 
 
+def test_contract_6_a_never_stage_with_unchanged_outputs_cuts_its_consumers_off(
+    ws: Workspace,
+) -> None:
+    """As documented: a `never` producer that wrote the same bytes again leaves its
+    consumers' keys (which name its output digest) unchanged, so they are reused."""
+    ws.repo("app", {"main.py": "x\n", ".gitignore": "out/\n"})
+    write = "import pathlib; pathlib.Path('out').mkdir(exist_ok=True); pathlib.Path('out/x').write_text('same')"
+    ws.project(
+        [
+            check("svc", write, cwd="app", repos=["app"], reuse="never", outputs=["app/out"]),
+            check("use", repos=["app"], deps=["svc"]),
+        ]
+    )
+    first = ws.run()
+    second = ws.run(resume=first["run_id"])
+    assert _ran(second) == {"svc"}
+    assert _reused(second) == {"use"}
+
+
 # --- 7 ------------------------------------------------------------------------------
 
 

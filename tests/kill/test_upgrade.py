@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -246,6 +247,72 @@ def test_an_unreplayable_change_is_refused_and_runs_restart_resolves_it(tmp_path
     assert later and all(currency[n] == "EUR" for n in later)
     pays = [e for e in patched.lines(patched.log) if e["what"] == "pay" and e["n"] == parked]
     assert [e["phase"] for e in pays] == ["v1"], pays
+
+
+def call_rows(state: Path) -> list[tuple[Any, ...]]:
+    con = sqlite3.connect(state / "ratchet.db")
+    try:
+        return con.execute("SELECT * FROM calls ORDER BY seq, task_id, idx").fetchall()
+    finally:
+        con.close()
+
+
+def is_pay(e: dict[str, Any], n: int, currency: str | None = None) -> bool:
+    return e["what"] == "pay" and e["n"] == n and currency in (None, e["currency"])
+
+
+def test_a_refused_replay_leaves_the_call_records_so_the_documented_fixes_still_work(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    parked = killed_v1_with_a_parked_call(w)
+    killed = World(tmp_path / "killed")
+    killed.tmp.mkdir()
+    for name in ("in.jsonl", "out.jsonl", "log.jsonl"):
+        shutil.copy(tmp_path / name, killed.tmp / name)
+    shutil.copytree(w.state, killed.state)
+    before = call_rows(w.state)
+
+    # Refused at the task's end: its new (EUR) call was made, but its record went again.
+    proc = w.start("V2Euro", "v2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert f"key 'k0' input {parked}" in err, err
+    assert call_rows(w.state) == before
+    # So the previous version (a fix the message offers) finishes the run on its records.
+    proc = w.start("V1", "v1-again")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    outputs = w.lines(w.output)
+    assert Counter(o["output"]["n"] for o in outputs) == Counter(range(12))
+    (done,) = [o["output"] for o in outputs if o["output"]["n"] == parked]
+    assert done["paid"]["currency"] == "USD"
+    pays = [(e["phase"], e["currency"]) for e in w.lines(w.log) if is_pay(e, parked)]
+    assert [p for p in pays if p[0] != "v1-again"] == [("v1", "USD"), ("v2", "EUR")], pays
+    assert ("v1-again", "USD") not in pays  # answered from its record
+
+    # Killed in the middle of an attempt that would be refused (after its new call): the
+    # records it left are not required by the next replay, so ctx.patched finishes the run.
+    killed.stuck.write_text("k0")
+    proc = killed.start("V2EuroParks", "v2-killed")
+    wait_for(
+        proc,
+        lambda: any(is_pay(e, parked, "EUR") for e in killed.lines(killed.log)),
+        "the EUR call",
+    )
+    time.sleep(0.2)
+    kill(proc)
+    killed.stuck.unlink()
+    assert len(call_rows(killed.state)) > len(before)
+    proc = killed.start("V2EuroPatched", "v2-patched")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    outputs = killed.lines(killed.output)
+    assert Counter(o["output"]["n"] for o in outputs) == Counter(range(12))
+    (done,) = [o["output"] for o in outputs if o["output"]["n"] == parked]
+    assert done["paid"]["currency"] == "USD"
+    usd = [e for e in killed.lines(killed.log) if is_pay(e, parked, "USD")]
+    assert [e["phase"] for e in usd] == ["v1"], usd
 
 
 def test_ratchet_migrate_killed_at_seeded_moments_migrates_each_key_once(tmp_path: Path) -> None:

@@ -124,6 +124,18 @@ class V2EuroPatched(V1):
         ctx.send_event(OutputEvent(output={"n": event.n, "paid": receipt, "by": 2}))
 
 
+class V2EuroParks(V1):
+    """V2Euro that parks after its new (EUR) call, while UPGRADE_STUCK lists the key: a kill
+    there leaves a refused-to-be attempt's records in the state."""
+
+    @action(Mid)
+    async def slow(self, event: Mid, ctx: Any) -> None:
+        receipt = await ctx.durable_execute_async(pay, str(ctx.key), event.n, "EUR")
+        if stuck(str(ctx.key)):
+            await asyncio.sleep(3600)
+        ctx.send_event(OutputEvent(output={"n": event.n, "paid": receipt, "by": 2}))
+
+
 class V2NoSlow(Agent):
     """`slow` removed while a task of it had made its call: refused at start."""
 

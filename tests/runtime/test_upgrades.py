@@ -25,7 +25,7 @@ from ratchet import (
     migration,
 )
 from ratchet.agents._memory import nested
-from ratchet.runtime._dispatch import PATCH_FN, TaskCalls
+from ratchet.runtime._dispatch import PATCH_FN, REPLAY_FN, TaskCalls
 from ratchet.runtime._machine import JournalEntry, Machine, RestoredRun, Task, TaskResult
 from ratchet.store._base import CallRecord
 from ratchet.store._memory import MemoryStore
@@ -327,6 +327,46 @@ def test_patched_is_true_when_the_earlier_attempt_recorded_the_marker_or_stopped
     # A patch removed from the code later leaves markers behind: they are not calls.
     retired = TaskCalls(0, "r>a", "k", {0: rec(0, PATCH_FN, "old-patch")}, Writer())
     assert retired.unclaimed() == []
+
+
+class DroppingWriter(Writer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped: list[tuple[int, str, int]] = []
+
+    def drop_calls(self, seq: int, task_id: str, idx: int) -> concurrent.futures.Future[None]:
+        self.dropped.append((seq, task_id, idx))
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+def test_a_replayed_task_marks_what_it_adds_and_a_refusal_deletes_only_that() -> None:
+    w = DroppingWriter()
+    calls = TaskCalls(0, "r>a", "k", {0: rec(0, "m.f", "d1"), 1: rec(1, "m.f", "d2")}, w)
+    assert calls.claim("m.f", "d1")[1] is not None
+    idx, found = calls.claim("m.g", "d3")  # a changed body's new call
+    assert found is None and idx == 2
+    calls.write(idx, "m.g", "d3", "ok", None).result()
+    assert [(r.idx, r.fn) for r in w.records] == [(-2, REPLAY_FN), (2, "m.g")]
+    assert [r.idx for r in calls.unclaimed()] == [1]
+    calls.discard_new()
+    assert w.dropped == [(0, "r>a", 2)]  # from the marker on: the records before stay
+    untouched = TaskCalls(0, "r>a", "k", {0: rec(0, "m.f", "d1")}, w)
+    untouched.discard_new()  # it added nothing
+    assert w.dropped == [(0, "r>a", 2)]
+
+
+def test_records_after_a_replay_marker_answer_calls_but_are_not_required() -> None:
+    # A kill in an attempt that re-executed the task (and might have been refused at its end).
+    left = {0: rec(0, "m.f", "d1"), -1: rec(-1, REPLAY_FN, "", "intent"), 1: rec(1, "m.g", "d3")}
+    rollback = TaskCalls(0, "r>a", "k", left, Writer())  # the previous version
+    assert rollback.patched("x") is False  # its record before the marker is the old path's
+    assert rollback.claim("m.f", "d1")[1] is not None
+    assert rollback.unclaimed() == []
+    again = TaskCalls(0, "r>a", "k", left, Writer())  # the attempt's version, once more
+    assert again.claim("m.g", "d3")[1] is not None  # answered, not called again
+    assert [r.idx for r in again.unclaimed()] == [0]
 
 
 # -- runs abandon / list / restart refusals ------------------------------------------------------

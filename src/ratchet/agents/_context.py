@@ -619,7 +619,8 @@ class RunnerContext:
     def _result(self) -> TaskResult:
         made = self._calls_made
         left = made.unclaimed() if made is not None and made.replayed else None
-        if left:
+        if left and made is not None:
+            made.discard_new()  # a refusal leaves the records as they were before it
             calls = ", ".join(f"#{r.idx} {r.fn} (argument digest {r.digest[:12]})" for r in left)
             raise IncompatibleChangeError(
                 f"replay of key {self.key!r} input {self.seq}, task {self.task_id}: recorded "

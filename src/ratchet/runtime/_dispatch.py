@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
@@ -20,6 +21,8 @@ from typing import Any, Protocol, TypeVar
 from ratchet._errors import InternalError, RatchetError
 from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.store._base import AgentVersion, CallRecord, DispatchTable
+
+log = logging.getLogger("ratchet.runtime")
 
 INLINE = "inline"
 ASYNC = "async"
@@ -42,6 +45,13 @@ SIGNAL_FN = "ratchet.signal"
 # retry calls again instead of being answered with the failed attempt's records.
 RETRY_FN = "ratchet.retry"
 ATTEMPT_SEP = "#"
+# Written (status "intent") with the first new record of a task that re-executes with records
+# from before a restart, at index -F where F is that first new index (negative: the indexes of
+# calls stay as they were): the records from F on come from an attempt whose replay was never
+# accepted (it was killed before its task ended). A later replay answers calls from them but
+# does not require them, since that attempt may have been one the end-of-task check would
+# have refused; a refused attempt deletes them (`TaskCalls.discard_new`).
+REPLAY_FN = "ratchet.replay"
 
 
 class Waits(Protocol):
@@ -116,6 +126,10 @@ class CallWriter(Protocol):
 
     def put_call(self, record: CallRecord) -> concurrent.futures.Future[None]: ...
 
+    # Optional: `drop_calls(seq, task_id, from_idx) -> Future[None]` deletes the task's records
+    # from `from_idx` on and its replay marker at -from_idx (what a refused attempt added). A
+    # writer without it leaves them, and the marker keeps a later replay from requiring them.
+
 
 class TaskCalls:
     """The durable-call journal of one task: recorded results, matched, and write-through.
@@ -138,6 +152,9 @@ class TaskCalls:
         "_lock",
         "_pending",
         "_patches",
+        "_mark",
+        "_added_from",
+        "_optional_from",
         "waits",
         "attempts",
         "ltm",
@@ -166,6 +183,11 @@ class TaskCalls:
         self._lock: threading.Lock | None = None
         self._pending: list[CallRecord] | None = None  # patch markers, written with the next
         self._patches: dict[str, bool] | None = None
+        # A replayed task: the index of its replay marker, -F (None once written, or without)
+        self._mark: int | None = None
+        self._added_from: int | None = None  # F, once the marker is written
+        # Records from this index on are another attempt's that replay never accepted.
+        self._optional_from: int | None = None
         self.waits: Waits | None = None  # set by an engine that supports durable waits
         self.ltm: Any = None  # long-term memory (ratchet.agents._ltm.LtmService), if any
         # records of later attempts (retries) of this task, by attempt number
@@ -173,7 +195,11 @@ class TaskCalls:
         # Whether this task has records from before a restart (most tasks have none).
         self.replayed = bool(recorded)
         if recorded:  # a replayed task: match calls to records
-            self._next = itertools.count(max(recorded) + 1)
+            first = max(recorded) + 1
+            self._mark = -first
+            self._next = itertools.count(first)
+            marks = [-idx for idx, rec in recorded.items() if rec.fn == REPLAY_FN]
+            self._optional_from = min(marks) if marks else None
             self._claimed = set()
             self._lock = threading.Lock()
             self._by_call = {}
@@ -220,7 +246,9 @@ class TaskCalls:
     def unclaimed(self) -> list[CallRecord]:
         """Recorded calls with a result that this task's code has not made again (so far).
 
-        Patch markers are not calls: a patch retired from the code leaves its markers unused."""
+        Patch markers are not calls: a patch retired from the code leaves its markers unused.
+        Records of an attempt whose replay was never accepted (after a replay marker) are not
+        required either."""
         if self._lock is None:
             return []
         with self._lock:
@@ -230,7 +258,12 @@ class TaskCalls:
                 if idx not in self._claimed
                 and r.status in ("ok", "error")
                 and r.fn not in (PATCH_FN, RETRY_FN)
+                and self._required(idx)
             ]
+
+    def _required(self, idx: int) -> bool:
+        """Whether a recorded call must be made again (see `REPLAY_FN`)."""
+        return self._optional_from is None or idx < self._optional_from
 
     def retry_markers(self) -> list[CallRecord]:
         """The failed attempts recorded for this task, in order."""
@@ -275,7 +308,9 @@ class TaskCalls:
                     self._patches[change_id] = True
                     return True
                 decided = not any(
-                    idx not in self._claimed and r.fn != PATCH_FN
+                    idx not in self._claimed
+                    and r.fn not in (PATCH_FN, REPLAY_FN)
+                    and self._required(idx)
                     for idx, r in self._recorded.items()
                 )
         if decided:
@@ -292,11 +327,49 @@ class TaskCalls:
     ) -> concurrent.futures.Future[None]:
         """Persist a record now (not at the next checkpoint); the future resolves once durable."""
         record = CallRecord(self.seq, self.task_id, idx, fn, digest, status, payload)
-        if not self._pending:
+        first: list[CallRecord] = []
+        if self._mark is not None and (self._pending or idx not in self._recorded):
+            mark = self._take_mark()
+            if mark is not None:
+                first.append(mark)
+        if self._pending:
+            first += self._pending
+            self._pending = None
+        if not first:
             return self._writer.put_call(record)
-        marks, self._pending = self._pending, None
-        # Queued first, so a marker is never durable after the call it precedes.
-        return _all([*(self._writer.put_call(m) for m in marks), self._writer.put_call(record)])
+        # Queued first, so a marker is never durable after the record it precedes.
+        return _all([*(self._writer.put_call(m) for m in first), self._writer.put_call(record)])
+
+    def _take_mark(self) -> CallRecord | None:
+        """The replay marker, the first time this execution adds a record (else None)."""
+        assert self._lock is not None  # a replayed task
+        with self._lock:
+            idx, self._mark = self._mark, None
+        if idx is None:
+            return None
+        self._added_from = -idx
+        return CallRecord(self.seq, self.task_id, idx, REPLAY_FN, "", "intent", None)
+
+    def discard_new(self) -> None:
+        """Delete the records this execution added (it is refused: the task re-executed with
+        a change its records cannot replay), so the state's records are what they were before
+        it and the previous version, or `ctx.patched`, still replays them. Records it completed
+        (an intent from before, now with its result) stay: that call or signal did happen.
+        Best effort: records a writer cannot delete (or a kill leaves) follow the replay
+        marker, so no later replay requires them."""
+        if self._added_from is None:
+            return  # nothing added
+        drop = getattr(self._writer, "drop_calls", None)
+        if drop is None:
+            return
+        try:
+            drop(self.seq, self.task_id, self._added_from).result()
+        except Exception as exc:  # noqa: BLE001 - the marker keeps them from being required
+            log.warning(
+                "the durable-call records a refused replay of task %s (input %d) added could "
+                "not be deleted (%s); the next start does not require them", self.task_id,
+                self.seq, exc,
+            )  # fmt: skip
 
 
 _MAKING = threading.Lock()

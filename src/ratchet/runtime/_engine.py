@@ -32,6 +32,7 @@ from ratchet._errors import (
     StateError,
 )
 from ratchet.runtime._dispatch import (
+    REPLAY_FN,
     SIGNAL_FN,
     Binding,
     CallJournal,
@@ -163,7 +164,7 @@ def check_upgrade(
     known = set(binding.known_actions())
     by_seq = {r.seq: r for r in runs}
     for rec in calls:
-        if rec.seq not in adopted.pinned:
+        if rec.seq not in adopted.pinned or rec.fn == REPLAY_FN:  # a marker, not a call
             continue
         action = rec.task_id.rpartition(">")[2]
         run = by_seq.get(rec.seq)
@@ -196,6 +197,16 @@ class _Writer(threading.Thread):
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._q.put(("call", record, fut))
         return fut
+
+    def drop_calls(self, seq: int, task_id: str, from_idx: int) -> concurrent.futures.Future[Any]:
+        """Delete a refused attempt's records (`TaskCalls.discard_new`), after every record
+        queued before (a job runs after the calls of its group)."""
+        drop = getattr(self.store, "drop_calls", None)
+        if drop is None:  # a store without it: the replay marker makes them optional
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return self.submit(lambda: drop(seq, task_id, from_idx))
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()

@@ -1246,6 +1246,15 @@ class SqliteStore:
                 rows,
             )
 
+    def drop_calls(self, seq: int, task_id: str, from_idx: int) -> None:
+        """Delete the call records of one task from `from_idx` on, and its replay marker
+        (index -from_idx): what a refused replay attempt added (`TaskCalls.discard_new`)."""
+        with self._transaction() as c:
+            c.execute(
+                "DELETE FROM calls WHERE seq = ? AND task_id = ? AND (idx >= ? OR idx = ?)",
+                (seq, task_id, from_idx, -from_idx),
+            )
+
     def close(self) -> None:
         if self._writable:
             # Give every free page back (the writer does it only past _VACUUM_FREE_BYTES): up

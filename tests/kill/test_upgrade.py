@@ -315,6 +315,38 @@ def test_a_refused_replay_leaves_the_call_records_so_the_documented_fixes_still_
     assert [e["phase"] for e in usd] == ["v1"], usd
 
 
+def test_a_changed_event_a_run_in_flight_holds_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = World(tmp_path)
+    w.input.write_text(json.dumps({"key": "k0", "n": 7, "delay": 4}) + "\n")
+    v1 = w.start("Delays", "v1")
+    wait_for(v1, lambda: any(e["what"] == "pay" for e in w.lines(w.log)), "the payment")
+    time.sleep(0.5)  # checkpoints with the run waiting for its delayed Later
+    kill(v1)
+    before, flying = call_rows(w.state), w.in_flight()
+    assert [r["seq"] for r in flying] == [0]
+
+    # A new required field: the stored Later would fail its listener after the upgrade.
+    monkeypatch.setenv("UPGRADE_LATER", "m")
+    proc = w.start("Delays", "v2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    assert "key 'k0', run of input 0: the delayed event Later" in line, line
+    assert "m: Field required" in line and "ratchet runs restart" in line, line
+    assert call_rows(w.state) == before and w.in_flight() == flying
+    assert not w.lines(w.output)
+
+    # The field with a default: the run continues, its payment not made again.
+    monkeypatch.setenv("UPGRADE_LATER", "m=0")
+    proc = w.start("Delays", "v2-default")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert [o["output"] for o in w.lines(w.output)] == [{"n": 7, "m": 0}]
+    assert [e["phase"] for e in w.lines(w.log) if e["what"] == "pay"] == ["v1"]
+
+
 def test_ratchet_migrate_killed_at_seeded_moments_migrates_each_key_once(tmp_path: Path) -> None:
     seed = 1201
     rng = random.Random(seed)

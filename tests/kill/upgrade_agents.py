@@ -149,6 +149,39 @@ class V2NoSlow(Agent):
         ctx.short_term_memory.set("audited", event.n)
 
 
+# The shape of `Later` in this process: UPGRADE_LATER="m" adds a required field, "m=0" the
+# same field with a default (what a run holding a stored Later needs).
+if os.environ.get("UPGRADE_LATER") == "m":
+
+    class Later(Event):
+        n: int
+        m: int
+
+elif os.environ.get("UPGRADE_LATER") == "m=0":
+
+    class Later(Event):  # type: ignore[no-redef]
+        n: int
+        m: int = 0
+
+else:
+
+    class Later(Event):  # type: ignore[no-redef]
+        n: int
+
+
+class Delays(Agent):
+    """Pays, then sends itself Later after the input's `delay` seconds; Later outputs."""
+
+    @action(InputEvent)
+    async def ingest(self, event: InputEvent, ctx: Any) -> None:
+        await ctx.durable_execute_async(pay, str(ctx.key), event.input["n"])
+        ctx.send_event(Later(n=event.input["n"]), delay=float(event.input["delay"]))
+
+    @action(Later)
+    async def later(self, event: Later, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output={"n": event.n, "m": getattr(event, "m", None)}))
+
+
 class Counter(Agent):
     """For `ratchet migrate` under kills: one memory field per key."""
 

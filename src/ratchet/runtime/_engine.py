@@ -11,6 +11,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextvars
+import hashlib
 import logging
 import queue
 import threading
@@ -53,6 +54,7 @@ from ratchet.runtime._journal import (
     encode_memory,
 )
 from ratchet.runtime._machine import (
+    MAX_TASK_ID,
     Delta,
     Machine,
     RestoredRun,
@@ -177,6 +179,80 @@ def check_upgrade(
                 f"{action!r} was removed, so the task can neither finish nor be dropped "
                 f"silently. {UPGRADE_FIXES}"
             )
+
+
+EVENT_FIXES = (
+    "Fixes: keep the event type's name and give a new field a default (or keep the old "
+    "fields), so the stored event still validates; run the previous agent version until the "
+    "run completes; or stop the job and `ratchet runs restart --state DIR --key KEY` (the run "
+    "starts again from its input; calls it made may be made again) or `ratchet runs abandon "
+    "--state DIR --key KEY` (its input goes to the dead letters). See docs/runtime.md, "
+    "'Upgrading an agent'"
+)
+
+
+def check_events(binding: Binding, runs: list[RestoredRun]) -> None:
+    """Refuse, before anything runs, a run in flight holding an event that an action still to
+    run would get and that this version's event class no longer accepts (a renamed type, a
+    new required field, another field type).
+
+    Events are validated when a listener gets them; without this, a delayed event delivered
+    after the upgrade failed its action with a ValidationError, and the run became a dead
+    letter whose redrive repeated its committed calls. Only events with a listener whose task
+    is not journaled are checked: a journaled task is not run again, and outputs are never
+    decoded into their class.
+    """
+    known = set(binding.known_actions())
+    for run in runs:
+        done = {e.task_id for e in run.journal}
+        listeners = run.listeners or binding.listeners
+        is_output = run.is_output or binding.is_output
+        held: list[tuple[str, str, Any]] = [("r", "its input", run.input_event)]
+        for entry in run.journal:
+            if entry.task_id[:1] != "!":
+                for index, event in enumerate(entry.events):
+                    held.append((f"{entry.task_id}.{index}", f"task {entry.task_id}", event))
+        for event_id, sender, event in held:
+            what = "event"
+            try:
+                timed = binding.delayed(event)
+            except StateError as exc:  # a delayed event of a type no class is named for now
+                raise IncompatibleChangeError(
+                    f"key {run.key!r}, run of input {run.seq}: the delayed event that {sender} "
+                    f"sent cannot be delivered: {exc}. {EVENT_FIXES}"
+                ) from exc
+            if timed is not None:
+                event, what = timed[1], "delayed event"
+            if is_output(event):
+                continue
+            eid = event_id
+            if len(eid) > MAX_TASK_ID:  # as the machine names a long event id
+                eid = f"~{hashlib.blake2b(eid.encode(), digest_size=12).hexdigest()}"
+            waiting = [a for a in listeners(event) if a in known and f"{eid}>{a}" not in done]
+            if not waiting:
+                continue
+            try:
+                event.thaw()
+            except ValueError as exc:  # pydantic's ValidationError
+                raise IncompatibleChangeError(
+                    f"key {run.key!r}, run of input {run.seq}: the {what} "
+                    f"{binding.describe_event(event)} that {sender} sent (for "
+                    f"{', '.join(waiting)}) does not validate against this version's class: "
+                    f"{_one_line(exc)}. {EVENT_FIXES}"
+                ) from exc
+
+
+def _one_line(exc: ValueError) -> str:
+    """A validation error as one line: `field: problem; ...` (pydantic's text is a table)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'event'}: {e['msg']}" for e in errors()
+            )
+        except (TypeError, KeyError):
+            pass
+    return " ".join(str(exc).split())
 
 
 class _Writer(threading.Thread):
@@ -812,6 +888,7 @@ class Engine:
         for rec in loaded.calls:
             self._calls.add(rec)
         check_upgrade(b, runs, loaded.calls, adopted)
+        check_events(b, runs)
         self._lazy_keys = loaded.stored_keys - len(memories)
         if self._lazy_keys > 0:
             self.machine.stored_key = self._stored_key

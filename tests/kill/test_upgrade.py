@@ -406,3 +406,32 @@ def test_a_migration_that_raises_names_the_key_and_leaves_it_untouched(tmp_path:
     assert "key 'b' from memory version 1" in err, err
     assert "key 'b'" in json.loads(out)["error"]  # --json: a summary on stdout also on failure
     assert w.memory()["b"] == {"count": 3}
+
+
+def test_a_migrate_that_cannot_proceed_does_not_adopt_the_new_agent(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.input.write_text("".join(json.dumps({"key": k}) + "\n" for k in "ab"))
+    proc = w.start("Counter", "v1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+
+    def status() -> dict[str, Any]:
+        done = w.cli("status", "--state", str(w.state), "--json")
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout))
+
+    before = status()
+    done = w.cli("migrate", "--state", str(w.state), "--agent", agent("CounterV3Gap"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "no @ratchet.migration(2)" in done.stderr, done.stderr
+    after = status()
+    for field in ("agent", "actions", "memory_version", "upgrades"):
+        assert after.get(field) == before.get(field), field
+    assert w.memory() == {"a": {"count": 1}, "b": {"count": 1}}
+    # The previous agent still runs on it (a new input of key a counts on).
+    with w.input.open("a") as fh:
+        fh.write(json.dumps({"key": "a"}) + "\n")
+    proc = w.start("Counter", "v1-again")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert w.memory()["a"] == {"count": 2}

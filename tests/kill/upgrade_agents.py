@@ -218,3 +218,13 @@ class CounterV2Broken(Counter):
             raise ValueError("cannot migrate a count of 3")
         memory.set("total", memory.get("count"))
         memory.delete("count")
+
+
+class CounterV3Gap(Counter):
+    """memory_version 3 with no @migration(2): `ratchet migrate` cannot proceed."""
+
+    memory_version = 3
+
+    @migration(1)
+    def rename(self, memory: Any) -> None:
+        memory.set("total", memory.get("count"))

@@ -97,16 +97,20 @@ def _migrate_one(
 ) -> MigrateResult:
     """Bring every key's memory to the agent's `memory_version` now, instead of lazily.
 
-    The agent is adopted first (as `ratchet run` would). Keys are migrated in batches, each
-    written in one transaction: a kill loses at most the batch in progress, which the next
-    `migrate` (or run) does again from the old memory; no key is migrated twice or half.
+    The agent is adopted (as `ratchet run` would) just before the first batch is written, or
+    at the end when there is none: a migration that is missing or raises in the first batch
+    leaves the state as it was, still the previous agent's. Keys are migrated in batches,
+    each written in one transaction: a kill loses at most the batch in progress, which the
+    next `migrate` (or run) does again from the old memory; no key is migrated twice or half.
     Keys with a run in flight keep their memory until that run completes (it resumes on it).
     A migration that raises stops here: the batches before it are kept, its batch is not.
     """
     target = binding.memory_version
     result = MigrateResult(to_version=target)
     with stopped_state(state_dir, clock) as store:
-        result.upgraded_from = store.adopt(binding.version).upgraded_from
+        # Refusals (another agent's state, memory newer than the agent's) before anything.
+        result.upgraded_from = store.adopt(binding.version, dry_run=True).upgraded_from
+        adopted = False
         total, busy = store.keys_to_migrate(target)
         done = 0
         after: bytes | None = None
@@ -128,10 +132,17 @@ def _migrate_one(
                 new = binding.migrate(key, memory, version)
                 out.append((k, version, encode_memory(new), target))
             if out:
+                if not adopted:
+                    # Keys at the new memory version belong to the new agent. (A kill between
+                    # the two transactions leaves it adopted with this batch to do again.)
+                    store.adopt(binding.version)
+                    adopted = True
                 store.put_migrated(out)
                 result.migrated += len(out)
             if on_progress is not None:
                 on_progress(done, total)
+        if not adopted:
+            store.adopt(binding.version)
     return result
 
 

@@ -435,3 +435,22 @@ def test_a_migrate_that_cannot_proceed_does_not_adopt_the_new_agent(tmp_path: Pa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert w.memory()["a"] == {"count": 2}
+
+
+def test_a_pinned_run_whose_events_lose_every_listener_is_named_at_start(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.input.write_text(json.dumps({"key": "k0"}) + "\n")
+    proc = w.start("Approves", "v1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "waiting for signals" in err, err
+    done = w.cli("signal", "--state", str(w.state), "--key", "k0", "go", "--value", "1")
+    assert done.returncode == 0, done.stderr
+    proc = w.start("ApprovesRenamed", "v2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (
+        err
+    )  # compatible, as documented: the removed action's task is left out
+    (line,) = [x for x in err.splitlines() if "reach no action" in x]
+    assert "key 'k0' input 0" in line and "Approved (heard only by after;" in line, line
+    assert "after_renamed hears it" in line, line
+    assert not w.lines(w.output)

@@ -228,3 +228,31 @@ class CounterV3Gap(Counter):
     @migration(1)
     def rename(self, memory: Any) -> None:
         memory.set("total", memory.get("count"))
+
+
+class Approved(Event):
+    v: Any = None
+
+
+class Approves(Agent):
+    """Waits for the signal "go", then `after` outputs its value."""
+
+    @action(InputEvent)
+    async def wait(self, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(Approved(v=await ctx.wait_for_signal("go")))
+
+    @action(Approved)
+    async def after(self, event: Approved, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output={"v": event.v}))
+
+
+class ApprovesRenamed(Agent):
+    """`after` renamed: a run pinned to Approves sends Approved to nobody."""
+
+    @action(InputEvent)
+    async def wait(self, event: InputEvent, ctx: Any) -> None:
+        ctx.send_event(Approved(v=await ctx.wait_for_signal("go")))
+
+    @action(Approved)
+    async def after_renamed(self, event: Approved, ctx: Any) -> None:
+        ctx.send_event(OutputEvent(output={"v": event.v}))

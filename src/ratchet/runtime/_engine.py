@@ -181,6 +181,53 @@ def check_upgrade(
             )
 
 
+def warn_orphaned_events(binding: Binding, runs: list[RestoredRun], adopted: Adopted) -> None:
+    """Say at start which pinned runs send events that no action of this version takes.
+
+    A pinned run keeps its version's dispatch, and an action this version removed is left out
+    of it (docs/runtime.md, "remove an action"): compatible, so not refused. But when every
+    action of that version that heard an event type was removed (a rename looks so: `after`
+    became `after_renamed`), the run's events of that type reach nobody, and the work they
+    stood for is dropped without a word. One warning line per pinned version names its runs,
+    the event types and the new version's actions that hear them (which the runs do not get).
+    """
+    if not adopted.pinned:
+        return
+    known = set(binding.known_actions())
+    new_table = binding.version.table
+    by_table: dict[str, tuple[Any, list[RestoredRun]]] = {}
+    for run in runs:
+        pinned = adopted.pinned.get(run.seq)
+        if pinned is not None:
+            by_table.setdefault(repr(pinned.table), (pinned.table, []))[1].append(run)
+    for table, pinned_runs in by_table.values():
+        kept = {e for name, evs in table if name in known for e in evs}
+        lost: dict[str, list[str]] = {}  # event type -> the removed actions that heard it
+        for name, evs in table:
+            if name not in known:
+                for e in evs:
+                    if e not in kept:
+                        lost.setdefault(e, []).append(name)
+        if not lost:
+            continue
+        which = ", ".join(f"key {r.key!r} input {r.seq}" for r in pinned_runs[:5])
+        if len(pinned_runs) > 5:
+            which += f" and {len(pinned_runs) - 5} more"
+        parts = []
+        for e, names in sorted(lost.items()):
+            now = [n for n, evs in new_table if e in evs]
+            also = f"; this version's {', '.join(now)} hears it, not for these runs" if now else ""
+            parts.append(f"{e} (heard only by {', '.join(names)}{also})")
+        log.warning(
+            "runs in flight %s keep the dispatch of the version they started under, and every "
+            "action of it that heard these event types was removed, so such events these runs "
+            "send reach no action: %s. If an action was renamed, stop the job and run the "
+            "previous version until `ratchet runs list` shows none of these runs (docs/runtime.md, "
+            "'Upgrading an agent')",
+            which, "; ".join(parts),
+        )  # fmt: skip
+
+
 EVENT_FIXES = (
     "Fixes: keep the event type's name and give a new field a default (or keep the old "
     "fields), so the stored event still validates; run the previous agent version until the "
@@ -889,6 +936,7 @@ class Engine:
             self._calls.add(rec)
         check_upgrade(b, runs, loaded.calls, adopted)
         check_events(b, runs)
+        warn_orphaned_events(b, runs, adopted)
         self._lazy_keys = loaded.stored_keys - len(memories)
         if self._lazy_keys > 0:
             self.machine.stored_key = self._stored_key

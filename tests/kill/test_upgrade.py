@@ -454,3 +454,23 @@ def test_a_pinned_run_whose_events_lose_every_listener_is_named_at_start(tmp_pat
     assert "key 'k0' input 0" in line and "Approved (heard only by after;" in line, line
     assert "after_renamed hears it" in line, line
     assert not w.lines(w.output)
+
+
+def test_status_counts_only_pinned_runs_still_in_flight(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.input.write_text(json.dumps({"key": "k0"}) + "\n")
+    proc = w.start("Approves", "v1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+
+    def status() -> dict[str, Any]:
+        done = w.cli("status", "--state", str(w.state), "--json")
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout))
+
+    w.cli("signal", "--state", str(w.state), "--key", "k0", "go", "--value", "1")
+    proc = w.start("ApprovesRenamed", "v2")  # pins the run, which then completes
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    now = status()
+    assert now["in_flight_runs"] == 0 and now["runs_on_earlier_versions"] == 0, now

@@ -690,7 +690,12 @@ class SqliteStore:
             "unreleased_outputs": c.execute("SELECT COUNT(*) FROM outbox").fetchone()[0],
             "source": self.meta("source"),
             "memory_version": self._meta_or("memory_version", 1),
-            "runs_on_earlier_versions": len(self._meta_or("pinned_runs", {})),
+            # Pins go at the next adopt; a pin whose run completed since is not counted.
+            "runs_on_earlier_versions": sum(
+                1
+                for s in self._meta_or("pinned_runs", {})
+                if c.execute("SELECT 1 FROM runs WHERE seq = ?", (int(s),)).fetchone()
+            ),
             "dead_letters": len(letters := self.dead_letters()),
             "runs_failed": sum(1 for d in letters if d["kind"] == "failed-run"),
             "waiting": self.waits(),

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from ratchet._errors import CodecError, CorruptDataError, RatchetError, StateError
 from ratchet.store import codec
-from ratchet.store._sqlite import DB_NAME, SqliteStore
+from ratchet.store._sqlite import DB_NAME, SqliteStore, signals_typed
 from ratchet.store._traces import unpack_trace
 
 __all__ = ["State", "open_state"]
@@ -325,7 +325,8 @@ class State:
 
     def pending_signals(self) -> list[dict[str, Any]]:
         """Signals sent and not taken by a run yet, oldest first: id, key, name, value,
-        sent_at."""
+        sent_at, and key_type ('str' or 'int') when it was sent for one of the two keys of
+        its text."""
 
         def read(s: SqliteStore) -> list[dict[str, Any]]:
             exists = s.conn.execute(
@@ -334,16 +335,18 @@ class State:
             if exists is None:
                 return []
             out = []
-            for i, k, n, v, t in s.conn.execute(
-                "SELECT id, key_text, name, value, sent_at FROM signals ORDER BY id"
+            kt = "key_type" if signals_typed(s.conn) else "NULL"
+            for i, k, n, v, t, key_type in s.conn.execute(
+                f"SELECT id, key_text, name, value, sent_at, {kt} FROM signals ORDER BY id"
             ):
                 try:
                     value = codec.decode(v, unknown="generic")
                 except (RatchetError, TypeError):
                     value = None
-                out.append(
-                    {"id": i, "key": k, "name": n, "value": _shown(value, False), "sent_at": t}
-                )
+                row = {"id": i, "key": k, "name": n, "value": _shown(value, False), "sent_at": t}
+                if key_type is not None:
+                    row["key_type"] = key_type
+                out.append(row)
             return out
 
         return self._read(read)

@@ -157,7 +157,7 @@ def test_signals_are_delivered_once_in_order_sent_early_ones_kept() -> None:
         [[{"n": 1}, {"n": 2}], ["x", "y"]], key=str
     )
     # The third signal of a waits for a later run of a; nothing was delivered twice.
-    assert [(k, n) for _i, (k, n, _v, _t) in sorted(again.store.signals.items())] == [("a", "ok")]
+    assert [(k, n) for _i, (k, n, _v, _t, _kt) in sorted(again.store.signals.items())] == [("a", "ok")]
 
 
 def test_a_signal_wait_times_out_at_its_recorded_deadline_across_a_restart() -> None:
@@ -198,7 +198,7 @@ def test_a_signal_sent_after_the_deadline_while_no_job_ran_does_not_beat_the_tim
     again.run()
     (out,) = again.outputs()
     assert "no signal 'ok' for key 'a'" in out["timeout"]
-    assert [(k, n) for _i, (k, n, _v, _t) in sorted(again.store.signals.items())] == [("a", "ok")]
+    assert [(k, n) for _i, (k, n, _v, _t, _kt) in sorted(again.store.signals.items())] == [("a", "ok")]
 
 
 def test_a_signal_sent_while_the_job_runs_wakes_the_run() -> None:
@@ -213,7 +213,7 @@ def test_a_signal_sent_while_the_job_runs_wakes_the_run() -> None:
     # The second value arrives 5 s into the run, through the store, as another process would.
     original = store.signals_after
 
-    def later(signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+    def later(signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:
         if clock.now() >= START + 5 and store.next_signal_id == 2:
             store.add_signal("a", "ok", 2)
         return original(signal_id)

@@ -506,6 +506,30 @@ def stopped_for_max_errors(stopped_by: str) -> bool:
     return MAX_ERRORS_STOP in stopped_by
 
 
+def _first_match(
+    pending: collections.deque[tuple[int, bytes, float, str | None]],
+    waiters: collections.deque[_SignalWait],
+) -> tuple[int, _SignalWait] | None:
+    """The oldest signal a waiter can take, and the oldest such waiter. A signal sent after a
+    wait's deadline is not that wait's: it times out (as it does when the deadline passed
+    while no job ran), the signal waits for the next."""
+    for i, (_sid, _value, sent_at, key_type) in enumerate(pending):
+        for w in waiters:
+            if (
+                not w.closing
+                and not w.done.done()
+                and (w.until is None or sent_at <= w.until)
+                and (key_type is None or key_type == _key_type(w.task.run.key))
+            ):
+                return i, w
+    return None
+
+
+def _key_type(key: Any) -> str:
+    """A key's type as signals record it."""
+    return "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
+
+
 def stopped_by_signal(stopped_by: str) -> bool:
     """Whether a result's `stopped_by` is a stop SIGTERM or SIGINT asked for."""
     return stopped_by.startswith("signal ")
@@ -546,8 +570,11 @@ class _EngineWaits:
         self.sleeping: dict[Task, float] = {}  # task -> deadline
         self.timers = 0  # delayed events scheduled and not delivered
         self.cursor = 0  # the highest signal id read from the store
-        # (key text, name) -> signals not consumed, in the order sent: (id, value, sent at)
-        self.signals: dict[tuple[str, str], collections.deque[tuple[int, bytes, float]]] = {}
+        # (key text, name) -> signals not consumed, in the order sent: (id, value, sent at,
+        # the key's type: 'str', 'int', or None for either)
+        self.signals: dict[
+            tuple[str, str], collections.deque[tuple[int, bytes, float, str | None]]
+        ] = {}
         self.waiters: dict[tuple[str, str], collections.deque[_SignalWait]] = {}
         self.breakers: dict[str, _Breaker] = {}  # resources unavailable now
         # The engine's clock read directly (every task reads it twice, for its trace): the
@@ -709,14 +736,15 @@ class _EngineWaits:
         if not wait.done.done():
             wait.done.set_result(None)
 
-    def add_signals(self, rows: list[tuple[int, str, str, bytes, float]]) -> None:
+    def add_signals(self, rows: list[tuple[int, str, str, bytes, float, str | None]]) -> None:
         touched = set()
-        for sid, key_text, name, value, sent_at in rows:
+        for sid, key_text, name, value, sent_at, key_type in rows:
             if sid <= self.cursor:
                 continue
             self.cursor = sid
             where = (key_text, name)
-            self.signals.setdefault(where, collections.deque()).append((sid, value, sent_at))
+            entry = (sid, value, sent_at, key_type)
+            self.signals.setdefault(where, collections.deque()).append(entry)
             touched.add(where)
         for where in touched:
             self._match(where)
@@ -735,26 +763,21 @@ class _EngineWaits:
             engine._redrive(redrives)
 
     def _match(self, where: tuple[str, str]) -> None:
-        """Hand the oldest signal to the oldest waiter of a key and name, in a group."""
+        """Hand the oldest signal to the oldest waiter of a key and name, in a group.
+
+        `where` holds the text of a key: the string key "1" and the integer key 1 share it,
+        and a signal typed for one is not the other's (one stored untyped, before types were,
+        is either's). A signal no waiter can take does not hold back a later one of the other
+        key; for one key, the oldest goes first."""
         pending = self.signals.get(where)
         waiters = self.waiters.get(where)
         while pending and waiters:
-            sent_at = pending[0][2]
-            # A signal sent after a wait's deadline is not that wait's: it times out (as it
-            # does when the deadline passed while no job ran), the signal waits for the next.
-            wait = next(
-                (
-                    w
-                    for w in waiters
-                    if not w.closing
-                    and not w.done.done()
-                    and (w.until is None or sent_at <= w.until)
-                ),
-                None,
-            )
-            if wait is None:
+            found = _first_match(pending, waiters)
+            if found is None:
                 return
-            sid, value, _sent_at = pending.popleft()
+            i, wait = found
+            sid, value = pending[i][:2]
+            del pending[i]
             wait.closing = True
             self._resume(wait)
             self._outside(self.engine._spawn, self._consume(wait, sid, value))

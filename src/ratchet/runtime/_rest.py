@@ -110,6 +110,9 @@ class SignalSent(BaseModel):
     key: str
     name: str
     sent_at: float
+    key_type: Literal["str", "int"] | None = Field(
+        None, description="the key it is for, of the two of its text; absent: either"
+    )
 
 
 class CheckpointRef(BaseModel):
@@ -296,7 +299,7 @@ def create_app(
     `open_state` opens the job's state read-only (`ratchet.open_state`) for the endpoints
     that read it: keys and memory, runs, traces, dead letters, approvals.
     """
-    from fastapi import Depends, FastAPI
+    from fastapi import Depends, FastAPI, Query
     from fastapi.responses import JSONResponse, Response
     from fastapi.security import HTTPBearer
 
@@ -447,14 +450,32 @@ def create_app(
             "/v1/keys/{key:path}/signals/{name}",
             status_code=202,
             response_model=SignalSent,
-            responses=bad_request,
+            responses={
+                404: {"model": Unavailable, "description": "key_type=int and a key no integer has"},
+                **bad_request,
+            },
             summary="send a signal to a key: stored durably before the answer",
         )
-        def post_signal(key: str, name: str, body: SignalBody) -> Any:
+        def post_signal(
+            key: str,
+            name: str,
+            body: SignalBody,
+            key_type: Literal["auto", "str", "int"] = Query(
+                "auto",
+                description='the string key "1" or the integer key 1 (auto: the one the '
+                "state holds; a state holding both refuses auto)",
+            ),
+        ) -> Any:
             from ratchet._errors import RatchetError
+            from ratchet.runtime._shards import int_text
 
+            if key_type == "int" and not int_text(key):
+                return JSONResponse(
+                    {"detail": f"key {key!r} is not an integer: no integer key has that text"},
+                    status_code=404,
+                )
             try:
-                return send(key, name, body.value)
+                return send(key, name, body.value, key_type)
             except RatchetError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=400)
 

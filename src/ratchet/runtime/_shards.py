@@ -263,7 +263,7 @@ def _check_signals_placeable(dirs: tuple[Path, ...], workers: int) -> None:
         finally:
             store.close()
     for text, d in pending.items():
-        if text in held or not _int_text(text):
+        if text in held or not int_text(text):
             continue
         if shard_of(text, workers) != shard_of(int(text), workers):
             raise ConfigError(
@@ -465,7 +465,8 @@ def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
 KEY_TYPES = ("auto", "str", "int")
 
 
-def _int_text(text: str) -> bool:
+def int_text(text: str) -> bool:
+    """Whether `text` is how an integer key reads (so "1" may be the integer key 1)."""
     return text.lstrip("-").isdigit() and str(int(text)) == text
 
 
@@ -499,7 +500,7 @@ def shard_for_text(state_dir: Path, layout: Layout, text: str, key_type: str = "
     if key_type in ("auto", "str"):
         forms.append(text)
     if key_type in ("auto", "int"):
-        if _int_text(text):
+        if int_text(text):
             forms.append(int(text))
         elif key_type == "int":
             raise ConfigError(f"key {text!r} is not an integer (--key-type int)")

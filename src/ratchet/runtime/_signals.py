@@ -18,11 +18,11 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import BadInputError, InvalidArgumentError, InvalidTypeError, StateError
-from ratchet.runtime._shards import Moved, read_layout, shard_for_text, write_in_force
+from ratchet.runtime._shards import Moved, int_text, read_layout, shard_for_text, write_in_force
 from ratchet.store import codec
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
 
-SIGNALS_SCHEMA = 4  # the state schema that has the signals table
+SIGNALS_SCHEMA = 11  # the state schema whose signals table records the key's type
 
 
 def signal_key(key: Any) -> str:
@@ -104,11 +104,18 @@ def send_signal(
     sent_at = clock.now()
     if key_type is None:  # from Python the key's own type says it
         key_type = "int" if isinstance(key, int) else "str"
+    if key_type == "int" and not int_text(key_text):
+        raise InvalidArgumentError(f"key {key_text!r} is not an integer (--key-type int)")
+    stored_type: list[str | None] = [None]
 
     def insert(conn: sqlite3.Connection) -> int | None:
+        # The run the signal is for: the integer key 1 and the string key "1" are two keys.
+        # "auto" takes the form the state holds; a state holding both must be told which.
+        typed = key_type if key_type in ("str", "int") else _held_type(conn, key_text, sdir)
+        stored_type[0] = typed
         cur = conn.execute(
-            "INSERT INTO signals(key_text, name, value, sent_at) VALUES (?, ?, ?, ?)",
-            (key_text, name, blob, sent_at),
+            "INSERT INTO signals(key_text, name, value, sent_at, key_type) VALUES (?, ?, ?, ?, ?)",
+            (key_text, name, blob, sent_at, typed),
         )
         return cur.lastrowid
 
@@ -129,6 +136,8 @@ def send_signal(
         except Moved:
             continue  # the number of workers changed meanwhile: route again
         sent = {"id": sid, "key": key_text, "name": name, "sent_at": sent_at, "state": str(sdir)}
+        if stored_type[0] is not None:
+            sent["key_type"] = stored_type[0]
         if layout.workers > 1:
             sent["shard"] = target.name
         return sent
@@ -136,6 +145,27 @@ def send_signal(
         f"the number of workers of {sdir} kept changing while the signal was sent; nothing "
         f"was stored: send it again"
     )
+
+
+def _held_type(conn: sqlite3.Connection, text: str, sdir: Path) -> str | None:
+    """The type of the key of `text` that the state holds (None: neither form yet, so the
+    first run of either that waits takes the signal); refused when it holds both."""
+    forms = {"str": text, **({"int": int(text)} if int_text(text) else {})}
+    held = [
+        kind
+        for kind, form in forms.items()
+        if conn.execute(
+            "SELECT 1 FROM keys WHERE key = ?1 UNION ALL SELECT 1 FROM runs WHERE key = ?1",
+            (codec.encode(form),),
+        ).fetchone()
+    ]
+    if len(held) == 2:
+        raise InvalidArgumentError(
+            f"{sdir} holds both the string key {text!r} and the integer key {text}: say which "
+            f"one the signal is for (--key-type str or --key-type int; from Python, pass the "
+            f"key as a str or an int)"
+        )
+    return held[0] if held else None
 
 
 def ensure_schema(sdir: Path, needed: int, what: str) -> None:

@@ -220,7 +220,7 @@ class Supervisor:
         from ratchet.runtime._signals import send_signal
 
         sent = send_signal(self.state_dir, key, name, value, clock=self.clock, key_type=key_type)
-        return {k: sent[k] for k in ("id", "key", "name", "sent_at")}
+        return {k: sent[k] for k in ("id", "key", "name", "sent_at", "key_type") if k in sent}
 
     def redrive(self, all_letters: bool, key: str | None, dead_id: int | None) -> dict[str, Any]:
         """REST: mark dead letters for redrive (the worker admits each once)."""

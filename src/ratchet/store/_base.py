@@ -236,9 +236,10 @@ class CheckpointStore(Protocol):
         (id, encoded key, encoded event), oldest first. A checkpoint's `redriven` marks them."""
         ...
 
-    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:
         """Signals not consumed with an id above `signal_id`, in the order sent:
-        (id, key as text, name, encoded value, sent at). Senders may be other processes."""
+        (id, key as text, name, encoded value, sent at, key type: 'str', 'int' or None for
+        either). Senders may be other processes."""
         ...
 
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:

@@ -227,7 +227,7 @@ class FaultyStore:
     def redrives(self) -> list[tuple[int, bytes, bytes]]:
         return self._call("redrives", self.inner.redrives)
 
-    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:
         return self._call("signals_after", lambda: self.inner.signals_after(signal_id))
 
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:

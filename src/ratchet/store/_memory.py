@@ -53,7 +53,7 @@ class MemoryStore:
         self.memory_version = 1
         self.pins: dict[int, str] = {}
         self.versions: dict[str, Pinned] = {}
-        self.signals: dict[int, tuple[str, str, bytes, float]] = {}
+        self.signals: dict[int, tuple[str, str, bytes, float, str | None]] = {}
         self.next_signal_id = 1
         # id -> [key, key text, seq, event, reason, at, kind, detail, redrive asked, redriven as]
         self.dead: dict[int, list[Any]] = {}
@@ -184,10 +184,11 @@ class MemoryStore:
         """Send a signal (what `ratchet.send_signal` does to a SQLite state)."""
         sid = self.next_signal_id
         self.next_signal_id += 1
-        self.signals[sid] = (str(key), name, codec.encode(value), self.clock.now())
+        key_type = "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
+        self.signals[sid] = (str(key), name, codec.encode(value), self.clock.now(), key_type)
         return sid
 
-    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:
         return [(i, *row) for i, row in sorted(self.signals.items()) if i > signal_id]
 
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:

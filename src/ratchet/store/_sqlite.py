@@ -133,6 +133,9 @@ _MIGRATIONS: list[tuple[str, ...]] = [
         "IS NOT NULL BEGIN DELETE FROM spilled WHERE key = NEW.key; END",
     ),
     (),  # 10: long-term memory of a key that is not a string: its own scope (_typed_ltm_scopes)
+    # 11: the type of the key a signal is for ('str' or 'int'): the text "1" names two keys.
+    # NULL (a signal stored before): either key of its text, as it was then.
+    ("ALTER TABLE signals ADD COLUMN key_type TEXT",),
 ]
 # Whether a stored key (its codec bytes) is a string: msgpack's str forms (fixstr a0-bf, str
 # 8/16/32 d9-db) and nothing else start with these bytes, and the codec writes only exact
@@ -156,6 +159,12 @@ def _typed_ltm_scopes(c: sqlite3.Connection) -> None:
         except (codec.CorruptDataError, TypeError):
             continue  # damaged: the usual checks name it when the key is read
         c.execute("UPDATE ltm SET scope = ? WHERE scope = ?", (ltm_key_scope(key), f"key:{text}"))
+
+
+def signals_typed(conn: sqlite3.Connection) -> bool:
+    """Whether the signals table records key types (schema 11): a read-only reader of an
+    older state that no job has opened since sees it without."""
+    return any(row[1] == "key_type" for row in conn.execute("PRAGMA table_info(signals)"))
 
 
 # Python steps of migrations whose work SQL alone cannot do, by the version they reach.
@@ -1102,9 +1111,10 @@ class SqliteStore:
                         (key, mem),
                     )
 
-    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float]]:
+    def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:
         return self.conn.execute(
-            "SELECT id, key_text, name, value, sent_at FROM signals WHERE id > ? ORDER BY id",
+            "SELECT id, key_text, name, value, sent_at, key_type FROM signals WHERE id > ? "
+            "ORDER BY id",
             (signal_id,),
         ).fetchall()
 
@@ -1234,10 +1244,12 @@ class SqliteStore:
         exists = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'signals'").fetchone()
         if exists is None:
             return []
+        typed = signals_typed(self.conn)
         return [
-            {"id": i, "key": k, "name": n, "sent_at": t}
-            for i, k, n, t in self.conn.execute(
-                "SELECT id, key_text, name, sent_at FROM signals ORDER BY id"
+            {"id": i, "key": k, "name": n, "sent_at": t, **({"key_type": kt} if kt else {})}
+            for i, k, n, t, kt in self.conn.execute(
+                f"SELECT id, key_text, name, sent_at, {'key_type' if typed else 'NULL'} "
+                "FROM signals ORDER BY id"
             )
         ]
 

@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--key-type",
         choices=["auto", "str", "int"],
         default="auto",
-        help="a sharded job only: whether a KEY like 42 is the text or the integer key, when "
-        "its shard cannot tell (default auto)",
+        help="whether a KEY like 42 is the string or the integer key (two keys; default auto: "
+        "the one the state holds, refused when it holds both)",
     )
     p.add_argument("--json", action="store_true", help="print what was stored as JSON")
     p.set_defaults(func=cmd_signal)

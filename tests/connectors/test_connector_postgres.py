@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -357,6 +358,30 @@ def server_pids(server: Postgres) -> list[int]:
     return pids
 
 
+@contextlib.contextmanager
+def frozen(server: Postgres) -> Iterator[None]:
+    """The server SIGSTOPped, all of its processes: its sockets stay open, nothing answers."""
+    stopped = server_pids(server)
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def sigterm_stops(proc: subprocess.Popen[bytes], err: Path, within: float) -> None:
+    """SIGTERM ends the job cleanly (exit 0), within `within` seconds."""
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    took = time.monotonic() - began
+    assert code == 0, err.read_text()
+    assert took < within, took
+
+
 def test_a_stop_is_honoured_while_the_database_does_not_answer(
     postgres: Postgres, tmp_path: Path
 ) -> None:
@@ -374,25 +399,15 @@ def test_a_stop_is_honoured_while_the_database_does_not_answer(
     err = tmp_path / "stderr.log"
     with open(err, "wb") as fh:
         proc = subprocess.Popen([*args, "--follow"], stderr=fh)
-    stopped: list[int] = []
     try:
         deadline = time.monotonic() + 60
         while not out.exists() or len(out.read_text().splitlines()) < n:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        stopped = server_pids(postgres)
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(1.5)  # the source's next poll now hangs
-        began = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
-        took = time.monotonic() - began
-        assert code == 0, err.read_text()
-        assert took < 10, took
+        with frozen(postgres):
+            time.sleep(1.5)  # the source's next poll now hangs
+            sigterm_stops(proc, err, within=10)
     finally:
-        for pid in stopped:
-            os.kill(pid, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -433,28 +448,17 @@ def test_a_stop_is_honoured_while_the_output_database_does_not_answer(
     err = tmp_path / "stderr.log"
     with open(err, "wb") as fh:
         proc = subprocess.Popen([*args, "--follow"], stderr=fh)
-    stopped: list[int] = []
     try:
         deadline = time.monotonic() + 60
         while _rows(postgres, name) < 10:
             assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
             time.sleep(0.05)
-        stopped = server_pids(postgres)
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
-        with inp.open("a") as f:
-            f.write("".join(json.dumps({"key": "k0", "i": i}) + "\n" for i in range(10, 20)))
-        time.sleep(1.5)  # their outputs' write now hangs
-        began = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-        took = time.monotonic() - began
-        assert code == 0, err.read_text()
-        assert took < 15, took
+        with frozen(postgres):
+            with inp.open("a") as f:
+                f.write("".join(json.dumps({"key": "k0", "i": i}) + "\n" for i in range(10, 20)))
+            time.sleep(1.5)  # their outputs' write now hangs
+            sigterm_stops(proc, err, within=15)
     finally:
-        for pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

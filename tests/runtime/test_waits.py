@@ -157,7 +157,9 @@ def test_signals_are_delivered_once_in_order_sent_early_ones_kept() -> None:
         [[{"n": 1}, {"n": 2}], ["x", "y"]], key=str
     )
     # The third signal of a waits for a later run of a; nothing was delivered twice.
-    assert [(k, n) for _i, (k, n, _v, _t, _kt) in sorted(again.store.signals.items())] == [("a", "ok")]
+    assert [(k, n) for _i, (k, n, _v, _t, _kt) in sorted(again.store.signals.items())] == [
+        ("a", "ok")
+    ]
 
 
 def test_a_signal_wait_times_out_at_its_recorded_deadline_across_a_restart() -> None:
@@ -198,7 +200,9 @@ def test_a_signal_sent_after_the_deadline_while_no_job_ran_does_not_beat_the_tim
     again.run()
     (out,) = again.outputs()
     assert "no signal 'ok' for key 'a'" in out["timeout"]
-    assert [(k, n) for _i, (k, n, _v, _t, _kt) in sorted(again.store.signals.items())] == [("a", "ok")]
+    assert [(k, n) for _i, (k, n, _v, _t, _kt) in sorted(again.store.signals.items())] == [
+        ("a", "ok")
+    ]
 
 
 def test_a_signal_sent_while_the_job_runs_wakes_the_run() -> None:

@@ -61,6 +61,9 @@ def downgrade(state: Path) -> None:
                 )
                 cols = ["key", "key_text", "next_dispatch", "memory", "memory_version"]
             else:
+                # Columns later schemas added (signals.key_type) are not in schema 7's table.
+                have = {r[1] for r in dst.execute(f"PRAGMA table_info({table})")}
+                cols = [c for c in cols if c in have]
                 select = f"SELECT {', '.join(cols)} FROM {table}"
             rows = src.execute(select).fetchall()
             if table == "meta":

@@ -133,9 +133,7 @@ _MIGRATIONS: list[tuple[str, ...]] = [
         "IS NOT NULL BEGIN DELETE FROM spilled WHERE key = NEW.key; END",
     ),
     (),  # 10: long-term memory of a key that is not a string: its own scope (_typed_ltm_scopes)
-    # 11: the type of the key a signal is for ('str' or 'int'): the text "1" names two keys.
-    # NULL (a signal stored before): either key of its text, as it was then.
-    ("ALTER TABLE signals ADD COLUMN key_type TEXT",),
+    (),  # 11: the type of the key a signal is for (_typed_signals)
 ]
 # Whether a stored key (its codec bytes) is a string: msgpack's str forms (fixstr a0-bf, str
 # 8/16/32 d9-db) and nothing else start with these bytes, and the codec writes only exact
@@ -167,8 +165,17 @@ def signals_typed(conn: sqlite3.Connection) -> bool:
     return any(row[1] == "key_type" for row in conn.execute("PRAGMA table_info(signals)"))
 
 
+def _typed_signals(c: sqlite3.Connection) -> None:
+    """Migration 11: signals record the type of the key they are for ('str' or 'int'): the
+    text "1" names two keys. NULL (a signal stored before): either key of its text, as then.
+    A column added only where it is missing (a state a test or a tool put back to an older
+    schema version may have it already)."""
+    if not signals_typed(c):
+        c.execute("ALTER TABLE signals ADD COLUMN key_type TEXT")
+
+
 # Python steps of migrations whose work SQL alone cannot do, by the version they reach.
-_PY_MIGRATIONS = {10: _typed_ltm_scopes}
+_PY_MIGRATIONS = {10: _typed_ltm_scopes, 11: _typed_signals}
 # Tables a new database creates when first written (an empty table still takes a page), with
 # the statements that created them in older databases.
 _LAZY_TABLES = {"traces": _MIGRATIONS[5], "ltm": _MIGRATIONS[6]}

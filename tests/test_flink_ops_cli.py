@@ -161,3 +161,51 @@ def test_status_reads_counters_whatever_their_names_and_however_many() -> None:
     assert got == {**want, "ratchet.inputs": 7.0}, got
     gets = [q for q in server.queries if q.startswith("get=")]
     assert len(gets) == 3 and all("#" not in q and "é" not in q for q in gets), gets
+
+
+class _NotFlink:
+    """A TCP server on 127.0.0.1 that answers every connection with the same bytes: an SSH
+    banner, or a web page that is not Flink's REST API."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = int(self.sock.getsockname()[1])
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(self.reply)
+
+
+def test_a_jobmanager_address_that_is_not_flinks_rest_api_is_exit_2() -> None:
+    """A non-numeric port, an SSH port, a plain web server: one line naming the address, exit
+    2 (they were tracebacks, exit 1: InvalidURL, BadStatusLine, JSONDecodeError)."""
+    ssh = _NotFlink(b"SSH-2.0-OpenSSH_9.6\r\n")
+    web = _NotFlink(b"HTTP/1.0 200 OK\r\nContent-Type: text/html\r\n\r\n<html>hello</html>")
+    try:
+        for address in ("localhost:abc", f"127.0.0.1:{ssh.port}", f"127.0.0.1:{web.port}"):
+            for args in (
+                ["flink", "status", "--jobmanager", address],
+                ["status", "--jobmanager", address],
+                ["flink", "status", "a" * 32, "--jobmanager", address],
+            ):
+                proc = _run(*args)
+                assert proc.returncode == 2, (args, proc.stderr)
+                assert "Traceback" not in proc.stderr, proc.stderr
+                lines = proc.stderr.strip().splitlines()
+                assert len(lines) == 1, proc.stderr
+                assert lines[0].startswith("ratchet flink: ")
+                assert f"http://{address} is not a Flink REST address" in lines[0], lines[0]
+                assert "--jobmanager HOST:PORT" in lines[0]
+    finally:
+        ssh.sock.close()
+        web.sock.close()

@@ -8,6 +8,7 @@ machine that reaches the JobManager, without the 850 MB `flink` extra.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -75,21 +76,48 @@ class JobManager:
             if exc.code == 404:
                 raise JobManagerError(f"{self.base}{path}: not found ({detail})") from None
             raise JobManagerError(f"{self.base}{path}: HTTP {exc.code} ({detail})") from None
+        except http.client.InvalidURL as exc:  # `host:abc`: before any connection
+            raise JobManagerError(
+                f"{self.base} is not a Flink REST address ({exc}); pass --jobmanager "
+                f"HOST:PORT (the JobManager's REST port) or set {JOBMANAGER_ENV}"
+            ) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise JobManagerError(
                 f"cannot reach the JobManager at {self.base} ({reason}); is the cluster "
                 f"running? Pass --jobmanager HOST:PORT (its REST port) or set {JOBMANAGER_ENV}"
             ) from None
-        return json.loads(raw) if raw else {}
+        except http.client.HTTPException as exc:  # something answered, not in HTTP
+            raise self._not_flink(f"{type(exc).__name__}: {str(exc)[:80]!r}") from None
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:  # an HTTP server, not Flink's REST API
+            raise self._not_flink(f"{path} did not answer JSON: {raw[:60]!r}") from None
+
+    def _not_flink(self, what: str) -> JobManagerError:
+        return JobManagerError(
+            f"{self.base} is not a Flink REST address ({what}); pass --jobmanager HOST:PORT "
+            f"(the JobManager's REST port, 8081 by default) or set {JOBMANAGER_ENV}"
+        )
+
+    def _dict(self, path: str) -> dict[str, Any]:
+        got = self.call(path)
+        if not isinstance(got, dict):
+            raise self._not_flink(f"{path} answered {type(got).__name__}, not an object")
+        return got
 
     def jobs(self) -> list[dict[str, Any]]:
-        return list(self.call("/jobs/overview").get("jobs", []))
+        try:
+            return list(self._dict("/jobs/overview").get("jobs", []))
+        except JobManagerError as exc:
+            if "not found" in str(exc):  # any HTTP server: Flink's REST API has this path
+                raise self._not_flink("no /jobs/overview") from None
+            raise
 
     def job(self, job_id: str) -> dict[str, Any]:
         _check_id(job_id)
         try:
-            return dict(self.call(f"/jobs/{job_id}"))
+            return self._dict(f"/jobs/{job_id}")
         except JobManagerError as exc:
             if "not found" in str(exc):
                 raise JobManagerError(

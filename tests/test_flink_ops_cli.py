@@ -95,6 +95,35 @@ def test_inspect_reads_the_latest_memory_of_each_key_from_a_flink_memory_folder(
     assert "Traceback" not in proc.stderr
 
 
+def test_inspect_of_a_folder_that_is_not_a_memory_output_is_one_line_exit_2(
+    tmp_path: Path,
+) -> None:
+    """The job's --output folder was a `KeyError: 'memory'` traceback; a savepoint's folder
+    (its files are hidden) printed nothing, exit 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-a-0.jsonl").write_text(json.dumps({"key": "k", "output": {"n": 1}}) + "\n")
+    savepoint = tmp_path / "savepoint-1a2b3c-0123456789ab"
+    savepoint.mkdir()
+    (savepoint / "_metadata").write_bytes(b"\x00\x01binary")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_bytes(b"not json \xff\n")
+    for folder, named in (
+        (out, out / "part-a-0.jsonl"),
+        (savepoint, None),
+        (junk, junk / "notes.txt"),
+    ):
+        proc = _run("inspect", "--flink-memory", str(folder))
+        assert proc.returncode == 2, (folder, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"--flink-memory {folder} holds no memory records" in lines[0], lines[0]
+        assert "--memory-output" in lines[0]
+        if named is not None:
+            assert f"({named} is not one)" in lines[0], lines[0]
+
+
 class _FakeJobManager(ThreadingHTTPServer):
     """The two REST calls `ratchet status --jobmanager` makes for an agent operator's
     metrics, answered from `metrics` (id -> value), recording every query it was sent."""

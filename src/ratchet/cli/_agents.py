@@ -748,8 +748,17 @@ def _flink_memory_rows(directory: str, only: str | None) -> list[tuple[bytes, by
         raise ConfigError(
             f"--flink-memory {directory}: no such folder (give the job's --memory-output folder)"
         )
+    try:
+        found = latest_memory_records(directory)
+    except ConfigError as exc:
+        raise ConfigError(f"--flink-memory {exc}") from None
+    if not found:  # a savepoint's folder, say: its files are hidden (`_metadata`)
+        raise ConfigError(
+            f"--flink-memory {directory} holds no memory records: only the folder a job's "
+            "--memory-output names can be read (its records are committed at checkpoints)"
+        )
     rows = []
-    for key, raw in latest_memory_records(directory).items():
+    for key, raw in found.items():
         if only is None or str(key) == only:
             rows.append((codec.encode(key), raw))
     return rows

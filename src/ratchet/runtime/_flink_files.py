@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ratchet._errors import ConfigError
 from ratchet.runtime._journal import decode_memory
 
 
@@ -62,12 +63,30 @@ def latest_memory_records(directory: str | os.PathLike[str]) -> dict[Any, bytes]
     written by several runs of a job (a resume from a savepoint emits every key again) holds a
     key more than once: the record that had admitted the most inputs (`inputs`) is the latest."""
     best: dict[Any, tuple[int, str]] = {}
-    for rec in read_output_dir(directory):
-        key = rec["key"]
-        n = int(rec.get("inputs", -1))
-        if key not in best or n >= best[key][0]:
-            best[key] = (n, rec["memory"])
+    root = Path(directory)
+    for path in input_files(root) if root.is_dir() else []:
+        for line in path.read_bytes().splitlines():
+            if line.strip():
+                rec = _memory_record(directory, path, line)
+                key = rec["key"]
+                n = int(rec.get("inputs", -1))
+                if key not in best or n >= best[key][0]:
+                    best[key] = (n, rec["memory"])
     return {key: base64.b64decode(text) for key, (_n, text) in best.items()}
+
+
+def _memory_record(directory: str | os.PathLike[str], path: Path, line: bytes) -> dict[str, Any]:
+    # The output folder, a savepoint, any folder of files: not a traceback, but which it is.
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        rec = None
+    if not (isinstance(rec, dict) and "key" in rec and isinstance(rec.get("memory"), str)):
+        raise ConfigError(
+            f"{directory} holds no memory records ({path} is not one): only the folder a "
+            "job's --memory-output names can be read"
+        )
+    return rec
 
 
 def latest_memories(directory: str | os.PathLike[str]) -> dict[Any, dict[str, Any]]:

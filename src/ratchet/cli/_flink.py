@@ -414,6 +414,10 @@ def _checked_run(args: argparse.Namespace) -> int:
     from ratchet.agents._run import load_agent
 
     journal = None
+    if args.jobmanager:
+        code = _check_jobmanager(args.jobmanager)
+        if code != EXIT_OK:
+            return code
     try:
         load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
         args.execution_mode = execution_mode(args)
@@ -433,6 +437,27 @@ def _checked_run(args: argparse.Namespace) -> int:
     finally:
         if journal is not None:
             journal.close()
+
+
+def _check_jobmanager(address: str) -> int:
+    """Ask the cluster's REST API before submitting: `flink run -m` to nothing, or to a port
+    that is not Flink's, retries for a minute and ends in a Java stack trace."""
+    from ratchet.cli._flink_ops import JobManager, JobManagerError
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        print(
+            f"ratchet flink: --jobmanager {address!r} must look like host:port (the "
+            "JobManager's REST port)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        JobManager(address, env_hint=False).jobs()
+    except JobManagerError as exc:
+        print(f"ratchet flink: {exc}", file=sys.stderr)
+        return exc.code
+    return EXIT_OK
 
 
 def _let_go() -> None:
@@ -839,13 +864,6 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journa
     import ratchet.flink._entry as entry
     from ratchet.connectors._pg_journal import DSN_ENV
 
-    host, sep, port = args.jobmanager.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        print(
-            f"ratchet flink: --jobmanager {args.jobmanager!r} must look like host:port",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     spec = {
         "agent": agent,
         "input": os.path.abspath(args.input),

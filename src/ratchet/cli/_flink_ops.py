@@ -56,12 +56,16 @@ class JobManagerError(Exception):
 class JobManager:
     """The few REST calls these commands make (Flink 2.x's REST API, `/v1` paths)."""
 
-    def __init__(self, address: str, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, timeout: float = 10.0, *, env_hint: bool = True) -> None:
         address = address.strip().rstrip("/")
         if "://" not in address:
             address = "http://" + address
         self.base = address
         self.timeout = timeout
+        # What to change: `flink run` reads only its --jobmanager, not the environment.
+        self.fix = "pass --jobmanager HOST:PORT (the JobManager's REST port, 8081 by default)"
+        if env_hint:
+            self.fix += f" or set {JOBMANAGER_ENV}"
 
     def call(self, path: str, method: str = "GET", body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -77,15 +81,12 @@ class JobManager:
                 raise JobManagerError(f"{self.base}{path}: not found ({detail})") from None
             raise JobManagerError(f"{self.base}{path}: HTTP {exc.code} ({detail})") from None
         except http.client.InvalidURL as exc:  # `host:abc`: before any connection
-            raise JobManagerError(
-                f"{self.base} is not a Flink REST address ({exc}); pass --jobmanager "
-                f"HOST:PORT (the JobManager's REST port) or set {JOBMANAGER_ENV}"
-            ) from None
+            raise self._not_flink(str(exc)) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise JobManagerError(
                 f"cannot reach the JobManager at {self.base} ({reason}); is the cluster "
-                f"running? Pass --jobmanager HOST:PORT (its REST port) or set {JOBMANAGER_ENV}"
+                f"running? {self.fix[0].upper()}{self.fix[1:]}"
             ) from None
         except http.client.HTTPException as exc:  # something answered, not in HTTP
             raise self._not_flink(f"{type(exc).__name__}: {str(exc)[:80]!r}") from None
@@ -95,10 +96,7 @@ class JobManager:
             raise self._not_flink(f"{path} did not answer JSON: {raw[:60]!r}") from None
 
     def _not_flink(self, what: str) -> JobManagerError:
-        return JobManagerError(
-            f"{self.base} is not a Flink REST address ({what}); pass --jobmanager HOST:PORT "
-            f"(the JobManager's REST port, 8081 by default) or set {JOBMANAGER_ENV}"
-        )
+        return JobManagerError(f"{self.base} is not a Flink REST address ({what}); {self.fix}")
 
     def _dict(self, path: str) -> dict[str, Any]:
         got = self.call(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -79,3 +80,81 @@ def test_run_on_an_address_with_no_flink_rest_api_is_exit_2_at_once(tmp_path: Pa
             assert proc.stdout == ""
     finally:
         web.close()
+
+
+REFUSED = """
+from ratchet import Agent, InputEvent, OutputEvent, action
+
+
+class NoActions(Agent):
+    pass
+
+
+class Versioned(Agent):
+    memory_version = 2
+
+    @action(InputEvent, inline=True)
+    def handle(self, event, ctx):
+        ctx.send_event(OutputEvent(output=1))
+"""
+
+
+def test_an_agent_a_worker_would_refuse_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """It was refused in every restart of the job's worker (~18 s), and the command said
+    "MiniCluster is not yet running ...", exit 1; the embedded engine says why, exit 2."""
+    (tmp_path / "refused.py").write_text(REFUSED)
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"key": "a", "v": 1}\n')
+    for name, said in (
+        ("NoActions", "NoActions has no actions; decorate a method with @action(...)"),
+        ("Versioned", "Versioned declares memory_version 2; the Flink engine does not version"),
+    ):
+        started = time.monotonic()
+        proc = _run(
+            tmp_path, f"{tmp_path / 'refused.py'}:{name}", "--input", str(inputs),
+            "--output", str(tmp_path / f"out-{name}"),
+        )  # fmt: skip
+        assert proc.returncode == EXIT_USAGE, proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ratchet flink: "), proc.stderr[-3000:]
+        assert said in lines[0], lines[0]
+        assert proc.stdout == ""  # no job was submitted
+        assert time.monotonic() - started < 15
+
+
+# The worker's own check, as a job that reaches it meets it: `ratchet flink run` with its
+# client-side check of the agent turned off (nothing else changed).
+WORKER_CHECKS = """
+import argparse, sys
+import ratchet.flink._function as function
+from ratchet.cli import _flink
+function.agent_core = lambda *a, **k: None
+parser = argparse.ArgumentParser(prog="ratchet")
+_flink.register(parser.add_subparsers(dest="command", required=True))
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.func(args))
+"""
+
+
+def test_a_job_its_worker_refuses_says_the_workers_reason(tmp_path: Path) -> None:
+    """A local job that failed took its mini-cluster down: the status poll's "MiniCluster is
+    not yet running" was reported, not the job's failure; and of that failure, ratchet's
+    error line is the one to show, with its exit code (a ConfigError: 2)."""
+    (tmp_path / "refused.py").write_text(REFUSED)
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"key": "a", "v": 1}\n')
+    proc = subprocess.run(
+        [
+            sys.executable, "-c", WORKER_CHECKS, "flink", "run",
+            f"{tmp_path / 'refused.py'}:NoActions", "--input", str(inputs),
+            "--output", str(tmp_path / "out"), "--restart-strategy", "none",
+            "--tmp-dir", str(tmp_path / "flink-tmp"),
+        ],
+        env=flink_env(tmp_path), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == EXIT_USAGE, proc.stderr[-3000:]
+    assert "MiniCluster is not yet running" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ratchet flink: job ") and last.endswith(
+        "failed: ratchet_user_refused.NoActions has no actions; decorate a method with @action(...)"
+    ), last

@@ -419,7 +419,7 @@ def _checked_run(args: argparse.Namespace) -> int:
         if code != EXIT_OK:
             return code
     try:
-        load_agent(args.agent)  # fail here, with a clear message, rather than in a worker
+        agent = load_agent(args.agent)  # fail here, with a clear message, not in a worker
         args.execution_mode = execution_mode(args)
         _hold_output(args)
         _refuse_earlier_outputs(args)
@@ -427,6 +427,9 @@ def _checked_run(args: argparse.Namespace) -> int:
         _warn_unread_inputs(args)
         config = _config(args)
         config.validate()
+        from ratchet.flink._function import agent_core
+
+        agent_core(agent, config.core)  # what a worker would refuse, refused here
         if config.call_journal:
             journal = _open_journal(args, config)  # a bad URI or a server down: exit 2 here
     except RatchetError as exc:
@@ -706,7 +709,12 @@ def _run_to_completion(
         now = SYSTEM_CLOCK.monotonic()
         if finished:
             break
-        if _status(client) in terminal:
+        try:
+            status = _status(client)
+        except Exception:  # a local job that failed took its mini-cluster down with it
+            client.get_job_execution_result().result()  # raises the job's own failure
+            raise
+        if status in terminal:
             return None
         if now - last >= _REPORT_S and done != reported:
             rate = done / (now - started) if now > started else 0.0
@@ -843,12 +851,36 @@ def _job_failed(job_id: str, exc: BaseException, args: argparse.Namespace) -> in
             file=sys.stderr,
         )
         return EXIT_USAGE
+    found = _ratchet_error(text)
+    if found is not None:  # what ratchet refused in a worker says more than Java's wrapping
+        name, message, code = found
+        print(f"ratchet flink: job {job_id} failed: {message}", file=sys.stderr)
+        return code
     cause = [ln for ln in text.splitlines() if "Error" in ln or "Exception" in ln]
     print(
         f"ratchet flink: job {job_id} failed: {cause[-1].strip() if cause else text[:500]}",
         file=sys.stderr,
     )
     return EXIT_FAILED
+
+
+def _ratchet_error(text: str) -> tuple[str, str, int] | None:
+    """The last ratchet error in a failed job's text: its class name, its message, and the
+    exit code the embedded engine gives it; None if there is none."""
+    import re
+
+    import ratchet._errors as errors
+
+    # As a process-mode traceback ends (`ratchet._errors.ConfigError: ...`), or as thread
+    # mode's pemja words it (`<class 'ratchet._errors.ConfigError'>: ...`).
+    found = list(re.finditer(r"ratchet\._errors\.(\w+)(?:'>)?: (.+)", text))
+    if not found:
+        return None
+    name, message = found[-1].group(1), found[-1].group(2).strip()
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.RatchetError)):
+        return None
+    return name, message, errors.exit_code_for(cls.__new__(cls))
 
 
 def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journal: Any) -> int:

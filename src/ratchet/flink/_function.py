@@ -15,6 +15,7 @@ from pyflink.datastream.state import MapState, MapStateDescriptor, ValueStateDes
 
 from ratchet._clock import Clock
 from ratchet._errors import BadInputError, ConfigError
+from ratchet.agents._context import AgentBinding
 from ratchet.flink._watchdog import start_parent_watchdog
 from ratchet.runtime._flink_core import AgentCore, CoreConfig, Step, flink_key, native_key
 from ratchet.runtime._flink_keygroups import WAKE_PREFIX, key_group, key_group_range, wake_key
@@ -56,6 +57,19 @@ BAD_INPUT_TAG = OutputTag("ratchet-bad-input", Types.STRING())
 line, `{"error": ..., "line": <its text>}` (`ratchet flink run` writes it to OUTPUT/_bad-input)."""
 
 BAD_INPUT_MARK = "ratchet bad input:"
+
+
+def agent_core(
+    agent: Any,
+    core_config: CoreConfig,
+    agent_config: dict[str, Any] | None = None,
+    journal: Any = None,
+) -> tuple[AgentBinding, AgentCore]:
+    """A worker's binding and core for `agent`, not started: building it checks the agent as the worker
+    does (actions, memory_version, retry=), so `ratchet flink run` calls it before it submits
+    (a refused agent fails every restart of the job, and the reason gets lost on the way)."""
+    binding = AgentBinding(agent, agent_config)
+    return binding, AgentCore(binding, core_config, journal=journal)
 
 
 class ParseLines(ProcessFunction):
@@ -321,7 +335,6 @@ class AgentFunction(KeyedProcessFunction):
         self._metrics_key: str | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        from ratchet.agents._context import AgentBinding
         from ratchet.agents._run import load_agent
 
         start_parent_watchdog()
@@ -331,9 +344,8 @@ class AgentFunction(KeyedProcessFunction):
             from ratchet.connectors._pg_journal import PostgresCallJournal
 
             journal = PostgresCallJournal(*self.journal)
-        binding = AgentBinding(agent, self.agent_config)
+        binding, self.core = agent_core(agent, self.core_config, self.agent_config, journal)
         self._counters = binding.metrics  # `ctx.metrics`, exported by `_export_counters`
-        self.core = AgentCore(binding, self.core_config, journal=journal)
         self.core.open()
         self._thread = thread_mode(runtime_context)
         self.state: _State | _TextState = (

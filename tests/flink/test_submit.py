@@ -1,23 +1,28 @@
-"""`ratchet flink run --jobmanager`: what is wrong with the address, the agent or a line is one
-line naming it and the fix, with the documented exit code, before or instead of a Java stack
-trace (the cluster side uses the suite's standalone cluster)."""
+"""`ratchet flink run` (and the savepoint commands) on a cluster: what is wrong with the
+address, the agent, a line or a savepoint target is one line naming it and the fix, with the
+documented exit code, before or instead of a Java stack trace (the cluster side uses the
+suite's standalone cluster)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink uses .venv-flink)")
 
 from ratchet._errors import EXIT_USAGE  # noqa: E402
+from ratchet.flink import read_output_dir  # noqa: E402
 
-from .support import AGENTS, CLI, flink_env  # noqa: E402
+from .cluster import wait_for  # noqa: E402
+from .support import AGENTS, CLI, flink_env, submit_detached, write_inputs  # noqa: E402
 
 pytestmark = pytest.mark.flink
 
@@ -158,3 +163,47 @@ def test_a_job_its_worker_refuses_says_the_workers_reason(tmp_path: Path) -> Non
     assert last.startswith("ratchet flink: job ") and last.endswith(
         "failed: ratchet_user_refused.NoActions has no actions; decorate a method with @action(...)"
     ), last
+
+
+def _ops(tmp: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "flink", *args],
+        env=flink_env(tmp), capture_output=True, text=True, timeout=120, cwd=cwd,
+    )  # fmt: skip
+
+
+def test_savepoint_targets_are_folders_where_the_command_runs(cluster: Any, tmp_path: Path) -> None:
+    """A relative --target was resolved in the JobManager's working folder; no --target on
+    a cluster without a default savepoint folder was Flink's RestHandlerException text."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_inputs(inputs / "a.jsonl", [{"key": "a", "v": 1}])
+    job = submit_detached(cluster, tmp_path, inputs, tmp_path / "out")
+    # Every task running (an output is committed): Flink takes no savepoint before.
+    wait_for("an output", lambda: read_output_dir(tmp_path / "out"), 180)
+    here = tmp_path / "here"
+    here.mkdir()
+    jm = ["--jobmanager", cluster.jobmanager]
+    try:
+        proc = _ops(tmp_path, "savepoint", job, *jm, cwd=here)
+        assert proc.returncode == EXIT_USAGE, proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "RestHandlerException" not in proc.stderr, proc.stderr
+        assert "has no default savepoint folder" in lines[0] and "pass --target" in lines[0]
+        proc = _ops(tmp_path, "stop", job, *jm, cwd=here)
+        assert proc.returncode == EXIT_USAGE and "pass --target" in proc.stderr, proc.stderr
+        assert cluster.job_status(job) == "RUNNING"
+
+        proc = _ops(tmp_path, "savepoint", job, "--target", "sp/one", *jm, cwd=here)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        taken = json.loads(proc.stdout)["savepoint"]
+        assert taken.removeprefix("file:").startswith(str(here / "sp" / "one")), taken
+        assert list((here / "sp" / "one").glob("savepoint-*/_metadata")), taken
+
+        proc = _ops(tmp_path, "stop", job, "--target", "sp/two", *jm, cwd=here)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert list((here / "sp" / "two").glob("savepoint-*/_metadata")), proc.stdout
+        wait_for("the job to finish", lambda: cluster.job_status(job) == "FINISHED", 60)
+    finally:
+        if cluster.job_status(job) == "RUNNING":
+            cluster.cancel(job)

@@ -149,16 +149,17 @@ class JobManager:
     def savepoint(self, job_id: str, target: str | None, *, stop: bool, drain: bool = False) -> str:
         """Trigger a savepoint (and with `stop`, stop the job with it); wait for it; its path."""
         self.job(job_id)  # a clear error for an unknown job
+        target = _target(target)
         if stop:
             body: dict[str, Any] = {"drain": drain, "formatType": "CANONICAL"}
             if target:
                 body["targetDirectory"] = target
-            trigger = self.call(f"/jobs/{job_id}/stop", "POST", body)["request-id"]
+            trigger = self._trigger(f"/jobs/{job_id}/stop", body, target)
         else:
             body = {"cancel-job": False, "formatType": "CANONICAL"}
             if target:
                 body["target-directory"] = target
-            trigger = self.call(f"/jobs/{job_id}/savepoints", "POST", body)["request-id"]
+            trigger = self._trigger(f"/jobs/{job_id}/savepoints", body, target)
         while True:
             got = self.call(f"/jobs/{job_id}/savepoints/{trigger}")
             if got.get("status", {}).get("id") == "COMPLETED":
@@ -171,6 +172,31 @@ class JobManager:
                     f"the savepoint of job {job_id} failed: {_root_cause(text)}", EXIT_FAILED
                 )
             SYSTEM_CLOCK.sleep_sync(0.25)
+
+    def _trigger(self, path: str, body: dict[str, Any], target: str | None) -> str:
+        try:
+            return str(self.call(path, "POST", body)["request-id"])
+        except JobManagerError as exc:
+            if target is None and NO_SAVEPOINT_DIR in str(exc):
+                raise JobManagerError(
+                    f"the cluster at {self.base} has no default savepoint folder "
+                    "(execution.checkpointing.savepoint-dir): pass --target with a folder (an "
+                    "absolute path or a URI) the JobManager and TaskManagers can write"
+                ) from None
+            raise
+
+
+# Flink's refusal of a savepoint with no target and no cluster default ("Config key
+# [execution.checkpointing.savepoint-dir] is not set. Property [...] must be provided.").
+NO_SAVEPOINT_DIR = "savepoint-dir] is not set"
+
+
+def _target(target: str | None) -> str | None:
+    """A relative local path made absolute here: the JobManager would resolve it against its
+    own working folder, wherever that is."""
+    if target is None or "://" in target or target.startswith("file:"):
+        return target
+    return os.path.abspath(os.path.expanduser(target))
 
 
 def _check_id(job_id: str) -> None:
@@ -220,13 +246,21 @@ def register(group: Any) -> None:
 
     sp = group.add_parser("savepoint", help="take a savepoint of a running job (it keeps running)")
     sp.add_argument("job", help="job id")
-    sp.add_argument("--target", default=None, help="savepoint folder (path or URI)")
+    sp.add_argument(
+        "--target",
+        default=None,
+        help="savepoint folder the cluster writes: a path (a relative one is taken from here) or a URI",
+    )
     _jm_option(sp)
     sp.set_defaults(func=cmd_savepoint)
 
     stop = group.add_parser("stop", help="stop a job with a savepoint (resume: --from-savepoint)")
     stop.add_argument("job", help="job id")
-    stop.add_argument("--target", default=None, help="savepoint folder (path or URI)")
+    stop.add_argument(
+        "--target",
+        default=None,
+        help="savepoint folder the cluster writes: a path (a relative one is taken from here) or a URI",
+    )
     stop.add_argument(
         "--drain",
         action="store_true",

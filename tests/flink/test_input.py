@@ -135,6 +135,9 @@ def test_a_bad_line_that_arrives_while_the_job_runs_stops_it_with_exit_3(tmp_pat
     ]
     proc = subprocess.run(cmd, env=flink_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
-    assert "ratchet flink: bad input: input line: key field 'key' is list" in proc.stderr
+    assert (
+        f'ratchet flink: bad input: a line of {inputs} (\'{{"key": [1], "v": 2}}\'): key '
+        "field 'key' is list" in proc.stderr
+    )
     assert "--on-bad-input skip or dead-letter" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("pyflink", reason="PyFlink is not installed (make test-flink uses .venv-flink)")
 
-from ratchet._errors import EXIT_USAGE  # noqa: E402
+from ratchet._errors import EXIT_BAD_INPUT, EXIT_USAGE  # noqa: E402
 from ratchet.flink import read_output_dir  # noqa: E402
 
 from .cluster import wait_for  # noqa: E402
@@ -207,3 +207,31 @@ def test_savepoint_targets_are_folders_where_the_command_runs(cluster: Any, tmp_
     finally:
         if cluster.job_status(job) == "RUNNING":
             cluster.cancel(job)
+
+
+def test_a_bad_line_in_a_followed_input_on_a_cluster_is_exit_3_naming_it(
+    cluster: Any, tmp_path: Path
+) -> None:
+    """An attached `--follow` job on a cluster printed ~40 lines of the flink client's stack
+    trace and exited with its code (31); a local one says the line's error, exit 3. Neither
+    named the input ("input line: ...")."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.jsonl").write_text('{"key": "k", "v": 1}\n{"key": [1], "v": 2}\n')
+    proc = subprocess.run(
+        [
+            *CLI, f"{AGENTS}:Counter", "--input", str(inputs), "--output", str(tmp_path / "out"),
+            "--follow", "200", "--restart-strategy", "none", "--jobmanager", cluster.jobmanager,
+            "--checkpoint-dir", str(tmp_path / "checkpoints"),
+            "--tmp-dir", str(tmp_path / "flink-tmp"),
+        ],
+        env=flink_env(tmp_path), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(
+        f'ratchet flink: bad input: a line of {inputs} (\'{{"key": [1], "v": 2}}\'): '
+        "key field 'key' is list"
+    ), lines[0]
+    assert "--on-bad-input skip or dead-letter" in lines[0]

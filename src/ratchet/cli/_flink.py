@@ -832,7 +832,10 @@ def _report_bad(args: argparse.Namespace, bad: list[str]) -> None:
 UNMAPPED_STATE = "Cannot map checkpoint/savepoint state for operator"  # Flink's refusal
 
 
-def _job_failed(job_id: str, exc: BaseException, args: argparse.Namespace) -> int:
+def _job_failed(job_id: str, exc: BaseException | str, args: argparse.Namespace) -> int:
+    """One line for a job that failed (`exc`: py4j's error, or what `flink run` printed),
+    with the exit code of what failed it: a bad line 3, a savepoint it cannot restore or an
+    error ratchet raised in a worker its own code, anything else 1."""
     from ratchet.flink._function import BAD_INPUT_MARK
 
     text = str(exc)
@@ -889,6 +892,7 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journa
     import dataclasses
     import re
     import subprocess
+    from collections import deque
     from pathlib import Path
 
     import pyflink
@@ -936,10 +940,10 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journa
     assert proc.stdout is not None
     job_id = None
     pruner = None
-    tail: list[str] = []
+    said_lines: deque[str] = deque(maxlen=5000)  # enough for a Java cause chain or two
     try:
         for line in proc.stdout:
-            tail = (tail + [line])[-40:]
+            said_lines.append(line)
             m = re.search(r"JobID ([0-9a-f]{32})", line)
             if m and job_id is None:
                 job_id = m.group(1)
@@ -953,7 +957,10 @@ def _submit(args: argparse.Namespace, agent: str, config: Any, name: str, journa
     finally:
         if pruner is not None:
             pruner.stop()
+    if code != 0 and job_id is not None:  # an attached job that failed: say why, in a line
+        return _job_failed(job_id, "".join(said_lines), args)
     if code != 0 or job_id is None:
+        tail = list(said_lines)[-40:]
         print("ratchet flink: submission failed:\n" + "".join(tail), file=sys.stderr)
         return code or 1
     return EXIT_OK

@@ -81,19 +81,22 @@ class ParseLines(ProcessFunction):
     submits anything, exit 3; this catches lines that arrive later), "skip" logs and drops it,
     "dead-letter" keeps it in the `BAD_INPUT_TAG` side output."""
 
-    def __init__(self, key_field: str, on_bad_input: str = "stop") -> None:
+    def __init__(
+        self, key_field: str, on_bad_input: str = "stop", source: str | None = None
+    ) -> None:
         if on_bad_input not in ("stop", "skip", "dead-letter"):
             raise ConfigError(
                 f"on_bad_input must be 'stop', 'skip' or 'dead-letter', not {on_bad_input!r}"
             )
         self.key_field = key_field
         self.on_bad_input = on_bad_input
+        self.source = source  # the file or folder read: a message names it
 
     def open(self, runtime_context: RuntimeContext) -> None:
         start_parent_watchdog()
 
     def process_element(self, value: str, ctx: ProcessFunction.Context) -> Any:
-        key, line, error = parse_line(value, "input line", self.key_field)
+        key, line, error = parse_line(value, self._where(value), self.key_field)
         if error is None:
             if line is not None:
                 yield key, line
@@ -109,6 +112,14 @@ class ParseLines(ProcessFunction):
                 f"and restore from the last checkpoint, or pass --on-bad-input skip or "
                 f"dead-letter"
             )
+
+    def _where(self, value: str) -> str:
+        # Flink's text line format gives the line alone, not its file or number: the message
+        # names the --input and shows the line's start, for a search to find it.
+        shown = value.strip()
+        shown = shown[:60] + "..." if len(shown) > 60 else shown
+        source = getattr(self, "source", None)  # None: pickled by an older version
+        return f"a line of {source} ({shown!r})" if source else f"input line {shown!r}"
 
 
 def parse_line(

@@ -219,7 +219,7 @@ def build_job(
     ds = ds.uid("ratchet-source")
     pairs = (
         ds.process(
-            ParseLines(key_field, on_bad_input),
+            ParseLines(key_field, on_bad_input, str(src_path)),
             output_type=Types.TUPLE([Types.STRING(), Types.STRING()]),
         )
         .uid("ratchet-parse")

@@ -141,3 +141,29 @@ def test_a_bad_line_that_arrives_while_the_job_runs_stops_it_with_exit_3(tmp_pat
     )
     assert "--on-bad-input skip or dead-letter" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_line_that_is_not_utf8_is_refused_as_the_embedded_engine_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """It was read with U+FFFD in place of its bytes and run (exit 0); the embedded engine
+    refuses it (exit 3). Flink's line reader cannot tell those bytes from text, so neither
+    skip nor dead-letter could keep it out of the job: the input is refused, nothing runs."""
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_bytes(b'{"key": "a", "i": 1}\n{"key": "b", "s": "\xff\xfe"}\n{"key": "a"}\n')
+    for mode in ("stop", "skip", "dead-letter"):
+        out = tmp_path / f"out-{mode}"
+        proc = subprocess.run(
+            [*CLI, f"{AGENTS}:Counter", "--input", str(inputs), "--output", str(out),
+             "--on-bad-input", mode],
+            env=flink_env(tmp_path), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == EXIT_BAD_INPUT, (mode, proc.stderr[-3000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert lines[0].startswith(
+            f"ratchet flink: bad input: {inputs}:2: invalid JSON ('utf-8' codec can't decode "
+            "byte 0xff"
+        ), lines[0]
+        assert "nothing was submitted" in lines[0] and "fix its encoding" in lines[0]
+        assert proc.stdout == "" and read_output_dir(out) == []

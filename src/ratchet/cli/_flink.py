@@ -487,6 +487,14 @@ def _run(args: argparse.Namespace, config: Any, journal: Any, restoring: bool) -
         only = unread_inputs(args.from_savepoint, args.input) if restoring else None
         try:
             bad, inputs = scan_input(Path(args.input), args.key, only)
+        except UndecodableLine as exc:
+            print(
+                f"ratchet flink: bad input: {exc}; nothing was submitted: Flink's line reader "
+                "cannot tell these bytes from text (it reads them as U+FFFD), so the line is "
+                "refused whatever --on-bad-input says: fix its encoding and run again",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
         except OSError as exc:
             print(f"ratchet flink: --input {args.input} cannot be read: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -792,6 +800,11 @@ def _stop_with_savepoint(client: Any, target: str, *, drain: bool) -> str:
     return str(client._j_job_client.stopWithSavepoint(drain, target, fmt).get())
 
 
+class UndecodableLine(Exception):
+    """A line of a bounded input that is not UTF-8: Flink's line reader would read it with
+    U+FFFD in place of its bytes, so the job could neither skip nor dead-letter it."""
+
+
 def scan_input(path: Path, key_field: str, only: list[Path] | None = None) -> tuple[list[str], int]:
     """The bad lines of a bounded input (a file, or the files under a folder that Flink's file
     source reads: names starting with `.` or `_` are skipped; `only` some of them), as the
@@ -804,7 +817,13 @@ def scan_input(path: Path, key_field: str, only: list[Path] | None = None) -> tu
     for f in input_files(path) if only is None else only:
         with f.open("rb") as fh:
             for n, raw in enumerate(fh, 1):
-                text = raw.decode("utf-8", errors="replace")
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    # The embedded engine's words for it; Flink's reader would have put U+FFFD
+                    # in place of the bytes and taken the line.
+                    _key, _line, error = parse_line(raw, str(f), key_field, n)
+                    raise UndecodableLine(error or f"{f}:{n}: invalid UTF-8") from None
                 _key, line, error = parse_line(text, str(f), key_field, n)
                 if error is not None:
                     bad.append(error)

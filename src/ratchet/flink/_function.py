@@ -123,18 +123,22 @@ class ParseLines(ProcessFunction):
 
 
 def parse_line(
-    text: str, where: str, key_field: str, line: int | None = None
+    text: str | bytes, where: str, key_field: str, line: int | None = None
 ) -> tuple[str, str | None, str | None]:
     """One input line as `(flink key, line, None)`, `("", None, None)` for a blank line, or
     `("", None, error)`: the embedded engine's parse (`runtime/_io.py`) and messages. `where`
-    is the file and `line` its line number; a line read by the job has no number (None)."""
-    rec = _parse(text.encode(), 0 if line is None else line, where, key_field)
+    is the file and `line` its line number; a line read by the job has no number (None).
+    Bytes are parsed as they are (bytes that are not UTF-8: invalid JSON, as embedded)."""
+    raw = text if isinstance(text, bytes) else text.encode()
+    rec = _parse(raw, 0 if line is None else line, where, key_field)
     if rec is None:
         return "", None, None
     if rec.error is not None:
         if line is None:  # `_parse` says "<where>:<line>: ..."; without a number, "<where>: ..."
             return "", None, where + rec.error[len(where) + 2 :]
         return "", None, rec.error
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")  # parsed as JSON: UTF-8 (or -16/-32)
     try:
         return flink_key(rec.key), text.strip(), None
     except ConfigError as exc:

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -292,4 +293,86 @@ def test_cache_options_are_checked(tmp_path: Path) -> None:
     assert code == 2 and "alternatives" in err
     code, _, err = _run(one, tmp_path, "--cache-url", "cache.internal:8765")
     assert code == 2 and "not an http:// or https:// URL" in err
+    # A URL urllib would only refuse at the first request (every stage failed on it) is
+    # refused before anything runs, in one line naming where it came from.
+    for url, why in [
+        ("http://127.0.0.1:abc", "no valid port"),
+        ("http://127.0.0.1:99999", "no valid port"),
+        ("http://exa mple.com", "a space or a control character"),
+        ("http://cache.internal:8765/?x=1", "a query"),
+    ]:
+        code, _, err = _run(one, tmp_path, "--cache-url", url)
+        assert code == 2, (url, err)
+        assert err.startswith("ratchet checks: error: --cache-url: ") and why in err, err
+        assert err.count("\n") == 1, err
+    code, _, err = _run(one, tmp_path, RATCHET_CHECKS_CACHE_URL="http://h:port")
+    assert code == 2 and "RATCHET_CHECKS_CACHE_URL: " in err and "no valid port" in err
     assert _marker(tmp_path) == []
+
+
+class FakeServer:
+    """A misbehaving "cache server" on 127.0.0.1: `answer(connection, request bytes)` in a
+    thread per connection. It records the request lines it saw."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.requests: list[str] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                request = conn.recv(65536)
+                self.requests.append(request.split(b"\r\n", 1)[0].decode(errors="replace"))
+                self.answer(conn, request)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.closed.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def fakes() -> Iterator[list[FakeServer]]:
+    made: list[FakeServer] = []
+    yield made
+    for fake in made:
+        fake.close()
+
+
+def _not_http(conn: socket.socket, request: bytes) -> None:
+    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+
+
+def _header_too_long(conn: socket.socket, request: bytes) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nX-Junk: " + b"j" * 100_000 + b"\r\n\r\n")
+
+
+@pytest.mark.parametrize("answer", [_not_http, _header_too_long])
+def test_an_answer_that_is_not_http_is_a_miss_with_one_warning(
+    tmp_path: Path, fakes: list[FakeServer], answer: Any
+) -> None:
+    fake = FakeServer(answer)
+    fakes.append(fake)
+    (one,) = _clones(tmp_path, 1)
+    code, result, err = _run(one, tmp_path, "--cache-url", fake.url)
+    assert (code, result["status"]) == (0, "passed"), err
+    assert _marker(tmp_path) == ["build", "test"]
+    assert err.count("warning") == 1 and f"the cache server {fake.url}" in err, err
+    assert "this run goes on without it" in err
+    assert "cache server" in by_id(result)["build"]["explain"]["cache"]
+    assert len(fake.requests) == 1  # asked once, then never again this run

@@ -11,6 +11,7 @@ shared, with one warning; it never fails a run.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import sys
@@ -36,14 +37,38 @@ _CHUNK = 1 << 20
 MAX_ENTRY_BYTES = 1 << 20  # what the server accepts
 
 
-def check_url(url: str) -> str:
-    """`url` without a trailing slash, if it is an http(s) URL with a host."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+def check_url(url: str, option: str = "--cache-url") -> str:
+    """`url` without a trailing slash, if it is an http(s) URL with a host (and, if it has
+    one, a numeric port), no query and no space or control character; `option` names where
+    it came from in the error."""
+    if any(c.isspace() or not c.isprintable() for c in url):
         raise ConfigError(
-            f"cache URL {url!r} is not an http:// or https:// URL (e.g. http://cache.internal:8765)"
+            f"{option}: the cache URL {url!r} has a space or a control character in it"
         )
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"{option}: the cache URL {url!r} is not an http:// or https:// URL "
+            "(e.g. http://cache.internal:8765)"
+        )
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(
+            f"{option}: the cache URL {url!r} has no valid port (a number 1-65535 after the "
+            "host, e.g. http://cache.internal:8765)"
+        )
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ConfigError(f"{option}: the cache URL {url!r} has a query or a fragment")
     return url.rstrip("/")
+
+
+# What a request to the server may raise besides an HTTP error status: OSError (URLError,
+# timeouts, resets), http.client.HTTPException (an answer that is not HTTP: BadStatusLine,
+# LineTooLong, IncompleteRead, ...), ValueError (a response urllib cannot parse).
+_NETWORK_ERRORS = (OSError, http.client.HTTPException, ValueError)
 
 
 class _Unavailable(Exception):
@@ -91,11 +116,17 @@ class RemoteCheckCache(CheckCache):
     def _network_failed(self, exc: BaseException) -> None:
         with self._lock:
             first, self._down = not self._down, True
-        if first:
-            self._warn(
-                f"the cache server {self.url} cannot be reached ({exc}); "
-                "this run goes on without it (every lookup is a miss)"
-            )
+        if not first:
+            return
+        if isinstance(exc, http.client.HTTPException) and not isinstance(exc, OSError):
+            # not an HTTP answer (another service on that port, a proxy's garbage, a cut)
+            what = f"gave an answer that is not HTTP ({type(exc).__name__}: {exc})"
+        else:
+            what = f"cannot be reached ({exc})"
+        self._warn(
+            f"the cache server {self.url} {what}; this run goes on without it "
+            "(every lookup is a miss)"
+        )
 
     def _get(self, path: str) -> Iterator[bytes] | None:
         """The body of GET `path` in chunks, None on 404; raises _Unavailable otherwise."""
@@ -108,9 +139,9 @@ class RemoteCheckCache(CheckCache):
             if exc.code == 404:
                 return None
             raise _Unavailable(f"the cache server answered {exc.code} {exc.reason}") from exc
-        except (OSError, ValueError) as exc:  # URLError, timeouts, resets, bad responses
+        except _NETWORK_ERRORS as exc:  # URLError, timeouts, resets, answers not HTTP
             self._network_failed(exc)
-            raise _Unavailable(str(exc)) from exc
+            raise _Unavailable(str(exc) or type(exc).__name__) from exc
 
         def chunks() -> Iterator[bytes]:
             with response:
@@ -133,9 +164,9 @@ class RemoteCheckCache(CheckCache):
                 return f"the cache server's blob {sha256} was altered"
         except _Unavailable as exc:
             return f"cache server: {exc}"
-        except OSError as exc:
+        except _NETWORK_ERRORS as exc:
             self._network_failed(exc)
-            return f"cache server: {exc}"
+            return f"cache server: {exc or type(exc).__name__}"
         return None
 
     # --- the cache interface ------------------------------------------------------------
@@ -155,9 +186,9 @@ class RemoteCheckCache(CheckCache):
                     return None, f"cache entry {where} is larger than {MAX_ENTRY_BYTES} bytes"
         except _Unavailable as exc:
             return None, f"cache server: {exc}"
-        except OSError as exc:
+        except _NETWORK_ERRORS as exc:
             self._network_failed(exc)
-            return None, f"cache server: {exc}"
+            return None, f"cache server: {exc or type(exc).__name__}"
         try:
             remote = json.loads(raw)
         except ValueError as exc:
@@ -245,6 +276,6 @@ class RemoteCheckCache(CheckCache):
                     f"{hint}; this run's results are not shared"
                 )
             return False
-        except (OSError, ValueError) as exc:
+        except _NETWORK_ERRORS as exc:
             self._network_failed(exc)
             return False

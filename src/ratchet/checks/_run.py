@@ -776,7 +776,9 @@ def _open_cache(
     given_dir, given_url = getattr(args, "cache_dir", None), getattr(args, "cache_url", None)
     if given_dir and given_url:
         raise ConfigError("--cache-dir and --cache-url are alternatives: pass only one of them")
+    url_from = "--cache-url"
     if not given_dir and not given_url:
+        url_from = "RATCHET_CHECKS_CACHE_URL"
         env_dir = os.environ.get("RATCHET_CHECKS_CACHE_DIR")
         env_url = os.environ.get("RATCHET_CHECKS_CACHE_URL")
         if env_dir and env_url:
@@ -789,7 +791,7 @@ def _open_cache(
         from ratchet.checks import _remote  # urllib only when a cache server is used
 
         return _remote.RemoteCheckCache(
-            given_url,
+            _remote.check_url(given_url, url_from),
             state_dir / "cache",
             read_only=read_only,
             token=os.environ.get(_remote.TOKEN_ENV) or None,

@@ -8,6 +8,7 @@ ran is read from a marker file every stage command appends to, outside every rep
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -311,8 +313,8 @@ def test_cache_options_are_checked(tmp_path: Path) -> None:
 
 
 class FakeServer:
-    """A misbehaving "cache server" on 127.0.0.1: `answer(connection, request bytes)` in a
-    thread per connection. It records the request lines it saw."""
+    """A misbehaving "cache server" on 127.0.0.1: `answer(self, connection, request bytes)`
+    in a thread per connection. It records the request lines it saw."""
 
     def __init__(self, answer: Any) -> None:
         self.answer = answer
@@ -337,7 +339,7 @@ class FakeServer:
             try:
                 request = conn.recv(65536)
                 self.requests.append(request.split(b"\r\n", 1)[0].decode(errors="replace"))
-                self.answer(conn, request)
+                self.answer(self, conn, request)
             except OSError:
                 pass
 
@@ -354,11 +356,11 @@ def fakes() -> Iterator[list[FakeServer]]:
         fake.close()
 
 
-def _not_http(conn: socket.socket, request: bytes) -> None:
+def _not_http(fake: FakeServer, conn: socket.socket, request: bytes) -> None:
     conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
 
 
-def _header_too_long(conn: socket.socket, request: bytes) -> None:
+def _header_too_long(fake: FakeServer, conn: socket.socket, request: bytes) -> None:
     conn.sendall(b"HTTP/1.1 200 OK\r\nX-Junk: " + b"j" * 100_000 + b"\r\n\r\n")
 
 
@@ -376,3 +378,123 @@ def test_an_answer_that_is_not_http_is_a_miss_with_one_warning(
     assert "this run goes on without it" in err
     assert "cache server" in by_id(result)["build"]["explain"]["cache"]
     assert len(fake.requests) == 1  # asked once, then never again this run
+
+
+def _drip_body(fake: FakeServer, conn: socket.socket, request: bytes) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+    while not fake.closed.wait(0.2):  # a byte at a time, forever: no read ever times out
+        conn.sendall(b" ")
+
+
+def _drip_headers(fake: FakeServer, conn: socket.socket, request: bytes) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\n")
+    while not fake.closed.wait(0.2):
+        conn.sendall(b"X: y\r\n")
+
+
+@pytest.mark.parametrize("answer", [_drip_body, _drip_headers])
+def test_a_server_that_drips_its_answer_is_cut_at_the_deadline(
+    tmp_path: Path, fakes: list[FakeServer], answer: Any
+) -> None:
+    from ratchet.checks._remote import RemoteCheckCache
+
+    fake = FakeServer(answer)
+    fakes.append(fake)
+    cache = RemoteCheckCache(fake.url, tmp_path / "mirror", timeout=1.0)
+    found: list[tuple[Any, str]] = []
+    started = time.monotonic()
+    asking = threading.Thread(target=lambda: found.append(cache.lookup("a" * 64)), daemon=True)
+    asking.start()
+    asking.join(20)
+    assert not asking.is_alive(), "the lookup still waits on the dripping server"
+    assert time.monotonic() - started < 5  # 1 s (the deadline), and the watchdog's tick
+    ((entry, why),) = found
+    assert entry is None and why.startswith("cache server: no complete answer within 1 s")
+    (warning,) = cache.warnings
+    assert warning.startswith(f"the cache server {fake.url} is too slow (")
+    assert cache.lookup("b" * 64)[1] == "cache server: the cache server is unreachable"
+    assert len(fake.requests) == 1
+
+
+def test_the_deadline_grows_with_the_bytes_a_transfer_moves(
+    tmp_path: Path, fakes: list[FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blob that keeps arriving at a decent rate is not cut at the base deadline: each
+    byte buys time (1 s per MIN_RATE_BYTES)."""
+    from ratchet.checks._remote import MIN_RATE_BYTES, RemoteCheckCache
+
+    monkeypatch.delenv("RATCHET_CHECKS_SIGNING_KEY", raising=False)
+    log = b"L" * (3 * MIN_RATE_BYTES)
+    log_sha = hashlib.sha256(log).hexdigest()
+    key = "c" * 64
+    entry = json.dumps(
+        seal(
+            {
+                "version": 1,
+                "cache_key": key,
+                "stage_id": "s",
+                "checkpoint_id": "0" * 64,
+                "exit_code": 0,
+                "log_sha256": log_sha,
+                "outputs": None,
+                "outputs_digest": None,
+                "origin_run_id": "r",
+                "stored_at": 1.0,
+            }
+        )
+    ).encode()
+
+    def answer(fake: FakeServer, conn: socket.socket, request: bytes) -> None:
+        body = entry if b"/v1/entries/" in request else log
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        step = MIN_RATE_BYTES // 5  # 2 x MIN_RATE_BYTES a second: about 1.5 s in all
+        for at in range(0, len(body), step):
+            conn.sendall(body[at : at + step])
+            time.sleep(0.1)
+
+    fake = FakeServer(answer)
+    fakes.append(fake)
+    cache = RemoteCheckCache(fake.url, tmp_path / "mirror", timeout=1.0)
+    started = time.monotonic()
+    found, why = cache.lookup(key)
+    assert time.monotonic() - started > 1.2  # longer than the base deadline
+    assert found is not None and why == "hit", why
+    assert cache.warnings == []
+
+
+def test_sigterm_stops_a_run_waiting_on_a_slow_cache_server(
+    tmp_path: Path, fakes: list[FakeServer]
+) -> None:
+    fake = FakeServer(_drip_body)
+    fakes.append(fake)
+    (one,) = _clones(tmp_path, 1)
+    proc = subprocess.Popen(
+        [PY, "-m", "ratchet.checks", "--workspace-root", str(one.root)]
+        + ["--state-dir", str(one.state_dir), "run", "--json", "--cache-url", fake.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+        cwd=one.root,
+    )
+    try:
+        for _ in range(200):
+            if fake.requests:
+                break
+            time.sleep(0.05)
+        assert fake.requests, "the run never asked the cache server"
+        time.sleep(0.5)  # the lookup is now blocked on the dripping answer
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert time.monotonic() - signalled < 10  # not the 30 s deadline, not forever
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert "warning" not in err  # an interrupted request is not the server's fault
+    assert _marker(tmp_path) == []
+    (receipt,) = one.state_dir.glob("runs/*/receipt.json")
+    assert read_json(receipt)["status"] == "interrupted"

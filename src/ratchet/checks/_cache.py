@@ -47,6 +47,10 @@ class CheckCache:
         self.root = root
         self.read_only = read_only
 
+    def abort(self) -> None:
+        """The run was interrupted: end any request in flight at once (a cache server's;
+        a directory cache has none)."""
+
     # --- paths --------------------------------------------------------------------------
     def entry_path(self, cache_key: str) -> Path:
         return self.root / "entries" / cache_key[:2] / f"{cache_key}.json"

@@ -14,8 +14,10 @@ import contextlib
 import http.client
 import json
 import os
+import socket
 import sys
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,11 +30,24 @@ from ratchet._errors import ConfigError
 from ratchet.checks._cache import CheckCache, check_entry, is_digest
 from ratchet.store import sha256_file
 
-__all__ = ["TIMEOUT_SECONDS", "TOKEN_ENV", "URL_ENV", "RemoteCheckCache", "check_url"]
+__all__ = [
+    "MIN_RATE_BYTES",
+    "TIMEOUT_SECONDS",
+    "TOKEN_ENV",
+    "URL_ENV",
+    "RemoteCheckCache",
+    "check_url",
+]
 
 URL_ENV = "RATCHET_CHECKS_CACHE_URL"
 TOKEN_ENV = "RATCHET_CHECKS_CACHE_TOKEN"
+# A request must end within TIMEOUT_SECONDS plus the time its bytes take at MIN_RATE_BYTES
+# a second (an entry lookup: about 30 s; a 100 MiB blob: 30 s + 17 min), and no single read,
+# write or connect may wait longer than TIMEOUT_SECONDS. A server that answers slower than
+# that (one that drips its answer byte by byte) is treated as one that cannot be reached.
 TIMEOUT_SECONDS = 30.0
+MIN_RATE_BYTES = 100 << 10
+_WATCH_SECONDS = 0.25
 _CHUNK = 1 << 20
 MAX_ENTRY_BYTES = 1 << 20  # what the server accepts
 
@@ -75,6 +90,120 @@ class _Unavailable(Exception):
     """The server could not be reached, or answered with an error."""
 
 
+class _Cut(OSError):
+    """A request was cut short: the run was interrupted."""
+
+
+class _TooSlow(_Cut, TimeoutError):
+    """A request was cut short: it outlived its deadline."""
+
+
+_CURRENT = threading.local()  # the `_Call` whose connection this thread is opening
+
+
+class _Call:
+    """One request in flight: its deadline, and its socket, which the watchdog (at the
+    deadline) or `abort` (when the run is interrupted) shuts down, ending whatever read,
+    write or connect is blocked on it."""
+
+    def __init__(self, owner: RemoteCheckCache) -> None:
+        self.owner = owner
+        self.started = time.monotonic()
+        self.moved = 0  # bytes received or sent so far
+        self.sock: socket.socket | None = None
+        self.cut: _Cut | None = None
+
+    def deadline(self) -> float:
+        return self.started + self.owner.timeout + self.moved / MIN_RATE_BYTES
+
+    def attach(self, sock: socket.socket) -> None:
+        with self.owner._lock:
+            self.sock, cut = sock, self.cut
+        if cut is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            raise cut
+
+    def shut(self, why: _Cut) -> None:
+        with self.owner._lock:
+            if self.cut is None:
+                self.cut = why
+            sock = self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def why(self, exc: BaseException) -> BaseException:
+        """What a failure of this call is: its cut, if it was cut short."""
+        return self.cut if self.cut is not None else exc
+
+
+class _Counted:
+    """A request body (a file) that counts the bytes sent, for the call's deadline."""
+
+    def __init__(self, handle: Any, call: _Call) -> None:
+        self.handle, self.call = handle, call
+
+    def read(self, size: int = -1) -> bytes:
+        chunk: bytes = self.handle.read(size)
+        self.call.moved += len(chunk)
+        return chunk
+
+
+class _TrackedHTTP(http.client.HTTPConnection):
+    """An HTTP connection whose socket the `_Call` being opened (`_CURRENT`) can shut down,
+    from the moment it is created (so a hanging connect is cut too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ratchet_call: _Call | None = getattr(_CURRENT, "call", None)
+        self._create_connection = self._open_socket
+
+    def _open_socket(
+        self,
+        address: tuple[str, int],
+        timeout: float | None = None,
+        source_address: tuple[str, int] | None = None,
+    ) -> socket.socket:
+        call = self._ratchet_call
+        if call is None:
+            return socket.create_connection(address, timeout, source_address)
+        host, port = address
+        error: OSError | None = None
+        for family, kind, proto, _, where in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                call.attach(sock)
+                sock.settimeout(timeout)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(where)
+                return sock
+            except OSError as exc:
+                error = exc
+                sock.close()
+        raise error if error is not None else OSError(f"{host} has no address")
+
+    def connect(self) -> None:
+        super().connect()
+        if self._ratchet_call is not None and self.sock is not None:
+            self._ratchet_call.attach(self.sock)  # with https, the TLS socket
+
+
+class _TrackedHTTPS(_TrackedHTTP, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(_TrackedHTTP, req, **kwargs)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(_TrackedHTTPS, req, **kwargs)
+
+
 class RemoteCheckCache(CheckCache):
     """A cache server, with a local directory cache in front of it."""
 
@@ -94,7 +223,20 @@ class RemoteCheckCache(CheckCache):
         self._lock = threading.Lock()
         self._down = False  # after a network error, the server is not asked again
         self._no_writes = False  # after a refused write, nothing more is uploaded
+        self._stopped = False  # the run was interrupted: nothing more is asked, or said
+        self._calls: set[_Call] = set()  # the requests in flight
+        self._watchdog: threading.Thread | None = None
+        self._opener = urllib.request.build_opener(_HTTPHandler(), _HTTPSHandler())
         self.warnings: list[str] = []
+
+    def abort(self) -> None:
+        """The run was interrupted: cut every request in flight (a blocked read, write or
+        connect ends at once) and ask the server nothing more, without a warning."""
+        with self._lock:
+            self._stopped = self._down = True
+            calls = list(self._calls)
+        for call in calls:
+            call.shut(_Cut("the run was interrupted"))
 
     # --- talking to the server ----------------------------------------------------------
     def _warn(self, message: str) -> None:
@@ -102,23 +244,70 @@ class RemoteCheckCache(CheckCache):
             self.warnings.append(message)
         print(f"ratchet checks: warning: {message}", file=sys.stderr, flush=True)
 
-    def _request(self, method: str, path: str, data: Any = None, size: int | None = None) -> Any:
+    def _begin(self) -> _Call:
+        call = _Call(self)
+        with self._lock:
+            if self._stopped:
+                call.cut = _Cut("the run was interrupted")
+            self._calls.add(call)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(
+                    target=self._watch, name="ratchet-cache-watchdog", daemon=True
+                )
+                self._watchdog.start()
+        return call
+
+    def _end(self, call: _Call) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def _watch(self) -> None:
+        """Cut every request past its deadline; ends when none is in flight."""
+        while True:
+            time.sleep(_WATCH_SECONDS)
+            now = time.monotonic()
+            with self._lock:
+                if not self._calls:
+                    self._watchdog = None
+                    return
+                late = [c for c in self._calls if c.cut is None and c.deadline() <= now]
+            for call in late:
+                allowed = call.deadline() - call.started
+                call.shut(
+                    _TooSlow(
+                        f"no complete answer within {allowed:.0f} s: a request may take "
+                        f"{self.timeout:g} s plus 1 s per {MIN_RATE_BYTES >> 10} KiB it moves"
+                    )
+                )
+
+    def _request(
+        self, call: _Call, method: str, path: str, data: Any = None, size: int | None = None
+    ) -> Any:
+        if call.cut is not None:
+            raise call.cut
         headers = {"User-Agent": "ratchet-checks"}
         if self.token and method == "PUT":
             headers["Authorization"] = f"Bearer {self.token}"
         if size is not None:
             headers["Content-Length"] = str(size)
+        body = None if data is None else _Counted(data, call)
         request = urllib.request.Request(
-            f"{self.url}{path}", data=data, method=method, headers=headers
+            f"{self.url}{path}", data=body, method=method, headers=headers
         )
-        return urllib.request.urlopen(request, timeout=self.timeout)  # noqa: S310 (http(s) only)
+        _CURRENT.call = call
+        try:
+            return self._opener.open(request, timeout=self.timeout)
+        finally:
+            _CURRENT.call = None
 
     def _network_failed(self, exc: BaseException) -> None:
         with self._lock:
             first, self._down = not self._down, True
-        if not first:
+        if not first or self._stopped:
             return
-        if isinstance(exc, http.client.HTTPException) and not isinstance(exc, OSError):
+        if isinstance(exc, _TooSlow):
+            what = f"is too slow ({exc})"
+        elif isinstance(exc, http.client.HTTPException) and not isinstance(exc, OSError):
             # not an HTTP answer (another service on that port, a proxy's garbage, a cut)
             what = f"gave an answer that is not HTTP ({type(exc).__name__}: {exc})"
         else:
@@ -132,21 +321,41 @@ class RemoteCheckCache(CheckCache):
         """The body of GET `path` in chunks, None on 404; raises _Unavailable otherwise."""
         if self._down:
             raise _Unavailable("the cache server is unreachable")
+        call = self._begin()
         try:
-            response = self._request("GET", path)
+            response = self._request(call, "GET", path)
         except urllib.error.HTTPError as exc:
+            self._end(call)
             exc.close()
             if exc.code == 404:
                 return None
             raise _Unavailable(f"the cache server answered {exc.code} {exc.reason}") from exc
         except _NETWORK_ERRORS as exc:  # URLError, timeouts, resets, answers not HTTP
-            self._network_failed(exc)
-            raise _Unavailable(str(exc) or type(exc).__name__) from exc
+            self._end(call)
+            failure = call.why(exc)
+            self._network_failed(failure)
+            raise _Unavailable(str(failure) or type(failure).__name__) from exc
 
         def chunks() -> Iterator[bytes]:
-            with response:
-                while chunk := response.read(_CHUNK):
-                    yield chunk
+            # read1: one read at a time, so the deadline is checked between them (read(n)
+            # waits for n bytes, however slowly they come)
+            length = response.getheader("Content-Length")
+            try:
+                with response:
+                    while chunk := response.read1(_CHUNK):
+                        call.moved += len(chunk)
+                        yield chunk
+                if call.cut is not None:
+                    raise call.cut  # a read that was cut ends like a short body
+                if length is not None and length.isdigit() and call.moved < int(length):
+                    raise http.client.IncompleteRead(b"", int(length) - call.moved)
+            except _NETWORK_ERRORS as exc:
+                failure = call.why(exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
+            finally:
+                self._end(call)
 
         return chunks()
 
@@ -249,10 +458,11 @@ class RemoteCheckCache(CheckCache):
         self._put(f"/v1/entries/{cache_key}", self.entry_path(cache_key))
 
     def _put(self, path: str, source: Path) -> bool:
+        call = self._begin()
         try:
             if path.startswith("/v1/blobs/"):
                 try:  # already there: do not send it again
-                    self._request("HEAD", path).close()
+                    self._request(call, "HEAD", path).close()
                     return True
                 except urllib.error.HTTPError as exc:
                     exc.close()
@@ -260,7 +470,7 @@ class RemoteCheckCache(CheckCache):
                         raise
             size = os.path.getsize(source)
             with open(source, "rb") as handle:
-                self._request("PUT", path, data=handle, size=size).close()
+                self._request(call, "PUT", path, data=handle, size=size).close()
             return True
         except urllib.error.HTTPError as exc:
             exc.close()
@@ -277,5 +487,7 @@ class RemoteCheckCache(CheckCache):
                 )
             return False
         except _NETWORK_ERRORS as exc:
-            self._network_failed(exc)
+            self._network_failed(call.why(exc))
             return False
+        finally:
+            self._end(call)

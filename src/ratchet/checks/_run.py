@@ -301,9 +301,13 @@ class _Run:
         )
 
     def interrupt(self) -> None:
-        """The run was interrupted: stop waiting for locks, kill the stage commands."""
+        """The run was interrupted: stop waiting for locks, kill the stage commands, cut
+        the cache requests in flight (a worker blocked on a slow cache server would
+        otherwise hold up the end of the run)."""
         self.stopping.set()
         self.seams.executor.kill_all()
+        if self.cache is not None:
+            self.cache.abort()
 
     def elapsed(self, started: float) -> float:
         return round(self.clock.monotonic() - started, 3)

@@ -104,9 +104,10 @@ def _start(servers: list[Server], tmp_path: Path, *argv: str, **env: str) -> Ser
     return server
 
 
-def _clones(tmp_path: Path, count: int) -> list[Workspace]:
+def _clones(tmp_path: Path, count: int, *, clean: bool = False) -> list[Workspace]:
     """Clones of one workspace: each its own folder and state folder, one project. Every
-    stage appends a line to tmp_path/marker (the same path in every clone's commands)."""
+    stage appends a line to tmp_path/marker (the same path in every clone's commands).
+    With `clean`, build removes its output folder first."""
     marker = tmp_path / "marker"
     made = []
     for n in range(count):
@@ -117,7 +118,9 @@ def _clones(tmp_path: Path, count: int) -> list[Workspace]:
             [
                 check(
                     "build",
-                    f"open({str(marker)!r}, 'a').write('build\\n'); print('built')\n" + _BUILD,
+                    f"open({str(marker)!r}, 'a').write('build\\n'); print('built')\n"
+                    + ("import shutil; shutil.rmtree('out', ignore_errors=True)\n" if clean else "")
+                    + _BUILD,
                     cwd="app",
                     repos=["app"],
                     outputs=["app/out"],
@@ -498,3 +501,49 @@ def test_sigterm_stops_a_run_waiting_on_a_slow_cache_server(
     assert _marker(tmp_path) == []
     (receipt,) = one.state_dir.glob("runs/*/receipt.json")
     assert read_json(receipt)["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("where", ["--cache-dir", "--cache-url"])
+def test_outputs_that_cannot_be_restored_are_a_miss_and_the_stage_runs(
+    tmp_path: Path, servers: list[Server], where: str
+) -> None:
+    if where == "--cache-url":
+        shared = [where, _start(servers, tmp_path).url]
+    else:
+        shared = [where, str(tmp_path / "shared")]
+    one, two = _clones(tmp_path, 2, clean=True)
+    code, first, err = _run(one, tmp_path, *shared)
+    assert code == 0, err
+    # A leftover folder where the cached output file goes: restoring it fails.
+    (two.root / "app" / "out" / "data.txt" / "sub").mkdir(parents=True)
+    code, second, err = _run(two, tmp_path, *shared)
+    assert (code, second["status"]) == (0, "passed"), err
+    assert _marker(tmp_path) == ["build", "test", "build"]  # build ran; test was reused
+    build = by_id(second)["build"]
+    assert build["explain"]["decision"] == "ran"
+    assert "its outputs could not be restored" in build["explain"]["cache"]
+    assert "data.txt" in build["explain"]["cache"]
+    assert by_id(second)["test"]["cache_hit"] is True
+    assert (two.root / "app" / "out" / "data.txt").read_text() == "GOOD"
+
+
+def test_a_restore_that_fails_half_way_removes_what_it_wrote(tmp_path: Path) -> None:
+    from ratchet.checks._cache import CheckCache
+
+    cache = CheckCache(tmp_path / "cache")
+    blob = hashlib.sha256(b"A").hexdigest()
+    assert cache.write_blob(blob, [b"A"])
+    root = tmp_path / "ws"
+    (root / "out" / "z.txt" / "sub").mkdir(parents=True)  # the last file cannot be written
+    manifest = {
+        "out/a.txt": f"sha256:{blob}",
+        "out/new/b.txt": f"sha256:{blob}",
+        "out/z.txt": f"sha256:{blob}",
+    }
+    problem = cache.restore_outputs(root, manifest, ["out"])
+    assert problem is not None and problem.startswith("its outputs could not be restored (")
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == [
+        "out",
+        "out/z.txt",
+        "out/z.txt/sub",
+    ]

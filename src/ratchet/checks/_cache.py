@@ -119,19 +119,33 @@ class CheckCache:
         self, workspace_root: Path, manifest: Mapping[str, str], patterns: list[str]
     ) -> str | None:
         """Write the files of an outputs manifest from blobs, each a declared output of the
-        stage (`patterns`); None, or why it cannot (then nothing was written)."""
+        stage (`patterns`); None, or why it cannot. A write that fails (a folder where a
+        file goes, a full disk) is a reason too: what this restore wrote and the folders it
+        made are removed again, and the stage runs."""
         plan, problem = self._restore_plan(workspace_root, manifest, patterns)
         if plan is None:
             return problem
-        for target, sha, executable in plan:
-            if not sha:
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.is_symlink() or target.is_file():
-                target.unlink()
-            _copy_atomic(self.blob_path(sha), target)
-            os.chmod(target, 0o755 if executable else 0o644)
+        written: list[Path] = []
+        made: list[Path] = []
+        try:
+            for target, sha, executable in plan:
+                if not sha:
+                    _make_dirs(target, made)
+                    continue
+                _make_dirs(target.parent, made)
+                if target.is_symlink() or target.is_file():
+                    target.unlink()
+                _copy_atomic(self.blob_path(sha), target)
+                written.append(target)
+                os.chmod(target, 0o755 if executable else 0o644)
+        except OSError as exc:
+            for path in reversed(written):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            for folder in reversed(made):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            return f"its outputs could not be restored ({exc})"
         return None
 
     def check_restore(
@@ -267,6 +281,18 @@ def _write_atomic(target: Path, chunks: Iterable[bytes], *, sha256: str | None =
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _make_dirs(folder: Path, made: list[Path]) -> None:
+    """`folder.mkdir(parents=True, exist_ok=True)`, adding the folders it made to `made`
+    (outermost first)."""
+    missing: list[Path] = []
+    at = folder
+    while not os.path.lexists(at) and at != at.parent:
+        missing.append(at)
+        at = at.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    made.extend(reversed(missing))
 
 
 def _copy_atomic(source: Path, target: Path) -> None:

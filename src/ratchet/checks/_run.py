@@ -660,11 +660,15 @@ def _reuse_from_cache(
     blobs when they are not). False (the stage runs) on a miss or any doubt."""
     assert run.cache is not None
     sid = stage["id"]
-    entry, why = run.cache.lookup(cache_key)
-    if entry is None:
-        explanation["cache"] = why
+    try:
+        entry, why = run.cache.lookup(cache_key)
+        if entry is None:
+            explanation["cache"] = why
+            return False
+        problem, restored = _cached_outputs(run, entry, list(stage.get("outputs") or []), True)
+    except OSError as exc:  # the cache folder, or the workspace, cannot be read or written
+        explanation["cache"] = f"cache entry not usable: {exc}"
         return False
-    problem, restored = _cached_outputs(run, entry, list(stage.get("outputs") or []), True)
     if problem is not None:
         explanation["cache"] = problem
         return False

@@ -547,3 +547,50 @@ def test_a_restore_that_fails_half_way_removes_what_it_wrote(tmp_path: Path) -> 
         "out/z.txt",
         "out/z.txt/sub",
     ]
+
+
+def test_a_result_too_large_for_the_server_is_not_offered_and_the_server_stays_in_use(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    server = _start(servers, tmp_path)
+    (tmp_path / "one").mkdir()
+    ws = Workspace(tmp_path / "one")
+    ws.repo("app", {"src.txt": "x", ".gitignore": "out/\n"})
+    # 4,000 output files with long names: an entry (its output manifest) over 1 MiB.
+    many = (
+        "import pathlib\n"
+        "out = pathlib.Path('out'); out.mkdir(exist_ok=True)\n"
+        "for i in range(4000):\n"
+        "    (out / (f'{i:05d}' + 'x' * 200)).write_text('same')\n"
+        "print('big built')\n"
+    )
+    ws.project(
+        [
+            check("big", many, cwd="app", repos=["app"], outputs=["app/out"]),
+            check("small", "print('small')", repos=["app"], after=["big"]),
+        ]
+    )
+    code, result, err = _run(ws, tmp_path, "--cache-url", server.url)
+    assert (code, result["status"]) == (0, "passed"), err
+    assert err.count("warning") == 1, err
+    assert "stage 'big''s result is not shared: its entry is " in err
+    assert "cannot be reached" not in err
+    # Nothing of big was offered (not its log, not its files); small was shared.
+    assert [read_json(p)["stage_id"] for p in server.entries()] == ["small"]
+    big = by_id(result)["big"]
+    assert not (server.directory / "blobs" / big["log_sha256"][:2] / big["log_sha256"]).exists()
+    log = server.stderr_path.read_text()
+    assert log.count("HEAD /v1/blobs/") == 1 and "PUT /v1/entries/" in log
+    # The entry stays in the local mirror: the next run reuses big from it.
+    code, again, err = _run(ws, tmp_path, "--cache-url", server.url)
+    assert code == 0 and by_id(again)["big"]["cache_hit"] is True, err
+
+
+def test_the_server_answers_413_to_an_entry_too_large(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    server = _start(servers, tmp_path)
+    # Read before the answer, the body does not cut the upload: the client reads the 413.
+    for _ in range(3):
+        assert server.put("/v1/entries/" + "a" * 64, b" " * (3 << 20)) == 413
+    assert server.put("/v1/entries/" + "a" * 64, b"{}") == 400  # and it still serves

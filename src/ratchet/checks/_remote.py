@@ -31,6 +31,8 @@ from ratchet.checks._cache import CheckCache, check_entry, is_digest
 from ratchet.store import sha256_file
 
 __all__ = [
+    "MAX_BLOB_BYTES",
+    "MAX_ENTRY_BYTES",
     "MIN_RATE_BYTES",
     "TIMEOUT_SECONDS",
     "TOKEN_ENV",
@@ -50,6 +52,7 @@ MIN_RATE_BYTES = 100 << 10
 _WATCH_SECONDS = 0.25
 _CHUNK = 1 << 20
 MAX_ENTRY_BYTES = 1 << 20  # what the server accepts
+MAX_BLOB_BYTES = 4 << 30
 
 
 def check_url(url: str, option: str = "--cache-url") -> str:
@@ -224,6 +227,7 @@ class RemoteCheckCache(CheckCache):
         self._down = False  # after a network error, the server is not asked again
         self._no_writes = False  # after a refused write, nothing more is uploaded
         self._stopped = False  # the run was interrupted: nothing more is asked, or said
+        self._said_too_large = False
         self._calls: set[_Call] = set()  # the requests in flight
         self._watchdog: threading.Thread | None = None
         self._opener = urllib.request.build_opener(_HTTPHandler(), _HTTPSHandler())
@@ -447,15 +451,43 @@ class RemoteCheckCache(CheckCache):
         )
         if self.read_only or self._down or self._no_writes or not is_digest(cache_key):
             return
-        shas = [str(record["log_sha256"])]
+        shas = {str(record["log_sha256"]): None}  # each blob once, in order
         for ident in (outputs or {}).values():
             body = ident[2:] if ident.startswith("x:") else ident
             if body.startswith("sha256:"):
-                shas.append(body[len("sha256:") :])
+                shas[body[len("sha256:") :]] = None
+        # What the server would refuse is not offered, and nothing of its entry is sent: a
+        # refusal mid-upload is a cut connection, and the server would be lost for the run.
+        try:
+            size = os.path.getsize(self.entry_path(cache_key))
+            biggest = max(os.path.getsize(self.blob_path(sha)) for sha in shas)
+        except OSError:
+            return
+        if size > MAX_ENTRY_BYTES or biggest > MAX_BLOB_BYTES:
+            what = (
+                f"its entry is {size} bytes (its outputs list {len(outputs or {})} files), "
+                f"more than the {MAX_ENTRY_BYTES} a cache server accepts"
+                if size > MAX_ENTRY_BYTES
+                else f"a file of it is {biggest} bytes, more than the {MAX_BLOB_BYTES} a "
+                "cache server accepts"
+            )
+            self._too_large(f"stage {stage_id!r}'s result is not shared: {what}")
+            return
         for sha in shas:  # blobs first: an entry is never on the server without them
             if not self._put(f"/v1/blobs/{sha}", self.blob_path(sha)):
                 return
         self._put(f"/v1/entries/{cache_key}", self.entry_path(cache_key))
+
+    def _too_large(self, message: str) -> None:
+        """Say once per run that a result is too large for the server (it stays in the
+        local mirror); the server is used for everything else."""
+        with self._lock:
+            first, self._said_too_large = not self._said_too_large, True
+        if first:
+            self._warn(
+                f"{message}; it stays in the local cache (the cache server is still used "
+                "for the other stages, and other results too large are not named)"
+            )
 
     def _put(self, path: str, source: Path) -> bool:
         call = self._begin()
@@ -474,6 +506,12 @@ class RemoteCheckCache(CheckCache):
             return True
         except urllib.error.HTTPError as exc:
             exc.close()
+            if exc.code == 413:  # this one is too large: the others may still be shared
+                self._too_large(
+                    f"the cache server {self.url} refused {path} as too large (413), so a "
+                    "result is not shared"
+                )
+                return False
             with self._lock:
                 first, self._no_writes = not self._no_writes, True
             if first:

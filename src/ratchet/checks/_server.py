@@ -30,14 +30,17 @@ from typing import Any
 
 from ratchet._errors import ConfigError
 from ratchet.checks._cache import CheckCache, is_digest
-from ratchet.checks._remote import MAX_ENTRY_BYTES, TOKEN_ENV
+from ratchet.checks._remote import MAX_BLOB_BYTES, MAX_ENTRY_BYTES, TOKEN_ENV
 from ratchet.store import sha256_file
 
 __all__ = ["MAX_BLOB_BYTES", "MAX_ENTRY_BYTES", "MIN_TOKEN_BYTES", "is_loopback", "serve"]
 
-MAX_BLOB_BYTES = 4 << 30
 MIN_TOKEN_BYTES = 16
 _CHUNK = 1 << 20
+# A body over the limit but under this is read (and dropped) before the 413, so the client
+# reads the answer instead of seeing its upload cut (a broken pipe, as if the server were
+# down); a larger one is not worth the bytes: the connection is closed.
+_DRAIN_BYTES = 16 << 20
 
 
 def is_loopback(host: str) -> bool:
@@ -140,6 +143,13 @@ class _Handler(BaseHTTPRequestHandler):
         remaining = int(length)
         if remaining > limit:
             self.close_connection = True
+            if remaining <= _DRAIN_BYTES:
+                with contextlib.suppress(OSError):
+                    while remaining > 0:
+                        chunk = self.rfile.read(min(_CHUNK, remaining))
+                        if not chunk:
+                            break
+                        remaining -= len(chunk)
             self._answer(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"more than {limit} bytes")
             return None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +216,86 @@ def test_changed_looks_only_at_each_repository_folder_of_a_shared_work_tree(
     ws.write("web/src.txt", "v2\n")
     planned = plan_stages(project, workspace_root=ws.root, changed=True)
     assert [s["id"] for s in planned] == ["w"]
+
+
+def _changed_run(ws: Workspace, *argv: str) -> tuple[int, list[str], str]:
+    """`ratchet checks run --changed --json` in its own process: exit code, stage ids run."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ratchet.checks", "--workspace-root", str(ws.root)]
+        + ["--state-dir", str(ws.state_dir), "run", "--changed", "--json", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ws.root,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    result = json.loads(done.stdout) if done.stdout.strip() else {}
+    return done.returncode, [s["id"] for s in result.get("stages", [])], done.stderr
+
+
+def _monorepo(ws: Workspace, files: dict[str, str], checks: list[dict[str, Any]]) -> None:
+    """One git work tree at the root holding `files`, repository `api` and `checks`;
+    all committed."""
+    from checks_helpers import _git
+
+    for rel, text in {"api/main.py": "print(1)\n", **files}.items():
+        (ws.root / rel).parent.mkdir(parents=True, exist_ok=True)
+        ws.write(rel, text)
+    ws.repos.append({"name": "api", "path": "api"})
+    if "evals/data.txt" in files:
+        ws.repos.append({"name": "evals", "path": "evals"})
+    ws.project(checks)
+    _git(ws.root, "init", "-q")
+    _git(ws.root, "add", "-A")
+    _git(ws.root, "-c", "commit.gpgsign=false", "commit", "-q", "-m", "init")
+
+
+def test_changed_counts_a_repository_that_is_an_ignored_folder(ws: Workspace) -> None:
+    """--changed asked git about an ignored folder declared as a repository: git lists
+    nothing in it, so an edit there never selected its checks."""
+    _monorepo(
+        ws,
+        {"evals/data.txt": "v1\n", ".gitignore": "evals/\n"},
+        [
+            check("build", repos=["api"]),
+            check("eval", "print(open('evals/data.txt').read())", repos=["evals"]),
+        ],
+    )
+    ws.write("evals/data.txt", "v2\n")
+    code, ran, err = _changed_run(ws)
+    assert (code, ran) == (0, ["eval"]), err
+    # Git cannot tell whether an ignored folder changed, and the plan keeps no hash of it:
+    # it is always a candidate; the run's cache key (which hashes it) decides the rest.
+    code, ran, err = _changed_run(ws)
+    assert (code, ran) == (0, ["eval"]), err
+    project = load_project(ws.root / "checks.project.json")
+    planned = plan_stages(project, workspace_root=ws.root, changed=True, base="HEAD")
+    assert [s["id"] for s in planned] == ["eval"]
+
+
+def test_changed_counts_the_workspace_roots_own_files(ws: Workspace) -> None:
+    """A check without repos reads the workspace root's own files (tools/ci.sh), but
+    --changed only asked git about the repositories: a modified tools/ci.sh selected
+    nothing ("the plan selects no checks")."""
+    _monorepo(
+        ws,
+        {"tools/ci.sh": "echo ci\n"},
+        [check("build", repos=["api"]), check("ci", "print(open('tools/ci.sh').read())")],
+    )
+    code, ran, err = _changed_run(ws)
+    assert code == 2 and "the plan selects no checks" in err  # nothing changed
+    ws.write("tools/ci.sh", "echo ci2\n")
+    code, ran, err = _changed_run(ws)
+    assert (code, ran) == (0, ["ci"]), err
+    project = load_project(ws.root / "checks.project.json")
+    planned = plan_stages(project, workspace_root=ws.root, changed=True, base="HEAD")
+    assert [s["id"] for s in planned] == ["ci"]
+    # The project file is not an input; a repository's change is not the root's own.
+    from checks_helpers import _git
+
+    _git(ws.root, "checkout", "--", "tools/ci.sh")
+    ws.write("checks.project.json", ws.root.joinpath("checks.project.json").read_text() + " ")
+    code, ran, err = _changed_run(ws)
+    assert code == 2 and "the plan selects no checks" in err
+    ws.write("api/main.py", "print(2)\n")
+    code, ran, err = _changed_run(ws)
+    assert (code, ran) == (0, ["build", "ci"]), err

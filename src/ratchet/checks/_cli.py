@@ -184,6 +184,7 @@ def _handle_run(parsed: argparse.Namespace) -> dict[str, Any]:
         repos=repos,
         changed=bool(parsed.changed),
         base=getattr(parsed, "base", None),
+        project_file=project_path(root, parsed.project),
     )
     junit = Path(parsed.junit) if getattr(parsed, "junit", None) else None
     if junit is not None:

@@ -7,6 +7,7 @@ pulls in their data dependencies and orders them topologically.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -490,32 +491,83 @@ def _git_out(path: Path, *argv: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(["git", "-C", str(path), *argv], capture_output=True, check=False)
 
 
-def _dirty_repos(
-    workspace_root: Path, project: Mapping[str, Any], base: str | None = None
-) -> set[str]:
-    """Repositories with changes: uncommitted ones, or with `base`, anything that differs
-    from that commit (committed or not) plus untracked files."""
-    dirty: set[str] = set()
-    for repo in project["repositories"]:
-        path = workspace_root / repo["path"]
-        if base is None:
-            # `-- .`: only this repository's folder (repositories may share one work tree)
-            proc = _git_out(path, "status", "--porcelain", "--untracked-files=all", "--", ".")
-            # Not a git repository, or git failed: we cannot tell, so treat it as changed.
-            if proc.returncode != 0 or proc.stdout.strip():
-                dirty.add(repo["name"])
-            continue
+def _changed_in(
+    path: Path, base: str | None, what: str, excluded: Sequence[str] | None = None
+) -> bool:
+    """Whether the folder `path` (less the `excluded` pathspecs under it) has changes: not
+    committed ones, or with `base`, anything that differs from that commit (committed or
+    not) plus untracked files. Where git cannot tell, it is changed: not a git work tree,
+    git failing, or a folder git lists nothing in (one the enclosing repository ignores,
+    which a run hashes as a plain folder: ratchet keeps no earlier hash of it to compare
+    with before a run, so it is always a candidate, and its cache key decides the rest)."""
+    # `-- .`: only this folder (repositories may share one work tree)
+    spec = ["--", ".", *(f":(exclude){rel}" for rel in excluded or ())]
+    if base is None:
+        proc = _git_out(path, "status", "--porcelain", "--untracked-files=all", *spec)
+        if proc.returncode != 0 or proc.stdout.strip():
+            return True
+    else:
         if _git_out(path, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}").returncode:
             raise _fail(
                 "base",
-                f"repository {repo['name']!r} ({path}) has no commit {base!r}: fetch it "
+                f"{what} ({path}) has no commit {base!r}: fetch it "
                 "(e.g. `git fetch origin main`) or pass another --base",
             )
-        diff = _git_out(path, "diff", "--quiet", base, "--", ".")
-        others = _git_out(path, "ls-files", "--others", "--exclude-standard", "--", ".")
+        diff = _git_out(path, "diff", "--quiet", base, *spec)
+        others = _git_out(path, "ls-files", "--others", "--exclude-standard", *spec)
         if diff.returncode != 0 or others.returncode != 0 or others.stdout.strip():
-            dirty.add(repo["name"])
-    return dirty
+            return True
+    if excluded is not None:
+        return False  # the workspace root: listing nothing of its own is nothing changed
+    listed = _git_out(path, "ls-files", "--cached", "--others", "--exclude-standard", *spec)
+    return listed.returncode != 0 or not listed.stdout.strip()
+
+
+def _dirty_repos(
+    workspace_root: Path,
+    project: Mapping[str, Any],
+    base: str | None = None,
+    project_file: Path | None = None,
+) -> tuple[set[str], bool]:
+    """The repositories with changes (see `_changed_in`), and whether the workspace root's
+    own files (outside every repository, the project file aside) changed."""
+    dirty = {
+        repo["name"]
+        for repo in project["repositories"]
+        if _changed_in(workspace_root / repo["path"], base, f"repository {repo['name']!r}")
+    }
+    return dirty, _root_changed(workspace_root, project, base, project_file)
+
+
+def _root_changed(
+    workspace_root: Path, project: Mapping[str, Any], base: str | None, project_file: Path | None
+) -> bool:
+    """Whether the workspace root's own files changed: asked of git when the root is a
+    work tree; otherwise any file outside the repositories counts as changed (git cannot
+    tell)."""
+    root = workspace_root.resolve()
+    inside: list[str] = []
+    for repo in project["repositories"]:
+        try:
+            rel = (root / repo["path"]).resolve().relative_to(root).as_posix()
+        except ValueError:
+            continue  # a repository outside the root holds none of its files
+        if rel == ".":
+            return False  # the root is a repository: it has no files of its own
+        inside.append(rel)
+    if project_file is not None:
+        with contextlib.suppress(ValueError):
+            inside.append(project_file.resolve().relative_to(root).as_posix())
+    top = _git_out(root, "rev-parse", "--show-toplevel")
+    if top.returncode == 0 and top.stdout.strip():
+        return _changed_in(root, base, "the workspace root", excluded=inside)
+    skip = {root / rel for rel in inside}
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        dirs[:] = [d for d in dirs if here / d not in skip]
+        if any(here / f not in skip for f in files):
+            return True
+    return False
 
 
 def plan_stages(
@@ -526,13 +578,15 @@ def plan_stages(
     repos: Sequence[str] | None = None,
     changed: bool = False,
     base: str | None = None,
+    project_file: str | os.PathLike[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Select checks and return their stages in order.
 
     `profile` picks the listed checks; `repos` picks checks whose scope covers one of those
     repositories (a check without `repos` covers all of them); `changed` picks checks whose
     scope covers a repository with uncommitted changes (or, with `base`, changes since
-    that commit), plus their data consumers. Every
+    that commit), and checks without `repos` when the workspace root's own files changed
+    (`project_file` is not one of them), plus their data consumers. Every
     selected check pulls in its `deps` (they produce its inputs); `after` edges to checks
     that are not selected are dropped, since they only order.
     """
@@ -554,8 +608,15 @@ def plan_stages(
                 raise _fail("repo", f"unknown repository {r!r} (known: {', '.join(all_repos)})")
         selected = [cid for cid in selected if scope(cid) & set(repos)]
     if changed:
-        dirty = _dirty_repos(Path(workspace_root), project, base)
-        touched = {cid for cid in selected if scope(cid) & dirty}
+        root = Path(workspace_root)
+        # the command line's default project file, when the caller names none
+        given = Path(project_file) if project_file else root / "checks.project.json"
+        dirty, root_dirty = _dirty_repos(root, project, base, given)
+        touched = {
+            cid
+            for cid in selected
+            if scope(cid) & dirty or (root_dirty and "repos" not in checks[cid])
+        }
         grew = True
         while grew:
             consumers = {cid for cid in selected if set(checks[cid]["deps"]) & touched}

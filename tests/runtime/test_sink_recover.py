@@ -194,8 +194,10 @@ def test_a_line_cut_after_its_output_was_released_is_named_as_lost(
     assert lost not in {json.loads(x)["id"] for x in out.read_text().splitlines()}
 
 
+@pytest.mark.parametrize("prefix", ["k", 'k"\\é'])  # escapes in the line's id
+@pytest.mark.parametrize("keep", [40, 14])  # the whole id kept, or only its start
 def test_a_line_a_crash_cut_is_written_again_without_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, prefix: str, keep: int
 ) -> None:
     """What a kill -9 between the line's write and its sync leaves: the output still in the
     outbox (released only after the sync), its line cut."""
@@ -205,7 +207,7 @@ def test_a_line_a_crash_cut_is_written_again_without_a_warning(
     from ratchet.store import codec
 
     inp, out, state = tmp_path / "in.jsonl", tmp_path / "o.jsonl", tmp_path / "s"
-    inp.write_text("".join(json.dumps({"key": f"k{i}", "i": i}) + "\n" for i in range(10)))
+    inp.write_text("".join(json.dumps({"key": f"{prefix}{i}", "i": i}) + "\n" for i in range(10)))
     ratchet.run(_Echo.make(), inputs=inp, output=out, state_dir=state)
     line = json.loads(out.read_text().splitlines()[-1])
     record = {k: line[k] for k in ("id", "key", "seq", "task", "output")}
@@ -214,7 +216,7 @@ def test_a_line_a_crash_cut_is_written_again_without_a_warning(
             "INSERT INTO outbox(id, seq, record) VALUES (?, ?, ?)",
             (record["id"], record["seq"], codec.encode(record)),
         )
-    _cut_last_line(out, 40)
+    _cut_last_line(out, keep)
     with caplog.at_level("INFO", logger="ratchet"):
         ratchet.run(_Echo.make(), inputs=inp, output=out, state_dir=state)
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

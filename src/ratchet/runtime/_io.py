@@ -1102,11 +1102,30 @@ def _torn_line(tail: bytes) -> bool:
 
 
 def _cut_id(tail: bytes) -> tuple[str, bool]:
-    """The id a cut last line begins with, and whether all of it is there."""
+    """The id a cut last line begins with (unescaped, as the outbox holds it), and whether
+    all of it is there."""
     body = tail[len(b'{"id":"') :]
-    end = re.search(rb'(?<!\\)"', body)
-    text = (body if end is None else body[: end.start()]).decode("utf-8", "replace")
-    return text, end is not None
+    end = _ID_END.search(body)
+    raw = body[: end.end() - 1] if end is not None else _whole_escapes(body)
+    raw = raw.decode("utf-8", "ignore").encode()  # a character cut in its bytes: gone
+    try:
+        text = json.loads(b'"' + raw + b'"')
+    except ValueError:
+        text = raw.decode("utf-8", "replace")
+    return str(text), end is not None
+
+
+def _whole_escapes(raw: bytes) -> bytes:
+    """`raw` without an escape cut short at its end (a lone backslash, or `\\u` and fewer
+    than four hex digits after an unescaped backslash)."""
+    m = _PART_ESCAPE.search(raw)
+    return raw if m is None else raw[: m.start(1)]
+
+
+# The closing quote of a JSON string (an unescaped one: after an even number of backslashes),
+# and an escape cut short at the end of a cut line (group 1).
+_ID_END = re.compile(rb'(?<!\\)(?:\\\\)*"')
+_PART_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*(\\(?:u[0-9a-fA-F]{0,3})?)$")
 
 
 def _line_id(raw: bytes) -> tuple[str, str | None]:

@@ -160,20 +160,46 @@ def _shape(columns: dict[str, str]) -> str:
     return ", ".join(f"{n} {t}" for n, t in columns.items())
 
 
-def _cut_off(conn: psycopg.Connection[Any]) -> None:
-    """End a write the server does not answer: shutting the socket down makes the blocked
-    libpq call return with an error in the writing thread (closing the connection from
-    this thread, under that call, is not safe)."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except (OSError, psycopg.Error):
-        return  # closed meanwhile: the write ended
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.close()
+class _Deadline:
+    """Ends a write the server does not answer within `seconds`: shutting the connection's
+    socket down makes the blocked libpq call return with an error in the writing thread
+    (closing the connection from the timer's thread, under that call, is not safe). The
+    lock keeps the cut and the write's end apart: a write that ended is never cut, and the
+    socket cut is the connection's while the write runs (its descriptor cannot be closed
+    and reused meanwhile)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], seconds: float) -> None:
+        self.conn = conn
+        self.cut = False
+        self._done = False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+    def _cut(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.cut = True
+            try:
+                sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+            except (OSError, psycopg.Error):
+                return
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                sock.close()
 
 
 class PostgresSink(Sink):
@@ -303,24 +329,22 @@ class PostgresSink(Sink):
             "%s::jsonb) ON CONFLICT (id) DO NOTHING"
         ).format(self.ident)
         conn = self._conn
-        timer = threading.Timer(self.write_timeout, _cut_off, (conn,))
-        timer.daemon = True
-        timer.start()
+        watch = _Deadline(conn, self.write_timeout)
         try:
-            with conn.transaction(), conn.cursor() as cur:
+            with watch, conn.transaction(), conn.cursor() as cur:
                 cur.executemany(stmt, rows)
                 # Rows inserted, over every statement: an id the table holds is not one.
                 inserted = cur.rowcount
         except psycopg.OperationalError as exc:
             conn.close()  # reconnected at the next release
-            if not timer.is_alive():
+            if watch.cut:
                 raise psycopg.OperationalError(
                     f"PostgreSQL did not answer a write of {len(rows)} output(s) within "
                     f"{self.write_timeout:g} s (write_timeout); the connection was cut"
                 ) from exc
             raise
-        finally:
-            timer.cancel()
+        if watch.cut:  # cut as it committed: the rows are written, the connection is not usable
+            conn.close()
         return max(inserted, 0)
 
     def close(self) -> None:

@@ -304,6 +304,12 @@ def test_a_refused_replay_leaves_the_call_records_so_the_documented_fixes_still_
     kill(proc)
     killed.stuck.unlink()
     assert len(call_rows(killed.state)) > len(before)
+    # The attempt's replay marker (fn ratchet.replay, a negative index) is not a call: `runs
+    # list` counts the calls only.
+    rows = [r for r in call_rows(killed.state) if r[0] == parked]
+    assert any(r[3] == "ratchet.replay" and r[2] < 0 for r in rows), rows
+    (listed,) = [r for r in killed.in_flight() if r["seq"] == parked]
+    assert listed["call_records"] == sum(1 for r in rows if r[2] >= 0), (listed, rows)
     proc = killed.start("V2EuroPatched", "v2-patched")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err

@@ -980,7 +980,8 @@ class SqliteStore:
         rows = self.conn.execute("SELECT seq, key, journal FROM runs ORDER BY seq").fetchall()
         for seq, key, journal in rows:
             calls = self.conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(status != 'intent'), 0) FROM calls WHERE seq = ?",
+                "SELECT COUNT(*), COALESCE(SUM(status != 'intent'), 0) FROM calls WHERE seq = ? "
+                "AND idx >= 0",  # a replay marker (negative index) is not a call
                 (seq,),
             ).fetchone()
             try:
@@ -1046,11 +1047,13 @@ class SqliteStore:
             key, journal = row
             counts = {
                 "journaled_tasks": len(codec.decode(journal, unknown="generic")),
+                # A replay marker (a negative index) is not a call.
                 "call_records": c.execute(
-                    "SELECT COUNT(*) FROM calls WHERE seq = ?", (seq,)
+                    "SELECT COUNT(*) FROM calls WHERE seq = ? AND idx >= 0", (seq,)
                 ).fetchone()[0],
                 "calls_returned": c.execute(
-                    "SELECT COUNT(*) FROM calls WHERE seq = ? AND status != 'intent'", (seq,)
+                    "SELECT COUNT(*) FROM calls WHERE seq = ? AND status != 'intent' AND idx >= 0",
+                    (seq,),
                 ).fetchone()[0],
                 "unreleased_outputs": c.execute(
                     "DELETE FROM outbox WHERE seq = ?", (seq,)

@@ -125,3 +125,37 @@ def test_rest_says_which_key_with_key_type(tmp_path: Path) -> None:
     finally:
         err = stop(proc)
     assert "Traceback" not in err, err
+
+
+INT_WAITS = """
+from ratchet import Agent, InputEvent, OutputEvent, action
+
+class IntWaits(Agent):
+    @action(InputEvent)
+    async def wait(self, event, ctx):
+        got = await ctx.wait_for_signal("approve") if isinstance(ctx.key, int) else None
+        ctx.send_event(OutputEvent(output={"type": type(ctx.key).__name__, "got": got}))
+"""
+
+
+@pytest.mark.parametrize("held", ["str key held", "no key held"])
+def test_a_typed_signal_moves_with_its_own_key_when_the_workers_change(
+    tmp_path: Path, held: str
+) -> None:
+    from ratchet.runtime._shards import shard_of
+
+    assert shard_of("3", 2) != shard_of(3, 2)  # the two keys of the text live apart
+    (tmp_path / "agent.py").write_text(INT_WAITS)
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "st"
+    inp.write_text('{"key": "3"}\n' if held == "str key held" else '{"key": "a"}\n')
+    run = ["run", f"{tmp_path / 'agent.py'}:IntWaits", "--input", str(inp), "--output", str(out),
+           "--state", str(state)]  # fmt: skip
+    assert cli(*run).returncode == 0
+    ratchet.send_signal(state, 3, "approve", "for int")
+    with inp.open("a") as fh:
+        fh.write('{"key": 3}\n')
+    # Moved by the text alone, the signal went to the string key's shard and the integer
+    # key's run never got it (or, with no key of the text held, the change was refused).
+    again = cli(*run, "--workers", "2")
+    assert again.returncode == 0, again.stderr
+    assert {"type": "int", "got": "for int"} in outputs(out), outputs(out)

@@ -259,7 +259,8 @@ def _check_signals_placeable(dirs: tuple[Path, ...], workers: int) -> None:
         try:
             held.update(str(t) for (t,) in store.conn.execute("SELECT key_text FROM keys"))
             for p in store.pending_signals():
-                pending.setdefault(str(p["key"]), d)
+                if p.get("key_type") is None:  # a typed signal's key (and shard) is known
+                    pending.setdefault(str(p["key"]), d)
         finally:
             store.close()
     for text, d in pending.items():
@@ -357,21 +358,30 @@ def reshard(
     return read_layout(state_dir)
 
 
-def _placer(texts: dict[str, Any], index: int, workers: int) -> Callable[[str], bool]:
-    """Whether a row naming a key by its text belongs to shard `index`."""
+def _placer(texts: dict[str, Any], index: int, workers: int) -> Callable[[str, str | None], bool]:
+    """Whether a row naming a key by its text belongs to shard `index`; a signal's row also
+    by the type of its key ('str' or 'int'; None: the key held of that text, if any)."""
 
-    def mine(text: str) -> bool:
-        return shard_of(texts.get(text, text), workers) == index
+    def mine(text: str, key_type: str | None = None) -> bool:
+        key: Any = texts.get(text, text)
+        if key_type == "int" and int_text(text):
+            key = int(text)
+        elif key_type == "str":
+            key = text
+        return shard_of(key, workers) == index
 
     return mine
 
 
 def _copy_per_key_text(
-    conn: sqlite3.Connection, dirs: tuple[Path, ...], mine: Callable[[str], bool]
+    conn: sqlite3.Connection,
+    dirs: tuple[Path, ...],
+    mine: Callable[[str, str | None], bool],
 ) -> None:
     """Traces, dead letters and signals not taken yet of this shard's keys, from every old
     shard (in their order there: a key's signals keep the order they were sent in)."""
-    conn.create_function("ratchet_mine", 1, lambda t: 1 if mine(str(t)) else 0)
+    conn.create_function("ratchet_mine", 1, lambda t: 1 if mine(str(t), None) else 0)
+    conn.create_function("ratchet_mine_typed", 2, lambda t, k: 1 if mine(str(t), k) else 0)
     for d in dirs:
         db = d / DB_NAME
         if not db.exists():
@@ -388,9 +398,14 @@ def _copy_per_key_text(
                 if not cols:
                     continue
                 names = ", ".join(cols)
+                where = (
+                    "ratchet_mine_typed(key_text, key_type)"
+                    if "key_type" in cols
+                    else "ratchet_mine(key_text)"
+                )
                 conn.execute(
                     f"INSERT OR IGNORE INTO main.{table}({names}) SELECT {names} FROM "
-                    f"old.{table} WHERE ratchet_mine(key_text) ORDER BY rowid"
+                    f"old.{table} WHERE {where} ORDER BY rowid"
                 )
             conn.execute("COMMIT")
         finally:

@@ -344,6 +344,16 @@ def test_a_changed_event_a_run_in_flight_holds_is_refused_at_start(
     assert call_rows(w.state) == before and w.in_flight() == flying
     assert not w.lines(w.output)
 
+    # A validator that raises TypeError (pydantic passes it on): refused the same way, one
+    # line (it was a traceback at start).
+    monkeypatch.setenv("UPGRADE_LATER", "typeerror")
+    proc = w.start("Delays", "v2-validator")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    assert "key 'k0', run of input 0" in line and "n may not be 7 any more" in line, line
+    assert call_rows(w.state) == before and w.in_flight() == flying
+
     # The field with a default: the run continues, its payment not made again.
     monkeypatch.setenv("UPGRADE_LATER", "m=0")
     proc = w.start("Delays", "v2-default")

@@ -150,12 +150,26 @@ class V2NoSlow(Agent):
 
 
 # The shape of `Later` in this process: UPGRADE_LATER="m" adds a required field, "m=0" the
-# same field with a default (what a run holding a stored Later needs).
+# same field with a default (what a run holding a stored Later needs), "typeerror" a
+# validator that raises TypeError for the stored one.
 if os.environ.get("UPGRADE_LATER") == "m":
 
     class Later(Event):
         n: int
         m: int
+
+elif os.environ.get("UPGRADE_LATER") == "typeerror":
+    from pydantic import field_validator
+
+    class Later(Event):  # type: ignore[no-redef]
+        n: int
+
+        @field_validator("n")
+        @classmethod
+        def _no_seven(cls, v: int) -> int:
+            if v == 7:  # pydantic passes a TypeError on, not as a ValidationError
+                raise TypeError("n may not be 7 any more")
+            return v
 
 elif os.environ.get("UPGRADE_LATER") == "m=0":
 

@@ -280,7 +280,8 @@ def check_events(binding: Binding, runs: list[RestoredRun]) -> None:
                 continue
             try:
                 event.thaw()
-            except ValueError as exc:  # pydantic's ValidationError
+            except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError, or what a
+                # validator raised that pydantic passes on (a TypeError): refused the same way
                 raise IncompatibleChangeError(
                     f"key {run.key!r}, run of input {run.seq}: the {what} "
                     f"{binding.describe_event(event)} that {sender} sent (for "
@@ -289,7 +290,7 @@ def check_events(binding: Binding, runs: list[RestoredRun]) -> None:
                 ) from exc
 
 
-def _one_line(exc: ValueError) -> str:
+def _one_line(exc: Exception) -> str:
     """A validation error as one line: `field: problem; ...` (pydantic's text is a table)."""
     errors = getattr(exc, "errors", None)
     if callable(errors):

@@ -60,6 +60,17 @@ def test_an_existing_output_in_an_input_directory_is_refused(tmp_path: Path) -> 
     refused(run(tmp_path, "logs", "alias/out.jsonl"), "alias/out.jsonl")
 
 
+def test_an_input_folder_named_through_a_symlink_is_matched_by_what_it_points_at(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "a.jsonl").write_text('{"key": "a"}\n')
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    # The output does not exist yet: matched by the pattern, its folder resolved.
+    refused(run(tmp_path, "link", "real/out.jsonl"), "real/out.jsonl")
+    refused(run(tmp_path, "link/*.jsonl", "real/../real/out.jsonl"), "real/../real/out.jsonl")
+
+
 def test_the_input_file_as_the_output_is_refused_also_when_empty_and_followed(
     tmp_path: Path,
 ) -> None:

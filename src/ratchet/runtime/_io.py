@@ -1212,6 +1212,15 @@ def _same_path(a: Path, b: Path) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
+def _real_pattern_parts(pattern: str) -> tuple[str, ...]:
+    """A pattern's parts with its literal folders resolved (symlinks, `..`), the wildcard
+    parts kept as they are."""
+    parts = Path(os.path.abspath(pattern)).parts
+    first = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
+    literal = os.path.realpath(os.path.join(*parts[:first])) if first else os.sep
+    return Path(literal).parts + parts[first:]
+
+
 def _glob_matches(pattern: str, path: Path) -> bool:
     """Whether `glob.glob(pattern)` lists `path`, also before `path` exists (one component at
     a time, as glob matches: a wildcard does not match a leading dot, nor a '/')."""
@@ -1223,8 +1232,8 @@ def _glob_matches(pattern: str, path: Path) -> bool:
                     return True
         except OSError:
             pass
-    pat = Path(os.path.abspath(pattern)).parts
-    have = Path(os.path.abspath(path)).parts
+    pat = _real_pattern_parts(pattern)
+    have = Path(os.path.realpath(path)).parts  # symlinked folders by what they point at
     if len(pat) != len(have):
         return False
     for p, name in zip(pat, have, strict=True):

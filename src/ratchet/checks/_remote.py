@@ -17,7 +17,6 @@ import os
 import socket
 import sys
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ratchet._clock import Clock
+from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError
 from ratchet.checks._cache import CheckCache, check_entry, is_digest
 from ratchet.store import sha256_file
@@ -111,7 +110,7 @@ class _Call:
 
     def __init__(self, owner: RemoteCheckCache) -> None:
         self.owner = owner
-        self.started = time.monotonic()
+        self.started = owner.clock.monotonic()
         self.moved = 0  # bytes received or sent so far
         self.sock: socket.socket | None = None
         self.cut: _Cut | None = None
@@ -218,11 +217,13 @@ class RemoteCheckCache(CheckCache):
         read_only: bool = False,
         token: str | None = None,
         timeout: float = TIMEOUT_SECONDS,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(mirror, read_only=read_only)
         self.url = check_url(url)
         self.token = token
         self.timeout = timeout
+        self.clock = clock  # the deadlines' time (a test's clock, through the run's seams)
         self._lock = threading.Lock()
         self._down = False  # after a network error, the server is not asked again
         self._no_writes = False  # after a refused write, nothing more is uploaded
@@ -268,8 +269,8 @@ class RemoteCheckCache(CheckCache):
     def _watch(self) -> None:
         """Cut every request past its deadline; ends when none is in flight."""
         while True:
-            time.sleep(_WATCH_SECONDS)
-            now = time.monotonic()
+            self.clock.sleep_sync(_WATCH_SECONDS)
+            now = self.clock.monotonic()
             with self._lock:
                 if not self._calls:
                     self._watchdog = None

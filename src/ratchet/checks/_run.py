@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ratchet._clock import utc_iso
+from ratchet._clock import Clock, utc_iso
 from ratchet._errors import ConfigError
 from ratchet.checks import _explain
 from ratchet.checks._cache import CheckCache
@@ -140,7 +140,7 @@ def run_checks(
             workspace_root=workspace_root,
             strict_env=strict_env,
             key=key,
-            cache=_open_cache(args, state_dir, read_only=True),
+            cache=_open_cache(args, state_dir, seams.clock, read_only=True),
         )
         return _dry_run(dry, planned, resume)
     run_id = check_run_id(getattr(args, "run_id", None) or new_run_id(seams.clock, seams.rng))
@@ -194,7 +194,7 @@ def run_checks(
         workspace_root=workspace_root,
         strict_env=strict_env,
         key=key,
-        cache=_open_cache(args, state_dir),
+        cache=_open_cache(args, state_dir, seams.clock),
         lock_timeout=lock_timeout,
         shared_locks_dir=_shared_locks_dir(args, project, planned),
     )
@@ -772,7 +772,7 @@ def _lock_timeout(args: argparse.Namespace) -> float:
 
 
 def _open_cache(
-    args: argparse.Namespace, state_dir: Path, *, read_only: bool = False
+    args: argparse.Namespace, state_dir: Path, clock: Clock, *, read_only: bool = False
 ) -> CheckCache | None:
     """The cache this run reads and writes: `cache_dir` (or RATCHET_CHECKS_CACHE_DIR), or a
     cache server at `cache_url` (or RATCHET_CHECKS_CACHE_URL) with the state folder's
@@ -803,6 +803,7 @@ def _open_cache(
             state_dir / "cache",
             read_only=read_only,
             token=os.environ.get(_remote.TOKEN_ENV) or None,
+            clock=clock,
         )
     root = Path(given_dir) if given_dir else state_dir / "cache"
     return CheckCache(root, read_only=read_only)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet.checks._cache import gc as gc_cache
 from ratchet.checks._receipts import read_receipt
+
+TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["collect_garbage"]
 

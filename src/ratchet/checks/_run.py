@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ratchet._clock import Clock, utc_iso
+from ratchet._clock import utc_iso
 from ratchet._errors import ConfigError
 from ratchet.checks import _explain
 from ratchet.checks._cache import CheckCache
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     import argparse
     from typing import Any
 
+    from ratchet._clock import Clock
     from ratchet.checks._protocols import Prober
 
 __all__ = ["project_path", "run_checks"]

@@ -307,3 +307,23 @@ def test_a_state_refused_at_restore_fetched_nothing(nats_server: Nats, tmp_path:
         assert (info.delivered.stream_seq, info.num_ack_pending) == (0, 0)
     finally:
         src.close()
+
+
+def test_several_workers_are_refused_and_auto_picks_one(nats_server: Nats, tmp_path: Path) -> None:
+    """After a coordinator's crash NATS gives the unacknowledged messages back in another
+    order, and `--workers N` numbers inputs by the order it reads them: a chaos test saw one
+    message dropped as done (and acknowledged upstream) and another run twice."""
+    s = streams(nats_server)
+    nats_server.publish(
+        f"in.{s}", [json.dumps({"key": f"k{i}", "i": i}).encode() for i in range(5)]
+    )
+    base = [*RATCHET, "run", AGENT, "--input", f"{nats_server.url}?stream=IN{s}&subject=in.{s}",
+            "--output", str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "st")]  # fmt: skip
+    refused = subprocess.run([*base, "--workers", "2"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert "cannot be read by --workers 2" in line and "--workers 1" in line, line
+    auto = subprocess.run([*base, "--workers", "auto"], capture_output=True, text=True, timeout=120)
+    assert auto.returncode == 0, auto.stderr
+    assert "1 (a source that gives unacknowledged inputs back in another order" in auto.stderr
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 5

@@ -26,6 +26,7 @@ from ratchet._errors import ConfigError, RatchetError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding
 from ratchet.agents._run import Job, _sink, _source, load_agent, run_owned
+from ratchet.connectors import redact, replays_in_order
 from ratchet.runtime._engine import (
     EngineConfig,
     EngineResult,
@@ -146,6 +147,17 @@ def run_sharded(
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}")
     refuse_too_many(workers)
+    if workers > 1 and not replays_in_order(inputs):
+        # Its inputs would be numbered again in another order after a coordinator crash: one
+        # dropped as done (and acknowledged), another run twice (a chaos test saw both).
+        shown = redact(inputs) if isinstance(inputs, str) else type(inputs).__name__
+        raise ConfigError(
+            f"--input {shown} cannot be read by --workers {workers}: after a crash it gives "
+            f"the inputs not yet acknowledged back in another order, and several workers "
+            f"number inputs by the order they are read, so one could be lost and another run "
+            f"twice. Run it with --workers 1 (a state written with more workers is moved back "
+            f"to one process)"
+        )
     if workers > 1:
         start_method()  # a bad $RATCHET_WORKER_START is refused before anything runs
     config = config or EngineConfig()

@@ -83,6 +83,16 @@ def missing_extra(flag: str, uri: str, extra: str, module: str, exc: ImportError
     )
 
 
+def replays_in_order(inputs: Any) -> bool:
+    """Whether reading an input again from a checkpointed position gives the same inputs in
+    the same order, which `--workers N`'s coordinator needs (it numbers inputs in the order it
+    reads them). NATS does not: the messages not yet acknowledged at a crash come back after
+    their ack-wait, in another order and among new ones."""
+    if isinstance(inputs, Source):
+        return bool(getattr(inputs, "replays_in_order", True))
+    return not (is_uri(inputs) and inputs.split("://", 1)[0].lower() == "nats")
+
+
 def source_for(uri: str, *, key: str, follow: bool) -> Source:
     """The source an --input URI names (its client library imported now)."""
     scheme = _scheme(uri, "--input")

@@ -176,6 +176,10 @@ async def _stream(js: Any, name: str, flag: str, uri: str) -> Any:
 class NatsSource(Source):
     """A JetStream stream read by a durable pull consumer (see module doc)."""
 
+    # Unacknowledged messages come back after their ack-wait in another order: one process
+    # tells a redelivery by its stream sequence, `--workers N`'s coordinator cannot.
+    replays_in_order = False
+
     def __init__(
         self,
         uri: str,

@@ -167,6 +167,10 @@ def auto_workers(
     state_dir: str | os.PathLike[str], inputs: str | None, follow: bool
 ) -> tuple[int, str]:
     """(workers, why) for `--workers auto`."""
+    from ratchet.connectors import replays_in_order
+
+    if inputs is not None and not replays_in_order(inputs):  # also for a sharded state
+        return 1, "a source that gives unacknowledged inputs back in another order (NATS)"
     kept = existing_workers(state_dir)
     return kept if kept is not None else new_job_workers(inputs, follow)
 

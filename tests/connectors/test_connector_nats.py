@@ -327,3 +327,29 @@ def test_several_workers_are_refused_and_auto_picks_one(nats_server: Nats, tmp_p
     assert auto.returncode == 0, auto.stderr
     assert "1 (a source that gives unacknowledged inputs back in another order" in auto.stderr
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 5
+
+
+def test_the_client_loop_closes_without_leaving_pending_tasks() -> None:
+    """What a stop just after the server came back left (a subscription's reader still
+    waiting): closing the client's loop printed "Task was destroyed but it is pending!" and a
+    RuntimeError traceback at exit. Tasks left are cancelled and awaited first."""
+    import sys
+
+    code = (
+        "import asyncio\n"
+        "from ratchet.connectors._nats import _Loop\n"
+        "loop = _Loop('t')\n"
+        "async def reader():\n"
+        "    await asyncio.Queue().get()\n"
+        "loop.submit(reader())\n"
+        "loop.submit(asyncio.sleep(0))\n"
+        "import time; time.sleep(0.2)\n"
+        "loop.close()\n"
+        "del loop\n"
+        "import gc; gc.collect()\n"
+        "print('closed')\n"
+    )
+    pytest.importorskip("nats", reason="nats-py is not installed: pip install 'ratchet[nats]'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "closed", done.stderr
+    assert "Task was destroyed" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -88,6 +88,11 @@ class World:
         assert done.returncode == 0, done.stderr
         return dict(json.loads(done.stdout))
 
+    def status(self) -> dict[str, Any]:
+        done = self.cli("status", "--state", str(self.state), "--json")
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(done.stdout))
+
     def in_flight(self) -> list[dict[str, Any]]:
         done = self.cli("runs", "list", "--state", str(self.state), "--json")
         assert done.returncode == 0, done.stderr
@@ -431,16 +436,11 @@ def test_a_migrate_that_cannot_proceed_does_not_adopt_the_new_agent(tmp_path: Pa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
 
-    def status() -> dict[str, Any]:
-        done = w.cli("status", "--state", str(w.state), "--json")
-        assert done.returncode == 0, done.stderr
-        return dict(json.loads(done.stdout))
-
-    before = status()
+    before = w.status()
     done = w.cli("migrate", "--state", str(w.state), "--agent", agent("CounterV3Gap"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "no @ratchet.migration(2)" in done.stderr, done.stderr
-    after = status()
+    after = w.status()
     for field in ("agent", "actions", "memory_version", "upgrades"):
         assert after.get(field) == before.get(field), field
     assert w.memory() == {"a": {"count": 1}, "b": {"count": 1}}
@@ -479,14 +479,9 @@ def test_status_counts_only_pinned_runs_still_in_flight(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
 
-    def status() -> dict[str, Any]:
-        done = w.cli("status", "--state", str(w.state), "--json")
-        assert done.returncode == 0, done.stderr
-        return dict(json.loads(done.stdout))
-
     w.cli("signal", "--state", str(w.state), "--key", "k0", "go", "--value", "1")
     proc = w.start("ApprovesRenamed", "v2")  # pins the run, which then completes
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    now = status()
+    now = w.status()
     assert now["in_flight_runs"] == 0 and now["runs_on_earlier_versions"] == 0, now

@@ -38,12 +38,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_signal(args: argparse.Namespace) -> int:
     from ratchet.runtime._signals import non_finite, send_signal
 
-    def not_json(constant: str) -> Any:
-        # json.loads takes NaN and Infinity (Python's extensions); JSON has neither.
-        raise ValueError(f"{constant} is not JSON; send null, a finite number or a string")
-
     try:
-        value: Any = json.loads(args.value, parse_constant=not_json)
+        value: Any = json.loads(args.value)
     except RecursionError:
         raise BadInputError(
             f"--value {args.value[:40]!r}... nests too deeply to be stored; send flatter JSON"
@@ -53,10 +49,11 @@ def cmd_signal(args: argparse.Namespace) -> int:
             f"--value {args.value!r} is not JSON ({exc}); quote it for the shell, e.g. "
             f"--value '{{\"approved\": true}}' or --value '\"text\"'"
         ) from None
-    if non_finite(value) is not None:  # NaN and Infinity were refused above: 1e999
+    where = non_finite(value)  # json.loads takes NaN and Infinity (Python's); JSON has neither
+    if where is not None:
         raise BadInputError(
-            f"--value {args.value[:40]!r} holds a number too large for a float (it reads as "
-            f"Infinity, which is not JSON); send a smaller number, or it as a string"
+            f"--value {args.value[:40]!r} holds {where}, which is not JSON (so does a number "
+            f"too large for a float, such as 1e999); send null, a finite number or a string"
         )
     sent = send_signal(args.state, args.key, args.name, value, key_type=args.key_type)
     if args.json:

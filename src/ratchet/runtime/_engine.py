@@ -67,7 +67,13 @@ from ratchet.runtime._memops import LTM_ADD, expire
 from ratchet.runtime._otel import RunExporter
 from ratchet.runtime._otel import wanted as otel_wanted
 from ratchet.store import codec
-from ratchet.store._base import Adopted, CallRecord, CheckpointRows, CheckpointStore
+from ratchet.store._base import (
+    Adopted,
+    CallRecord,
+    CheckpointRows,
+    CheckpointStore,
+    signal_key_type,
+)
 from ratchet.store._traces import pack_rows, pack_trace
 
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
@@ -520,15 +526,10 @@ def _first_match(
                 not w.closing
                 and not w.done.done()
                 and (w.until is None or sent_at <= w.until)
-                and (key_type is None or key_type == _key_type(w.task.run.key))
+                and (key_type is None or key_type == signal_key_type(w.task.run.key))
             ):
                 return i, w
     return None
-
-
-def _key_type(key: Any) -> str:
-    """A key's type as signals record it."""
-    return "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
 
 
 def stopped_by_signal(stopped_by: str) -> bool:

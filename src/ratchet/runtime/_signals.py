@@ -20,6 +20,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import BadInputError, InvalidArgumentError, InvalidTypeError, StateError
 from ratchet.runtime._shards import Moved, int_text, read_layout, shard_for_text, write_in_force
 from ratchet.store import codec
+from ratchet.store._base import signal_key_type
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
 
 SIGNALS_SCHEMA = 11  # the state schema whose signals table records the key's type
@@ -103,7 +104,7 @@ def send_signal(
     sdir = Path(state_dir)
     sent_at = clock.now()
     if key_type is None:  # from Python the key's own type says it
-        key_type = "int" if isinstance(key, int) else "str"
+        key_type = signal_key_type(key)
     if key_type == "int" and not int_text(key_text):
         raise InvalidArgumentError(f"key {key_text!r} is not an integer (--key-type int)")
     stored_type: list[str | None] = [None]

@@ -137,6 +137,12 @@ def ltm_key_scope(key: Any) -> str:
     return f"key#{type(key).__name__}:{key}"
 
 
+def signal_key_type(key: Any) -> str:
+    """A key's type as the signals table records it (`key_type`): the integer key 1 and the
+    string key "1" share a text, and a signal is for one of them."""
+    return "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
+
+
 def version_id(fingerprint: str, memory_version: int) -> str:
     """What a run in flight is pinned to: the dispatch table and the memory layout."""
     return f"{fingerprint}.m{memory_version}"

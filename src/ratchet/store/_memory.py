@@ -24,6 +24,7 @@ from ratchet.store._base import (
     Pinned,
     adopt_pins,
     check_adoption,
+    signal_key_type,
     version_id,
 )
 
@@ -184,8 +185,8 @@ class MemoryStore:
         """Send a signal (what `ratchet.send_signal` does to a SQLite state)."""
         sid = self.next_signal_id
         self.next_signal_id += 1
-        key_type = "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
-        self.signals[sid] = (str(key), name, codec.encode(value), self.clock.now(), key_type)
+        typed = signal_key_type(key)
+        self.signals[sid] = (str(key), name, codec.encode(value), self.clock.now(), typed)
         return sid
 
     def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:

@@ -99,9 +99,10 @@ def test_the_python_api_refuses_it_too(tmp_path: Path) -> None:
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text('{"key": "a"}\n')
-    with pytest.raises(ratchet.ConfigError, match="read back as a new input"):
-        ratchet.run(
-            Echo(), inputs=tmp_path / "in", output=tmp_path / "in" / "o.jsonl",
-            state_dir=tmp_path / "state",
-        )  # fmt: skip
-    assert not (tmp_path / "state").exists()
+    for workers in (1, 2):  # refused before a state, a layout or a shard is made
+        with pytest.raises(ratchet.ConfigError, match="read back as a new input"):
+            ratchet.run(
+                Echo(), inputs=tmp_path / "in", output=tmp_path / "in" / "o.jsonl",
+                state_dir=tmp_path / "state", workers=workers,
+            )  # fmt: skip
+        assert not (tmp_path / "state").exists()

@@ -147,18 +147,20 @@ def run_sharded(
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, not {workers}")
     refuse_too_many(workers)
-    if workers > 1 and not replays_in_order(inputs):
-        # Its inputs would be numbered again in another order after a coordinator crash: one
-        # dropped as done (and acknowledged), another run twice (a chaos test saw both).
-        shown = redact(inputs) if isinstance(inputs, str) else type(inputs).__name__
-        raise ConfigError(
-            f"--input {shown} cannot be read by --workers {workers}: after a crash it gives "
-            f"the inputs not yet acknowledged back in another order, and several workers "
-            f"number inputs by the order they are read, so one could be lost and another run "
-            f"twice. Run it with --workers 1 (a state written with more workers is moved back "
-            f"to one process)"
-        )
-    if workers > 1:
+    if workers > 1:  # before a layout or a shard is made
+        refuse_output_read_as_input(inputs, output)
+        if not replays_in_order(inputs):
+            # Its inputs would be numbered again in another order after a coordinator
+            # crash: one dropped as done (and acknowledged), another run twice (a chaos
+            # test saw both).
+            shown = redact(inputs) if isinstance(inputs, str) else type(inputs).__name__
+            raise ConfigError(
+                f"--input {shown} cannot be read by --workers {workers}: after a crash it "
+                f"gives the inputs not yet acknowledged back in another order, and several "
+                f"workers number inputs by the order they are read, so one could be lost and "
+                f"another run twice. Run it with --workers 1 (a state written with more workers "
+                f"is moved back to one process)"
+            )
         start_method()  # a bad $RATCHET_WORKER_START is refused before anything runs
     config = config or EngineConfig()
     config.validate()
@@ -232,7 +234,6 @@ def _coordinate(
     no_fork: str | None = None,
 ) -> EngineResult:
     """`no_fork`: why the workers must be new interpreters (None: forked where safe)."""
-    refuse_output_read_as_input(inputs, output)
     source = _source(inputs, key, follow and stop_at is None)
     sink = _sink(output, append)
     try:

@@ -326,13 +326,12 @@ class Job:
                 clock=clock,
             )
             # A state that completed checkpoints but has no job file predates job ids.
-            stats = store.stats()
-            history = stats["counts"]["completed"] > 0
+            history = store.stats()["counts"]["completed"] > 0
             had_job = (self.state_dir / JOB_FILE).exists()
             self.job = job_identity(self.state_dir, has_history=history, clock=clock, rng=rng)
             sink.open(self.job)
             # (A state re-sharded back to one worker has a seed position, not a checkpoint.)
-            if had_job and not history and not stats["source"]:
+            if had_job and not history and not store.meta("source"):
                 _refuse_lost_history(self.state_dir, store, sink, self.job)
             source.open(self.job, checkpoint_interval=self.config.checkpoint_interval)
             self.store = store

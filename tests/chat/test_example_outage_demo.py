@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "outage_demo.py"
 
 
+@pytest.mark.slow
 def test_outage_demo_pauses_and_resumes_with_no_errors() -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120

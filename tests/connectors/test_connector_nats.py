@@ -168,6 +168,7 @@ def test_messages_are_acknowledged_only_when_the_engine_says_their_checkpoint_co
         src.close()
 
 
+@pytest.mark.slow
 def test_a_slow_agent_gets_each_message_once_though_the_buffer_outlives_the_ack_wait(
     nats_server: Nats, tmp_path: Path
 ) -> None:

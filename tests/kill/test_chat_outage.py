@@ -71,6 +71,7 @@ def read_outputs(output: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in output.read_text().splitlines() if x.endswith("}")]
 
 
+@pytest.mark.slow
 def test_a_provider_outage_and_a_429_pause_the_stream_across_kills(tmp_path: Path) -> None:
     with FailingServer() as server:
         inputs, output, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "state"

@@ -92,6 +92,7 @@ def check(case: Case, test: Any, workers: int = 1) -> None:
 
 
 @pytest.mark.kill
+@pytest.mark.slow  # the all-features test below, in make test, covers these features too
 @pytest.mark.timeout(900)  # a failure is shrunk for up to 300 s
 @KILL_SETTINGS
 @given(case=cases(Features.none()))

@@ -259,6 +259,7 @@ def test_a_sigkill_during_a_savepoint_leaves_no_file_or_a_whole_one(
 
 
 @pytest.mark.kill
+@pytest.mark.slow
 def test_a_sigkill_during_a_restore_or_a_fork_leaves_no_state_or_a_whole_one(
     big: dict[str, Any], tmp_path: Path
 ) -> None:

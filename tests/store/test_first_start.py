@@ -204,6 +204,7 @@ def _left(state: Path) -> str:
 
 
 @pytest.mark.kill
+@pytest.mark.slow
 def test_sigkills_during_the_first_start_never_leave_a_refused_state(tmp_path: Path) -> None:
     seed = int(os.environ.get("RATCHET_FIRST_START_SEED", random.randrange(2**32)))
     print(f"seed {seed} (set RATCHET_FIRST_START_SEED={seed} to replay)")

@@ -283,15 +283,18 @@ def test_a_lost_database_of_a_state_that_has_run_is_refused(
 # --- a write-ahead log removed after a kill --------------------------------------------------------
 
 
-def _killed_after_outputs(tmp_path: Path, n_outputs: int) -> tuple[list[str], Path]:
+def _killed_after_outputs(
+    tmp_path: Path, n_outputs: int, workers: int = 1, keys: int = 4
+) -> tuple[list[str], Path]:
     """A real job SIGKILLed once `n_outputs` outputs are in its file (0: before its first
-    checkpoint): its committed work is in ratchet.db-wal, which is left as the kill left it."""
+    checkpoint): its committed work is in ratchet.db-wal (each shard's, with `workers`),
+    which is left as the kill left it."""
     with (tmp_path / "in.jsonl").open("w") as fh:
         for i in range(400):
-            fh.write(json.dumps({"key": f"k{i % 4}", "id": i, "value": i}) + "\n")
+            fh.write(json.dumps({"key": f"k{i % keys}", "id": i, "value": i}) + "\n")
     out, state = tmp_path / "o.jsonl", tmp_path / "st"
     argv = [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
-            "--state", str(state), "--checkpoint-interval", "20"]  # fmt: skip
+            "--state", str(state), "--checkpoint-interval", "20", "--workers", str(workers)]  # fmt: skip
     env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp_path / "exec.log"))
     if n_outputs == 0:
         env["RATCHET_TEST_HOLD_AT"] = "1"  # the first execution blocks: no checkpoint yet
@@ -307,9 +310,10 @@ def _killed_after_outputs(tmp_path: Path, n_outputs: int) -> tuple[list[str], Pa
                 break
             time.sleep(0.01)
     finally:
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)  # its workers die with it (PR_SET_PDEATHSIG)
         proc.wait()
-    assert (state / (DB_NAME + "-wal")).exists()
+    if workers == 1:
+        assert (state / (DB_NAME + "-wal")).exists()
     return argv, state
 
 
@@ -329,6 +333,53 @@ def test_a_removed_write_ahead_log_after_outputs_is_refused(tmp_path: Path) -> N
     assert len(again.stderr.strip().splitlines()) == 1, again.stderr
     assert (tmp_path / "exec.log").read_text() == calls_before  # nothing ran again
     assert (tmp_path / "o.jsonl").read_bytes() == outputs
+
+
+def _shard_of_key(state: Path, key: str) -> Path:
+    from ratchet.runtime._shards import read_layout, shard_of
+
+    dirs = read_layout(state).dirs
+    return dirs[shard_of(key, len(dirs))]
+
+
+def test_a_removed_write_ahead_log_of_one_shard_is_refused(tmp_path: Path) -> None:
+    # With --workers 2 the shard's own state was taken for a first start: its keys' inputs
+    # redone and their durable calls repeated, exit 0 (the coordinator's output file
+    # dropped the repeated outputs as duplicates, hiding it).
+    argv, state = _killed_after_outputs(tmp_path, 60, workers=2)
+    shard = _shard_of_key(state, "k1")
+    assert (shard / (DB_NAME + "-wal")).exists()
+    for name in (DB_NAME + "-wal", DB_NAME + "-shm"):
+        (shard / name).unlink()
+    store = SqliteStore.open_readonly(shard)
+    try:  # all of its history was in the log
+        assert store.stats()["counts"]["completed"] == 0
+    finally:
+        store.close()
+    calls_before = (tmp_path / "exec.log").read_text()
+    outputs = (tmp_path / "o.jsonl").read_bytes()
+    assert any(json.loads(line)["id"].startswith("k1:") for line in outputs.decode().splitlines())
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, again.stderr
+    assert f"{shard / DB_NAME} has no completed checkpoint, but --output" in again.stderr
+    assert f"remove {state} and write" in again.stderr and "Traceback" not in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+    assert (tmp_path / "exec.log").read_text() == calls_before  # nothing ran again
+    assert (tmp_path / "o.jsonl").read_bytes() == outputs
+
+
+def test_a_removed_log_of_a_shard_that_had_no_work_resumes(tmp_path: Path) -> None:
+    # One key: the other shard never had work, so it released nothing, and losing its log
+    # loses nothing; the job goes on to every output, once.
+    argv, state = _killed_after_outputs(tmp_path, 60, workers=2, keys=1)
+    busy = _shard_of_key(state, "k0")
+    (idle,) = [d for d in state.joinpath("shards").iterdir() if d.is_dir() and d != busy]
+    for name in (DB_NAME + "-wal", DB_NAME + "-shm"):
+        (idle / name).unlink(missing_ok=True)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    ids = [json.loads(line)["id"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 400
 
 
 def test_the_wal_merged_by_another_sqlite_client_resumes(tmp_path: Path) -> None:

@@ -249,18 +249,31 @@ def _refuse_lost_history(state_dir: Path, store: SqliteStore, sink: Sink, job: J
     history (an output is released only after its checkpoint completed): ratchet.db's
     write-ahead log removed, or the file copied without it. Running would redo every input
     and repeat every durable call."""
+    if restored_from_savepoint(store) or not sink.holds_outputs_of(job):
+        return  # a savepoint's outputs may run ahead of it: the job was rolled back to it
+    raise lost_history_error(state_dir, sink, job)
+
+
+def restored_from_savepoint(store: SqliteStore) -> bool:
     from ratchet.runtime._savepoints import SAVEPOINT_META
 
     restored = store.conn.execute("SELECT 1 FROM meta WHERE name = ?", (SAVEPOINT_META,))
-    if restored.fetchone() is not None or not sink.holds_outputs_of(job):
-        return  # a savepoint's outputs may run ahead of it: the job was rolled back to it
-    raise StateError(
+    return restored.fetchone() is not None
+
+
+def lost_history_error(
+    state_dir: Path, sink: Sink, job: JobIdentity, job_dir: Path | None = None
+) -> StateError:
+    """What `_refuse_lost_history` says; a sharded job says it of one shard's `state_dir`
+    within its `job_dir`."""
+    return StateError(
         f"{state_dir / DB_NAME} has no completed checkpoint, but {sink.describe()} holds "
         f"outputs of its job {job.id}: the state lost its committed work (its write-ahead "
         f"log {DB_NAME}-wal was removed, or {DB_NAME} was copied without it) and a run would "
         f"redo every input and repeat every durable call. Restore {DB_NAME} together with "
         f"its {DB_NAME}-wal file, or continue from a savepoint (--state NEW --from-savepoint "
-        f"PATH); to start the job over, remove {state_dir} and write to a new output"
+        f"PATH); to start the job over, remove {job_dir or state_dir} and write to a new "
+        f"output"
     )
 
 

@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -25,7 +26,15 @@ from typing import Any
 from ratchet._errors import ConfigError, RatchetError
 from ratchet.agents._agent import Agent
 from ratchet.agents._context import AgentBinding
-from ratchet.agents._run import Job, _sink, _source, load_agent, run_owned
+from ratchet.agents._run import (
+    Job,
+    _sink,
+    _source,
+    load_agent,
+    lost_history_error,
+    restored_from_savepoint,
+    run_owned,
+)
 from ratchet.connectors import redact, replays_in_order
 from ratchet.runtime._engine import (
     EngineConfig,
@@ -34,7 +43,14 @@ from ratchet.runtime._engine import (
     stopped_for_max_errors,
 )
 from ratchet.runtime._forking import open_fds, start_method
-from ratchet.runtime._io import Source, job_identity, refuse_output_read_as_input
+from ratchet.runtime._io import (
+    JOB_FILE,
+    JobIdentity,
+    Sink,
+    Source,
+    job_identity,
+    refuse_output_read_as_input,
+)
 from ratchet.runtime._multiproc import (
     Coordinator,
     PipeSink,
@@ -50,9 +66,12 @@ from ratchet.runtime._shards import (
     check_quiet,
     first_redrive_seq,
     frozen,
+    int_text,
     read_layout,
     read_position,
     reshard,
+    shard_of,
+    shard_position,
 )
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
 
@@ -239,6 +258,7 @@ def _coordinate(
     try:
         job = job_identity(sdir, has_history=False)
         sink.open(job)
+        _refuse_lost_shard_history(layout, sdir, sink, job)
         source.open(job, checkpoint_interval=config.checkpoint_interval)
         if no_fork is not None and start_method() == "fork":
             log.info("starting shard workers as new interpreters: %s", no_fork)
@@ -256,6 +276,47 @@ def _coordinate(
             source.close()
         finally:
             sink.close()  # releases the output file's lock
+
+
+# An output's id is "<key>:<run seq>:<task id>:<index>" (`Machine`); a key may hold ':'.
+_OUTPUT_ID = re.compile(r"(.*):[0-9]+:[^:]*:[0-9]+", re.DOTALL)
+
+
+def _refuse_lost_shard_history(layout: Layout, sdir: Path, sink: Sink, job: JobIdentity) -> None:
+    """`_refuse_lost_history` for each shard: a shard's state with no completed checkpoint
+    while the sink holds outputs of keys it holds lost its history (its write-ahead log
+    removed after a kill). A shard that had no work yet, or was killed before its first
+    checkpoint, released none of its keys' outputs; every shard is made with a seed
+    position, at input 0 unless re-sharding moved keys into it. The key of an output is read from its id, of either type its text can be."""
+    shards = len(layout.dirs)
+    for index, shard in enumerate(layout.dirs):
+        if not (shard / JOB_FILE).exists() or not (shard / DB_NAME).exists():
+            continue
+        try:
+            store = SqliteStore.open_readonly(shard)
+        except RatchetError:
+            continue  # a database that is not whole: its worker's start names the problem
+        try:
+            if (
+                store.stats()["counts"]["completed"] > 0
+                or shard_position(store.meta("source") or {})[0] > 0
+                or restored_from_savepoint(store)
+            ):
+                continue
+        finally:
+            store.close()
+
+        def of_this_shard(out_id: str, index: int = index) -> bool:
+            m = _OUTPUT_ID.fullmatch(out_id)
+            if m is None:
+                return False
+            text = m.group(1)
+            return shard_of(text, shards) == index or (
+                int_text(text) and shard_of(int(text), shards) == index
+            )
+
+        if sink.holds_outputs_where(job, of_this_shard):
+            raise lost_history_error(shard, sink, job, sdir)
 
 
 def _change_workers(

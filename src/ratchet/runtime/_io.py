@@ -1253,6 +1253,11 @@ class Sink:
         A state that has completed no checkpoint cannot have released any."""
         return None
 
+    def holds_outputs_where(self, job: JobIdentity, keep: Callable[[str], bool]) -> bool | None:
+        """Whether the sink holds an output of `job` whose id `keep` accepts (a sharded job
+        asks about the outputs of one shard's keys); None: it cannot tell."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -1327,6 +1332,9 @@ class JsonlSink(Sink):
 
     def holds_outputs_of(self, job: JobIdentity) -> bool | None:
         return bool(self._ids) and self._job == job.id
+
+    def holds_outputs_where(self, job: JobIdentity, keep: Callable[[str], bool]) -> bool | None:
+        return self._job == job.id and any(keep(i) for i in self._ids)
 
     def describe(self) -> str:
         return f"--output {self.path}"

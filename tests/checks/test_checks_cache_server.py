@@ -465,6 +465,63 @@ def test_the_deadline_grows_with_the_bytes_a_transfer_moves(
     assert cache.warnings == []
 
 
+def test_a_blob_answer_without_end_is_cut_at_the_largest_blob_the_server_takes(
+    tmp_path: Path, fakes: list[FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server (or something in between) that answers a blob request with bytes that never
+    end, fast enough that the deadline keeps growing, filled the disk: the answer is cut
+    once it is longer than any blob a server takes, and nothing of it is kept."""
+    from ratchet.checks import _remote
+    from ratchet.checks._remote import RemoteCheckCache
+
+    monkeypatch.delenv("RATCHET_CHECKS_SIGNING_KEY", raising=False)
+    monkeypatch.setattr(_remote, "MAX_BLOB_BYTES", 1 << 20)  # 4 GiB in use: a MiB here
+    key = "d" * 64
+    entry = json.dumps(
+        seal(
+            {
+                "version": 1,
+                "cache_key": key,
+                "stage_id": "s",
+                "checkpoint_id": "0" * 64,
+                "exit_code": 0,
+                "log_sha256": "e" * 64,
+                "outputs": None,
+                "outputs_digest": None,
+                "origin_run_id": "r",
+                "stored_at": 1.0,
+            }
+        )
+    ).encode()
+    sent = [0]
+
+    def answer(fake: FakeServer, conn: socket.socket, request: bytes) -> None:
+        if b"/v1/entries/" in request:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(entry) + entry)
+            return
+        conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")  # no length: to EOF
+        chunk = b"x" * 65536
+        while not fake.closed.is_set() and sent[0] < 64 << 20:  # the test's own bound
+            conn.sendall(chunk)
+            sent[0] += len(chunk)
+
+    fake = FakeServer(answer)
+    fakes.append(fake)
+    cache = RemoteCheckCache(fake.url, tmp_path / "mirror", timeout=5.0)
+    found: list[tuple[Any, str]] = []
+    asking = threading.Thread(target=lambda: found.append(cache.lookup(key)), daemon=True)
+    asking.start()
+    asking.join(60)
+    assert not asking.is_alive(), f"the lookup still reads the endless blob ({sent[0]} bytes)"
+    ((got, why),) = found
+    assert (
+        got is None and why == f"cache server: its blob {'e' * 64} is longer than {1 << 20} bytes"
+    )
+    assert sent[0] < 64 << 20, "read to the test's bound: not cut"
+    kept = [p for p in (tmp_path / "mirror").rglob("*") if p.is_file()]
+    assert kept == [], kept  # no part of it stays in the mirror
+
+
 def test_sigterm_stops_a_run_waiting_on_a_slow_cache_server(
     tmp_path: Path, fakes: list[FakeServer]
 ) -> None:

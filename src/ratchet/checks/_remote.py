@@ -206,6 +206,23 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
         return super().do_open(_TrackedHTTPS, req, **kwargs)
 
 
+def _at_most(chunks: Iterator[bytes], limit: int, sha256: str) -> Iterator[bytes]:
+    """`chunks`, cut with _Unavailable past `limit` bytes: the server takes no blob larger,
+    so a longer answer is not one, and one without end must not fill the disk (the deadline
+    grows with the bytes that come, so it never ends a fast one)."""
+    moved = 0
+    try:
+        for chunk in chunks:
+            moved += len(chunk)
+            if moved > limit:
+                raise _Unavailable(f"its blob {sha256} is longer than {limit} bytes")
+            yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()  # ends the request (its socket and its deadline) now
+
+
 class RemoteCheckCache(CheckCache):
     """A cache server, with a local directory cache in front of it."""
 
@@ -374,7 +391,7 @@ class RemoteCheckCache(CheckCache):
             body = self._get(f"/v1/blobs/{sha256}")
             if body is None:
                 return f"the cache server has no blob {sha256}"
-            if not self.write_blob(sha256, body):
+            if not self.write_blob(sha256, _at_most(body, MAX_BLOB_BYTES, sha256)):
                 return f"the cache server's blob {sha256} was altered"
         except _Unavailable as exc:
             return f"cache server: {exc}"

@@ -83,6 +83,23 @@ def test_gc_in_the_ci_loop_keeps_the_run_folders_whose_logs_kept_runs_reuse(
     assert len(runs) == 4 and first["run_id"] in runs  # 2 kept, the one they reuse, the last
 
 
+@pytest.mark.parametrize("what", ["missing", "a file"])
+def test_gc_on_a_state_dir_that_is_not_there_is_a_usage_error(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str], tmp_path: Path, what: str
+) -> None:
+    wrong = tmp_path / "mistyped"
+    if what == "a file":
+        wrong.write_text("")
+    argv = ["checks", "--workspace-root", str(two_repos.root), "--state-dir", str(wrong), "gc"]
+    assert ratchet_main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--state-dir {wrong} {'does not exist' if what == 'missing' else 'is not a folder'}" in err
+    )
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not wrong.is_dir()
+
+
 def test_gc_keeps_the_cache_blob_a_kept_run_reuses_as_its_log(
     two_repos: Workspace, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -248,6 +248,15 @@ def _handle_gc(parsed: argparse.Namespace) -> dict[str, Any]:
     state_dir = state_dir_for(root, parsed.state_dir)
     if parsed.max_age_days < 0 or parsed.keep_runs < 0:
         raise ConfigError("gc: --max-age-days and --keep-runs must not be negative")
+    if parsed.state_dir and not state_dir.is_dir():
+        # A mistyped folder in a CI clean-up step removed nothing, said so, and exited 0
+        # every night while the real one grew.
+        raise ConfigError(
+            f"gc: --state-dir {state_dir} "
+            f"{'is not a folder' if state_dir.exists() else 'does not exist'}: nothing to "
+            f"collect there; pass the --state-dir your runs use (without it, the workspace's "
+            f"own state folder)"
+        )
     where = parsed.cache_dir or os.environ.get("RATCHET_CHECKS_CACHE_DIR")
     cache_root = Path(where) if where else state_dir / "cache"
     return collect_garbage(

@@ -224,3 +224,57 @@ def test_a_line_a_crash_cut_is_written_again_without_a_warning(
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in lines].count(record["id"]) == 1
     assert len(lines) == 10
+
+
+ECHO_FILE = """
+import ratchet
+
+
+class Echo(ratchet.Agent):
+    @ratchet.action(ratchet.InputEvent, inline=True)
+    def echo(self, event: ratchet.InputEvent, ctx: ratchet.RunnerContext) -> None:
+        ctx.send_event(ratchet.OutputEvent(output=event.input))
+"""
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["by-hand", "by-a-crash"])
+def test_a_cut_line_of_a_sharded_job_is_named_as_lost_unless_a_shard_still_holds_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, crash: bool
+) -> None:
+    """With --workers 2 the coordinator writes the output file and the shards hold the
+    outboxes: a line cut by hand after its output was released was dropped silently."""
+    import sqlite3
+
+    import ratchet
+    from ratchet.runtime._shards import read_layout, shard_of
+    from ratchet.store import codec
+
+    (tmp_path / "echo.py").write_text(ECHO_FILE)
+    agent = f"{tmp_path / 'echo.py'}:Echo"
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "o.jsonl", tmp_path / "s"
+    inp.write_text("".join(json.dumps({"key": f"k{i}", "i": i}) + "\n" for i in range(10)))
+    ratchet.run(agent, inputs=inp, output=out, state_dir=state, workers=2)
+    line = json.loads(out.read_text().splitlines()[-1])
+    if crash:  # what a kill -9 between the line's write and its sync leaves behind
+        dirs = read_layout(state).dirs
+        record = {k: line[k] for k in ("id", "key", "seq", "task", "output")}
+        db = sqlite3.connect(dirs[shard_of(line["key"], len(dirs))] / "ratchet.db")
+        try:  # closed before the workers are forked from this process
+            with db:
+                db.execute(
+                    "INSERT INTO outbox(id, seq, record) VALUES (?, ?, ?)",
+                    (record["id"], record["seq"], codec.encode(record)),
+                )
+        finally:
+            db.close()
+    lost = _cut_last_line(out, 40)
+    with caplog.at_level("INFO", logger="ratchet"):
+        ratchet.run(agent, inputs=inp, output=out, state_dir=state, workers=2)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    if crash:
+        assert warned == [] and "was cut by a crash; it is written again" in caplog.text
+        assert ids.count(lost) == 1 and len(ids) == 10
+    else:
+        assert len(warned) == 1 and "that output is lost" in warned[0], warned
+        assert repr(lost) in warned[0] and lost not in ids

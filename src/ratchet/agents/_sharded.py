@@ -39,6 +39,7 @@ from ratchet.connectors import redact, replays_in_order
 from ratchet.runtime._engine import (
     EngineConfig,
     EngineResult,
+    check_cut_output,
     stopped_by_signal,
     stopped_for_max_errors,
 )
@@ -259,6 +260,7 @@ def _coordinate(
         job = job_identity(sdir, has_history=False)
         sink.open(job)
         _refuse_lost_shard_history(layout, sdir, sink, job)
+        check_cut_output(sink, lambda text, whole: _in_an_outbox(layout, text, whole))
         source.open(job, checkpoint_interval=config.checkpoint_interval)
         if no_fork is not None and start_method() == "fork":
             log.info("starting shard workers as new interpreters: %s", no_fork)
@@ -317,6 +319,30 @@ def _refuse_lost_shard_history(layout: Layout, sdir: Path, sink: Sink, job: JobI
 
         if sink.holds_outputs_where(job, of_this_shard):
             raise lost_history_error(shard, sink, job, sdir)
+
+
+def _in_an_outbox(layout: Layout, text: str, whole: bool) -> bool:
+    """Whether a shard's outbox holds output `text` (`whole` False: an id beginning so)."""
+    for shard in layout.dirs:
+        if not (shard / DB_NAME).exists():
+            continue
+        try:
+            store = SqliteStore.open_readonly(shard)
+        except RatchetError:
+            continue  # its worker's start names the problem
+        try:
+            conn = store.conn
+            if whole:
+                row = conn.execute("SELECT 1 FROM outbox WHERE id = ?", (text,)).fetchone()
+            else:
+                row = conn.execute(
+                    "SELECT 1 FROM outbox WHERE substr(id, 1, ?) = ?", (len(text), text)
+                ).fetchone()
+            if row is not None:
+                return True
+        finally:
+            store.close()
+    return False
 
 
 def _change_workers(

@@ -823,6 +823,28 @@ class _EngineWaits:
         return out
 
 
+def check_cut_output(sink: Sink, pending: Callable[[str, bool], bool]) -> None:
+    """A crash can cut only a line whose output is still in an outbox (a line is synced
+    before its output is released): one cut otherwise was cut from outside, and is lost.
+    `pending(id, whole)`: whether an outbox holds that output (`whole` False: only the start
+    of its id is known)."""
+    cut = getattr(sink, "cut", None)
+    if cut is None:
+        return
+    text, whole = cut
+    if pending(text, whole):
+        log.info("output %r was cut by a crash; it is written again", text)
+        return
+    log.warning(
+        "--output %s: its last line (output %s%r) was cut after the output was written, "
+        "not by a crash; the line was dropped and that output is lost. Restore the file "
+        "from a backup if you need it",
+        getattr(sink, "path", "?"),
+        "" if whole else "beginning ",
+        text,
+    )
+
+
 class Engine:
     """Drive one agent over one source into one sink, checkpointing to one store."""
 
@@ -1566,25 +1588,12 @@ class Engine:
         )
 
     def _check_cut_output(self) -> None:
-        """A crash can cut only a line whose output is still in the outbox (a line is synced
-        before its output is released): one cut otherwise was cut from outside, and is lost."""
-        cut = getattr(self.sink, "cut", None)
-        if cut is None:
-            return
-        text, whole = cut
-        pending = (
-            text in self._unreleased if whole else any(i.startswith(text) for i in self._unreleased)
-        )
-        if pending:
-            log.info("output %r was cut by a crash; it is written again", text)
-            return
-        log.warning(
-            "--output %s: its last line (output %s%r) was cut after the output was written, "
-            "not by a crash; the line was dropped and that output is lost. Restore the file "
-            "from a backup if you need it",
-            getattr(self.sink, "path", "?"),
-            "" if whole else "beginning ",
-            text,
+        unreleased = self._unreleased
+        check_cut_output(
+            self.sink,
+            lambda text, whole: (
+                text in unreleased if whole else any(i.startswith(text) for i in unreleased)
+            ),
         )
 
     async def _release(self, records: dict[str, dict[str, Any]]) -> None:

@@ -5,6 +5,10 @@ naturally by (namespace, key, seq, task, idx), so a retried write is harmless. A
 (`ok`/`error`) is never overwritten: `ON CONFLICT ... DO UPDATE ... WHERE status = 'intent'`.
 `put` is one transaction per group of records, committed before it returns.
 
+Connecting waits at most the URI's `connect_timeout` (default 10 s; libpq's own "0 = forever"
+is refused), so a server that takes TCP connections and never answers fails the job's start
+with a line naming it instead of hanging there.
+
 The connection string may hold a password: it is only ever shown through `redact`, and the
 journal keeps it in memory only (never in Flink state or a log line).
 """
@@ -17,6 +21,7 @@ from typing import Any
 
 from ratchet._errors import ConfigError
 from ratchet.connectors import missing_extra, redact
+from ratchet.connectors._postgres import address_of, connect_timeout_of
 from ratchet.store._base import CallRecord
 from ratchet.store._call_journal import JournalledCall
 
@@ -62,6 +67,7 @@ def check_dsn(dsn: str) -> None:
         conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
         raise ConfigError(f"{FLAG} {redact(dsn)}: {str(exc).strip()}") from None
+    connect_timeout_of(dsn, FLAG, dsn)
 
 
 class PostgresCallJournal:
@@ -73,13 +79,15 @@ class PostgresCallJournal:
     caller, who retries (the core's writer) or reports it.
     """
 
-    def __init__(self, dsn: str, namespace: str, *, connect_timeout: int = 10) -> None:
+    def __init__(self, dsn: str, namespace: str, *, connect_timeout: int | None = None) -> None:
         check_dsn(dsn)
         if not namespace:
             raise ConfigError(f"{FLAG}: the journal namespace must not be empty")
         self._dsn = dsn
         self.namespace = namespace
-        self._timeout = connect_timeout
+        # The DSN's connect_timeout unless the caller sets one (a test): libpq's own default
+        # would wait forever for a server that takes the TCP connection and never answers.
+        self._timeout = connect_timeout or connect_timeout_of(dsn, FLAG, dsn)
         self._lock = threading.Lock()
         self._conn: Any = None
         with self._lock:
@@ -88,6 +96,13 @@ class PostgresCallJournal:
                 for stmt in _SCHEMA:
                     conn.execute(stmt)
                 conn.commit()
+            except psycopg.errors.ConnectionTimeout:
+                self._drop()
+                raise ConfigError(
+                    f"{FLAG} {redact(dsn)}: PostgreSQL at {address_of(dsn)} did not answer "
+                    f"within {self._timeout} s (connect_timeout); check that the server is up "
+                    f"and reachable, or give it longer with connect_timeout=SECONDS in its URI"
+                ) from None
             except psycopg.Error as exc:
                 self._drop()
                 raise ConfigError(

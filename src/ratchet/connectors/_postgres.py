@@ -11,6 +11,12 @@ NOTHING`. A write the server does not answer within `write_timeout` seconds fail
 connection is cut; the outputs stay in the outbox and are written again later): a server
 that hangs with its sockets open would otherwise hold every later write, and a stop, forever.
 
+Both: libpq's `connect_timeout` (default here 10 s, whatever libpq's own default) bounds
+opening: connecting, and then the checks of the table, which wait for a lock another session
+holds on it. A server that takes TCP connections and never answers (SIGSTOPped, a black-hole
+proxy), or a table locked by a long migration, is a one-line error at start, not a job that
+hangs there for good.
+
 psycopg is imported here, so `ratchet[postgres]` is needed only by those who use this.
 """
 
@@ -59,9 +65,10 @@ OUTPUT_COLUMNS = {
     "record": "jsonb",
 }
 _INTEGER_TYPES = ("smallint", "integer", "bigint")
-_SOURCE_PARAMS = frozenset({"table", "id_column", "poll"})
+_SOURCE_PARAMS = frozenset({"table", "id_column", "poll"})  # and libpq's: connect_timeout=...
 _SINK_PARAMS = frozenset({"table", "write_timeout"})
 _WRITE_TIMEOUT = 30.0
+_CONNECT_TIMEOUT = 10  # seconds; libpq takes whole seconds, and waits at least 2
 _READ_BATCH = 500
 _RETRY = 1.0  # seconds between attempts while the database cannot be read (--follow)
 # How long next_record waits for a read in the source's thread before it answers "nothing
@@ -97,13 +104,58 @@ def _split(uri: str, flag: str, known: frozenset[str]) -> tuple[str, dict[str, s
     return conninfo, ours, parts
 
 
-def _connect(conninfo: str, flag: str, uri: str, timeout: float = 10) -> psycopg.Connection[Any]:
+def connect_timeout_of(conninfo: str, flag: str, uri: str) -> int:
+    """The URI's `connect_timeout`, or ratchet's default: never libpq's "0 = wait forever"."""
+    value = conninfo_to_dict(conninfo).get("connect_timeout")
+    if value is None:
+        return _CONNECT_TIMEOUT
     try:
-        # libpq takes whole seconds, at least 2.
-        wait = max(2, math.ceil(min(timeout, 10)))
-        return psycopg.connect(conninfo, autocommit=True, connect_timeout=wait)
+        seconds = int(str(value))
+    except ValueError:
+        seconds = 0
+    if seconds < 2:
+        raise ConfigError(
+            f"{flag} {redact(uri)}: connect_timeout is a whole number of seconds, at least 2 "
+            f"(libpq's minimum; default {_CONNECT_TIMEOUT})"
+        )
+    return seconds
+
+
+def address_of(conninfo: str) -> str:
+    """HOST:PORT of a connection string, for messages (libpq's defaults when not given)."""
+    params = conninfo_to_dict(conninfo)
+    host = str(params.get("host") or params.get("hostaddr") or "localhost")
+    return f"{host}:{params.get('port') or 5432}"
+
+
+def _one_line(exc: BaseException) -> str:
+    """libpq's message on one line (it puts a hint on a second, tab-indented)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _connect(conninfo: str, flag: str, uri: str, timeout: int) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(conninfo, autocommit=True, connect_timeout=timeout)
+    except psycopg.errors.ConnectionTimeout as exc:
+        raise ConfigError(
+            f"{flag} {redact(uri)}: PostgreSQL at {address_of(conninfo)} did not answer within "
+            f"{timeout} s (connect_timeout); check that the server is up and reachable, or "
+            f"give it longer with &connect_timeout=SECONDS"
+        ) from exc
     except psycopg.Error as exc:
-        raise ConfigError(f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {exc}") from exc
+        raise ConfigError(
+            f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {_one_line(exc)}"
+        ) from exc
+
+
+def _checks_hung(where: str, conninfo: str, timeout: int, doing: str) -> ConfigError:
+    """The checks at start got no answer within connect_timeout (their connection was cut)."""
+    return ConfigError(
+        f"{where}: PostgreSQL at {address_of(conninfo)} did not answer within {timeout} s "
+        f"(connect_timeout) {doing}: another session may hold a lock on the table (an ALTER "
+        f"TABLE, a LOCK TABLE; see pg_locks), or the server hangs; end that, or give it longer "
+        f"with &connect_timeout=SECONDS"
+    )
 
 
 def _regclass(conn: psycopg.Connection[Any], parts: list[str]) -> str:
@@ -161,12 +213,12 @@ def _shape(columns: dict[str, str]) -> str:
 
 
 class _Deadline:
-    """Ends a write the server does not answer within `seconds`: shutting the connection's
-    socket down makes the blocked libpq call return with an error in the writing thread
-    (closing the connection from the timer's thread, under that call, is not safe). The
-    lock keeps the cut and the write's end apart: a write that ended is never cut, and the
-    socket cut is the connection's while the write runs (its descriptor cannot be closed
-    and reused meanwhile)."""
+    """Ends a statement (a write, the checks at start) the server does not answer within
+    `seconds`: shutting the connection's socket down makes the blocked libpq call return with
+    an error in the calling thread (closing the connection from the timer's thread, under that
+    call, is not safe). The lock keeps the cut and the statement's end apart: one that ended
+    is never cut, and the socket cut is the connection's while it runs (its descriptor cannot
+    be closed and reused meanwhile)."""
 
     def __init__(self, conn: psycopg.Connection[Any], seconds: float) -> None:
         self.conn = conn
@@ -206,12 +258,18 @@ class PostgresSink(Sink):
     """Outputs as rows of a table keyed by output id, each written once (see module doc)."""
 
     def __init__(
-        self, uri: str, conninfo: str, table: list[str], write_timeout: float = _WRITE_TIMEOUT
+        self,
+        uri: str,
+        conninfo: str,
+        table: list[str],
+        write_timeout: float = _WRITE_TIMEOUT,
+        connect_timeout: int = _CONNECT_TIMEOUT,
     ) -> None:
         self.uri = uri
         self.conninfo = conninfo
         self.table = table
         self.write_timeout = write_timeout
+        self.connect_timeout = connect_timeout
         self.ident = sql.Identifier(*table)
         self._conn: psycopg.Connection[Any] | None = None
         self._job: str | None = None
@@ -229,7 +287,7 @@ class PostgresSink(Sink):
                 f"--output {redact(uri)}: write_timeout is a number of seconds > 0 "
                 f"(default {_WRITE_TIMEOUT:g})"
             )
-        return cls(uri, conninfo, table, timeout)
+        return cls(uri, conninfo, table, timeout, connect_timeout_of(conninfo, "--output", uri))
 
     @property
     def where(self) -> str:
@@ -239,11 +297,20 @@ class PostgresSink(Sink):
         if self._conn is not None:
             return
         self._job = job.id if job is not None else None
-        conn = _connect(self.conninfo, "--output", self.uri)
+        conn = _connect(self.conninfo, "--output", self.uri, self.connect_timeout)
+        watch = _Deadline(conn, self.connect_timeout)
         try:
-            self._prepare(conn)
+            with watch:
+                self._prepare(conn)
         except psycopg.Error as exc:
             conn.close()
+            if watch.cut:
+                raise _checks_hung(
+                    self.where,
+                    self.conninfo,
+                    self.connect_timeout,
+                    "while preparing the output table",
+                ) from exc
             raise _refused(self.where, exc, "to prepare the output table") from exc
         except BaseException:
             conn.close()
@@ -287,11 +354,22 @@ class PostgresSink(Sink):
     def holds_outputs_of(self, job: JobIdentity) -> bool | None:
         if self._conn is None:
             return None
+        watch = _Deadline(self._conn, self.connect_timeout)  # asked at start, like open's checks
         try:
-            row = self._conn.execute(
-                sql.SQL("SELECT 1 FROM {} WHERE job = %s LIMIT 1").format(self.ident), (job.id,)
-            ).fetchone()
+            with watch:
+                row = self._conn.execute(
+                    sql.SQL("SELECT 1 FROM {} WHERE job = %s LIMIT 1").format(self.ident),
+                    (job.id,),
+                ).fetchone()
         except psycopg.Error as exc:
+            if watch.cut:
+                self._conn.close()
+                raise _checks_hung(
+                    self.where,
+                    self.conninfo,
+                    self.connect_timeout,
+                    "while reading the output table",
+                ) from exc
             raise _refused(self.where, exc, "to read the output table") from exc
         return row is not None
 
@@ -311,7 +389,9 @@ class PostgresSink(Sink):
         if self._conn is None:
             self.open(None)  # used without a Job (a Sink built by hand): not bound to one
         elif self._conn.closed:  # after a lost connection
-            self._conn = _connect(self.conninfo, "--output", self.uri, self.write_timeout)
+            # No longer than a write may take: a stop waits for this release.
+            wait = min(self.connect_timeout, max(2, math.ceil(self.write_timeout)))
+            self._conn = _connect(self.conninfo, "--output", self.uri, wait)
         assert self._conn is not None
         rows = [
             (
@@ -367,10 +447,12 @@ class PostgresSource(Source):
         id_column: str = "id",
         poll: float = 0.5,
         clock: Clock = SYSTEM_CLOCK,
+        connect_timeout: int = _CONNECT_TIMEOUT,
     ) -> None:
         self.uri = uri
         self.conninfo = conninfo
         self.table = table
+        self.connect_timeout = connect_timeout
         self.key_field = key_field
         self._follow = follow
         self.id_column = id_column
@@ -405,6 +487,7 @@ class PostgresSource(Source):
         return cls(
             uri, conninfo, table, key_field=key_field, follow=follow,
             id_column=params.get("id_column") or "id", poll=poll,
+            connect_timeout=connect_timeout_of(conninfo, "--input", uri),
         )  # fmt: skip
 
     @property
@@ -418,27 +501,37 @@ class PostgresSource(Source):
         return f"--input {redact(self.uri)} (table {'.'.join(self.table)})"
 
     def open(self, job: JobIdentity | None, *, checkpoint_interval: float) -> None:
-        conn = _connect(self.conninfo, "--input", self.uri)
+        conn = _connect(self.conninfo, "--input", self.uri, self.connect_timeout)
+        watch = _Deadline(conn, self.connect_timeout)
         try:
-            columns = _columns(conn, self.table)
-            if columns is None:
-                raise ConfigError(f"{self.where} does not exist")
-            kind = columns.get(self.id_column)
-            if kind not in _INTEGER_TYPES:
-                raise ConfigError(
-                    f"{self.where} has no integer column {self.id_column!r} to read it in order "
-                    f"by (its columns: {_shape(columns)}); pass ?id_column=NAME naming an "
-                    f"increasing smallint, integer or bigint column"
-                )
-            conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 0").format(sql.Identifier(*self.table)))
+            with watch:
+                self._check(conn)
         except psycopg.Error as exc:  # no SELECT privilege, say: found now, not at first read
             conn.close()
+            if watch.cut:
+                raise _checks_hung(
+                    self.where, self.conninfo, self.connect_timeout, "while checking the table"
+                ) from exc
             raise _refused(self.where, exc, "to read the table") from exc
         except BaseException:
             conn.close()
             raise
         self._conn = conn
         self._database = conn.info.dbname
+
+    def _check(self, conn: psycopg.Connection[Any]) -> None:
+        """The table exists, has an integer id column, and this user may read it."""
+        columns = _columns(conn, self.table)
+        if columns is None:
+            raise ConfigError(f"{self.where} does not exist")
+        kind = columns.get(self.id_column)
+        if kind not in _INTEGER_TYPES:
+            raise ConfigError(
+                f"{self.where} has no integer column {self.id_column!r} to read it in order "
+                f"by (its columns: {_shape(columns)}); pass ?id_column=NAME naming an "
+                f"increasing smallint, integer or bigint column"
+            )
+        conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 0").format(sql.Identifier(*self.table)))
 
     def restore(self, position: dict[str, Any]) -> None:
         if not position:
@@ -527,7 +620,9 @@ class PostgresSource(Source):
                 # Not _connect: a failed reconnect (the database restarting) is retried with
                 # --follow like a failed read; only the first connect, in open, is a
                 # ConfigError.
-                self._conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=10)
+                self._conn = psycopg.connect(
+                    self.conninfo, autocommit=True, connect_timeout=self.connect_timeout
+                )
             rows = self._conn.execute(self._query, (self._after, _READ_BATCH)).fetchall()
         except psycopg.OperationalError as exc:
             if self._conn is not None:

@@ -354,3 +354,77 @@ def test_the_client_loop_closes_without_leaving_pending_tasks() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "closed", done.stderr
     assert "Task was destroyed" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def consumer_names(server: Nats, stream: str) -> list[str]:
+    async def names(js: Any) -> list[str]:
+        return sorted(c.name for c in await js.consumers_info(stream))
+
+    return list(server.run(names))
+
+
+def test_a_start_refused_after_open_deletes_the_consumer_it_created(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    """A state that read a JSONL file, given a NATS --input: refused at restore, which comes
+    after the source's open created its durable consumer. The consumer was left on the
+    server, unused for good (named after this state's job id)."""
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": 0}).encode()])
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"key": "a", "i": 0}) + "\n")
+    base = [*RATCHET, "run", AGENT, "--output", str(tmp_path / "o.jsonl"),
+            "--state", str(tmp_path / "st")]  # fmt: skip
+    first = subprocess.run([*base, "--input", str(inp)], capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    uri = f"{nats_server.url}?stream=IN{s}&subject=in.{s}"
+    refused = subprocess.run([*base, "--input", uri], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert "not from the JetStream stream" in refused.stderr
+    assert consumer_names(nats_server, f"IN{s}") == []
+    assert nats_server.count(f"IN{s}") == 1  # the stream itself is untouched
+
+
+def test_a_refused_start_keeps_a_consumer_that_existed_before(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    """A consumer this start did not create is never deleted: the job's consumer holds its
+    position (the ack floor), and one the user made may have settings of their own."""
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": i}).encode() for i in range(3)])
+    uri = f"{nats_server.url}?stream=IN{s}&subject=in.{s}"
+    base = [*RATCHET, "run", AGENT, "--output", str(tmp_path / "o.jsonl"),
+            "--state", str(tmp_path / "st")]  # fmt: skip
+    first = subprocess.run([*base, "--input", uri], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    (ours,) = consumer_names(nats_server, f"IN{s}")
+    assert consumer(nats_server, s, ours).ack_floor.stream_seq == 3
+
+    # The same state through another consumer: refused at restore, naming the one it read
+    # through. The consumer this start created goes; the job's stays, its progress with it.
+    other = subprocess.run(
+        [*base, "--input", f"{uri}&durable=other"], capture_output=True, text=True, timeout=60
+    )
+    assert other.returncode == 2, other.stderr
+    assert f"pass ?durable={ours} to resume it" in other.stderr
+    assert consumer_names(nats_server, f"IN{s}") == [ours]
+    assert consumer(nats_server, s, ours).ack_floor.stream_seq == 3
+
+    # A consumer the user made beforehand, never read from, named by a start that is refused:
+    # not this start's to delete.
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    async def make(js: Any) -> None:
+        await js.add_consumer(
+            f"IN{s}",
+            ConsumerConfig(durable_name="mine", ack_policy=AckPolicy.EXPLICIT,
+                           filter_subject=f"in.{s}", ack_wait=30),
+        )  # fmt: skip
+
+    nats_server.run(make)
+    mine = subprocess.run(
+        [*base, "--input", f"{uri}&durable=mine"], capture_output=True, text=True, timeout=60
+    )
+    assert mine.returncode == 2, mine.stderr
+    assert consumer_names(nats_server, f"IN{s}") == sorted([ours, "mine"])

@@ -230,6 +230,7 @@ class NatsSource(Source):
         self._closing = False
         self._want: asyncio.Event | None = None
         self._acks: list[concurrent.futures.Future[None]] = []
+        self._created = False  # this open created the durable consumer
 
     @classmethod
     def from_uri(cls, uri: str, *, key_field: str, follow: bool) -> NatsSource:
@@ -317,6 +318,7 @@ class NatsSource(Source):
                     f"{subjects}: pass one of those"
                 ) from exc
             self._wait = wait
+            self._created = True
             log.info("created durable consumer %s on stream %s", self.durable, self.stream)
         else:
             cfg = info.config
@@ -533,6 +535,11 @@ class NatsSource(Source):
                 self._fetcher.result(timeout=5)
             except (Exception, concurrent.futures.CancelledError):  # noqa: BLE001, S110
                 pass  # stopping: what it fetched is naked below
+        if self._nc is not None and self._created and self._fetcher is None:
+            try:
+                loop.call(self._drop_unread_consumer(), timeout=15)
+            except Exception as exc:  # noqa: BLE001 - closing anyway
+                log.warning("%s: deleting the unread consumer failed: %r", self.where, exc)
         if self._nc is not None:
             try:
                 loop.call(self._close(), timeout=15)
@@ -540,6 +547,32 @@ class NatsSource(Source):
                 log.warning("closing the NATS connection failed: %r", exc)
         loop.close()
         self._loop = None
+
+    async def _drop_unread_consumer(self) -> None:
+        """The job was refused (or failed) at start, after open created the consumer and before
+        it read from it: delete the consumer, or it stays on the server for good, unused (its
+        name is this state's job id), holding its stream's messages for nobody under a
+        work-queue or interest retention. Only one this open created, and only while the server
+        says it delivered nothing: a consumer that existed before may hold the job's progress
+        (its ack floor), or be one the user made with settings of their own."""
+        js = self._nc.jetstream()
+        info = await js.consumer_info(self.stream, self.durable)
+        delivered = int(getattr(info.delivered, "stream_seq", 0) or 0)
+        floor = int(getattr(info.ack_floor, "stream_seq", 0) or 0)
+        if delivered or floor or info.num_ack_pending:
+            log.warning(
+                "%s: keeping the durable consumer %s: it delivered messages (up to stream "
+                "sequence %d) since this start created it",
+                self.where, self.durable, delivered,
+            )  # fmt: skip
+            return
+        await js.delete_consumer(self.stream, self.durable)
+        self._created = False
+        log.info(
+            "deleted the durable consumer %s on stream %s: this start created it, and the job "
+            "ended before reading from it",
+            self.durable, self.stream,
+        )  # fmt: skip
 
     async def _close(self) -> None:
         with self._lock:

@@ -428,3 +428,39 @@ def test_a_refused_start_keeps_a_consumer_that_existed_before(
     )
     assert mine.returncode == 2, mine.stderr
     assert consumer_names(nats_server, f"IN{s}") == sorted([ours, "mine"])
+
+
+def test_a_state_whose_consumer_is_gone_is_refused_not_read_again_from_the_start(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    """The consumer holds the job's progress: deleted (or lost with the server's store), open
+    made a new one, which delivered the whole stream again, and every input already
+    processed ran a second time (its outputs written twice, its key's state applied twice)."""
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": i}).encode() for i in range(3)])
+    out = tmp_path / "o.jsonl"
+    args = [*RATCHET, "run", AGENT, "--input", f"{nats_server.url}?stream=IN{s}&subject=in.{s}",
+            "--output", str(out), "--state", str(tmp_path / "st")]  # fmt: skip
+    first = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    (ours,) = consumer_names(nats_server, f"IN{s}")
+
+    async def delete(js: Any) -> None:
+        await js.delete_consumer(f"IN{s}", ours)
+
+    nats_server.run(delete)
+    again = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2, again.stderr
+    line = one_line(again.stderr)
+    assert (
+        f"the durable consumer '{ours}' that this state read stream IN{s} through is gone" in line
+    )
+    assert "or start over with a new --state" in line
+    assert len(out.read_text().splitlines()) == 3  # nothing processed twice
+    assert consumer_names(nats_server, f"IN{s}") == []  # the one this start made is gone too
+
+
+def one_line(stderr: str) -> str:
+    assert "Traceback" not in stderr
+    (line,) = [x for x in stderr.splitlines() if x.startswith("ratchet: error:")]
+    return line

@@ -231,6 +231,7 @@ class NatsSource(Source):
         self._want: asyncio.Event | None = None
         self._acks: list[concurrent.futures.Future[None]] = []
         self._created = False  # this open created the durable consumer
+        self._taken = False  # restore took the state's position: the start was not refused
 
     @classmethod
     def from_uri(cls, uri: str, *, key_field: str, follow: bool) -> NatsSource:
@@ -364,6 +365,7 @@ class NatsSource(Source):
 
     def restore(self, position: dict[str, Any]) -> None:
         if not position:
+            self._taken = True
             return
         if position.get("stream") != self.stream or "pending" not in position:
             raise ConfigError(
@@ -377,8 +379,23 @@ class NatsSource(Source):
                 f"{position.get('durable')!r}, not {self.durable!r}; pass "
                 f"?durable={position.get('durable')} to resume it"
             )
+        if self._created:
+            # The state read through this consumer, and open found none: it was deleted (or the
+            # server lost its store). A new one delivers the stream from its start: every
+            # message this job processed and acknowledged would be processed again.
+            raise ConfigError(
+                f"{self.where}: the durable consumer {self.durable!r} that this state read "
+                f"stream {self.stream} through is gone from the server (deleted, or the "
+                f"server's store lost), and with it the job's progress: a new consumer would "
+                f"deliver every message again, and those this job already processed would run "
+                f"twice. Create it again to deliver from the first stream sequence the job has "
+                f"not processed (`nats consumer add {self.stream} {self.durable} --pull --ack "
+                f"explicit --filter {self.subject} --deliver SEQ`), or start over with a new "
+                f"--state"
+            )
         with self._lock:
             self._restored |= {int(s) for s in position["pending"]}
+        self._taken = True
 
     def position(self) -> dict[str, Any]:
         with self._lock:
@@ -535,7 +552,7 @@ class NatsSource(Source):
                 self._fetcher.result(timeout=5)
             except (Exception, concurrent.futures.CancelledError):  # noqa: BLE001, S110
                 pass  # stopping: what it fetched is naked below
-        if self._nc is not None and self._created and self._fetcher is None:
+        if self._nc is not None and self._created and not self._taken and self._fetcher is None:
             try:
                 loop.call(self._drop_unread_consumer(), timeout=15)
             except Exception as exc:  # noqa: BLE001 - closing anyway
@@ -550,11 +567,11 @@ class NatsSource(Source):
 
     async def _drop_unread_consumer(self) -> None:
         """The job was refused (or failed) at start, after open created the consumer and before
-        it read from it: delete the consumer, or it stays on the server for good, unused (its
-        name is this state's job id), holding its stream's messages for nobody under a
-        work-queue or interest retention. Only one this open created, and only while the server
-        says it delivered nothing: a consumer that existed before may hold the job's progress
-        (its ack floor), or be one the user made with settings of their own."""
+        restore took the state's position: delete the consumer, or it stays on the server for
+        good, unused (named after this state's job id). Only one this open created, and only
+        while the server says it delivered nothing: one that existed before may hold the job's
+        progress (its ack floor), or be one the user made with settings of their own. A start
+        whose position was taken is never undone here: its checkpoints name the consumer."""
         js = self._nc.jetstream()
         info = await js.consumer_info(self.stream, self.durable)
         delivered = int(getattr(info.delivered, "stream_seq", 0) or 0)

@@ -315,6 +315,11 @@ class PostgresSink(Sink):
         except BaseException:
             conn.close()
             raise
+        if watch.cut:  # cut as the checks ended: they passed, the connection is gone
+            conn.close()
+            raise _checks_hung(
+                self.where, self.conninfo, self.connect_timeout, "while preparing the output table"
+            )
         self._conn = conn
 
     def _prepare(self, conn: psycopg.Connection[Any]) -> None:
@@ -516,6 +521,11 @@ class PostgresSource(Source):
         except BaseException:
             conn.close()
             raise
+        if watch.cut:  # cut as the checks ended: they passed, the connection is gone
+            conn.close()
+            raise _checks_hung(
+                self.where, self.conninfo, self.connect_timeout, "while checking the table"
+            )
         self._conn = conn
         self._database = conn.info.dbname
 

@@ -106,9 +106,9 @@ def test_work_answered_from_the_journal_after_a_restore_is_marked_replayed() -> 
     first.run(stop_at=START + 10, follow=True)
     again = Drive(Traced(), rows, store.reopen())
     again.run()
-    ((_at, status, blob),) = again.store.traces.values()
+    ((_at, status, blob, key_type),) = again.store.traces.values()
     tasks = codec.decode(blob)["tasks"]
-    assert status == "ok"
+    assert status == "ok" and key_type == "str"
     assert [(t["action"], t["replayed"]) for t in tasks] == [("first", True), ("second", False)]
     assert "calls" not in tasks[0]  # nothing ran for it in this process
 

@@ -198,7 +198,7 @@ def test_traces_and_ltm_are_made_by_their_first_write_and_read_as_empty_before(
         assert store.traces("k") == [] and store.ltm_rows("scope") == []
         trace = (
             "k", 3, 5.0, "completed",
-            codec.encode([1.0, []]),
+            codec.encode([1.0, []]), "str",
         )  # fmt: skip
         store.write_checkpoint(CheckpointRows(traces=[trace], trace_retention=(20, None)), 5.0)
         assert store._has_table("traces") and not store._has_table("ltm")
@@ -214,7 +214,7 @@ def test_a_failed_checkpoint_that_made_a_table_leaves_no_table(tmp_path: Path) -
         bad = CheckpointRows(
             keys=[(b"\xa1k", "k", 1, b"m" * 500, 1)],
             ltm_add=[("scope", "id", "text", b"m", b"v", 1.0)],  # makes ltm, then
-            traces=[("k", 1, 1.0, None, b"t")],  # type: ignore[list-item]  # fails in traces
+            traces=[("k", 1, 1.0, None, b"t", "str")],  # type: ignore[list-item]  # fails in traces
         )
         with pytest.raises(sqlite3.IntegrityError):
             store.write_checkpoint(bad, 1.0)

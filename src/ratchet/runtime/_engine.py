@@ -930,8 +930,9 @@ class Engine:
         # worker's inputs are numbered by its coordinator, so its redrives take another range.
         self.redrive_seqs: Iterator[int] | None = None
         self._written_report: dict[str, Any] = {"paused": []}
-        self._traces_since_prune: dict[str, int] = {}
-        self._traces_pruned: set[str] = set()  # keys pruned once by this process
+        # By (key text, key type): the integer key 1 and the string key "1" are two keys.
+        self._traces_since_prune: dict[tuple[str, str], int] = {}
+        self._traces_pruned: set[tuple[str, str]] = set()  # keys pruned once by this process
         self._dispatcher = Dispatcher(
             binding,
             spawn=self._spawn,
@@ -1516,9 +1517,9 @@ class Engine:
             for seq, (key, failed, started, tasks) in delta.traces.items():
                 status = "error" if failed else "ok"
                 blob = tasks if isinstance(tasks, bytes) else _pack_trace(started, tasks)
-                text = str(key)
-                rows.traces.append((text, seq, triggered, status, blob))
-                fresh[text] = fresh.get(text, 0) + 1
+                text, key_type = str(key), signal_key_type(key)
+                rows.traces.append((text, seq, triggered, status, blob, key_type))
+                fresh[text, key_type] = fresh.get((text, key_type), 0) + 1
             if keep is not None:
                 # A key is cut down to its last N once it has N new traces (amortised: one
                 # DELETE per N runs, not per run), and at its first new trace in this

@@ -359,8 +359,9 @@ def reshard(
 
 
 def _placer(texts: dict[str, Any], index: int, workers: int) -> Callable[[str, str | None], bool]:
-    """Whether a row naming a key by its text belongs to shard `index`; a signal's row also
-    by the type of its key ('str' or 'int'; None: the key held of that text, if any)."""
+    """Whether a row naming a key by its text belongs to shard `index`; a signal's or a
+    trace's row also by the type of its key ('str' or 'int'; None: the key held of that text,
+    if any)."""
 
     def mine(text: str, key_type: str | None = None) -> bool:
         key: Any = texts.get(text, text)

@@ -44,12 +44,14 @@ class CheckpointRows:
     redriven: list[tuple[int, int]] = field(default_factory=list)
     # what the engine reports about itself for `ratchet status` (e.g. "paused"); {}: unchanged
     report: dict[str, Any] = field(default_factory=dict)
-    # traces of runs that completed: (key text, input seq, completed at, status, encoded trace)
-    traces: list[tuple[str, int, float, str, bytes]] = field(default_factory=list)
+    # traces of runs that completed: (key text, input seq, completed at, status, encoded
+    # trace, key type: 'str' or 'int', `signal_key_type`: the text "1" names two keys)
+    traces: list[tuple[str, int, float, str, bytes, str]] = field(default_factory=list)
     # keep the last N traces per key (None: all) and none older than `age` seconds (None: any)
     trace_retention: tuple[int | None, float | None] = (None, None)
-    # keys whose traces to cut down to the last N now (the engine asks every so often)
-    trace_prune: list[str] = field(default_factory=list)
+    # keys whose traces to cut down to the last N now (the engine asks every so often), as
+    # (key text, key type)
+    trace_prune: list[tuple[str, str]] = field(default_factory=list)
     # long-term memory: (scope, id, text, encoded metadata, float32 vector, added at) to add
     # (or replace), and (scope, id) to delete, applied in that order
     ltm_add: list[tuple[str, str, str, bytes, bytes, float]] = field(default_factory=list)
@@ -138,8 +140,8 @@ def ltm_key_scope(key: Any) -> str:
 
 
 def signal_key_type(key: Any) -> str:
-    """A key's type as the signals table records it (`key_type`): the integer key 1 and the
-    string key "1" share a text, and a signal is for one of them."""
+    """A key's type as the signals and traces tables record it (`key_type`): the integer key
+    1 and the string key "1" share a text, and a signal is for (a trace is of) one of them."""
     return "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
 
 

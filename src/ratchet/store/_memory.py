@@ -59,7 +59,8 @@ class MemoryStore:
         # id -> [key, key text, seq, event, reason, at, kind, detail, redrive asked, redriven as]
         self.dead: dict[int, list[Any]] = {}
         self.report: dict[str, Any] = {}
-        self.traces: dict[tuple[str, int], tuple[float, str, bytes]] = {}
+        # (key text, seq) -> (completed at, status, encoded trace, key type)
+        self.traces: dict[tuple[str, int], tuple[float, str, bytes, str | None]] = {}
         # scope -> id -> (text, encoded metadata, vector, added at)
         self.ltm: dict[str, dict[str, tuple[str, bytes, bytes, float]]] = {}
 
@@ -143,16 +144,21 @@ class MemoryStore:
             self.ltm.setdefault(scope, {})[ltm_id] = (text, meta, vector, at)
         for scope, ltm_id in rows.ltm_delete:
             self.ltm.get(scope, {}).pop(ltm_id, None)
-        for key_text, seq, at, status, blob in rows.traces:
-            self.traces[(key_text, seq)] = (at, status, blob)
+        for key_text, seq, at, status, blob, key_type in rows.traces:
+            self.traces[(key_text, seq)] = (at, status, blob, key_type)
         keep, age = rows.trace_retention
         if rows.traces and keep is not None:
-            for key_text in rows.trace_prune:
-                mine = sorted(s for k, s in self.traces if k == key_text)
+            for key_text, key_type in rows.trace_prune:
+                # The key's own traces and untyped ones (either key's), as SQLite prunes.
+                mine = sorted(
+                    s
+                    for (k, s), (*_row, kt) in self.traces.items()
+                    if k == key_text and kt in (key_type, None)
+                )
                 for s in mine[:-keep] if keep else mine:
                     del self.traces[(key_text, s)]
         if rows.traces and age is not None:
-            old = [tk for tk, (at, _st, _b) in self.traces.items() if at < triggered_at - age]
+            old = [tk for tk, (at, *_rest) in self.traces.items() if at < triggered_at - age]
             for tk in old:
                 del self.traces[tk]
         info = {

@@ -134,6 +134,7 @@ _MIGRATIONS: list[tuple[str, ...]] = [
     ),
     (),  # 10: long-term memory of a key that is not a string: its own scope (_typed_ltm_scopes)
     (),  # 11: the type of the key a signal is for (_typed_signals)
+    (),  # 12: the type of the key a trace is of (_typed_traces)
 ]
 # Whether a stored key (its codec bytes) is a string: msgpack's str forms (fixstr a0-bf, str
 # 8/16/32 d9-db) and nothing else start with these bytes, and the codec writes only exact
@@ -174,11 +175,32 @@ def _typed_signals(c: sqlite3.Connection) -> None:
         c.execute("ALTER TABLE signals ADD COLUMN key_type TEXT")
 
 
+def traces_typed(conn: sqlite3.Connection) -> bool:
+    """Whether the traces table records key types (schema 12): a read-only reader of an
+    older state that no job has opened since sees it without."""
+    return any(row[1] == "key_type" for row in conn.execute("PRAGMA table_info(traces)"))
+
+
+_ADD_TRACE_KEY_TYPE = "ALTER TABLE traces ADD COLUMN key_type TEXT"
+
+
+def _typed_traces(c: sqlite3.Connection) -> None:
+    """Migration 12: traces record the type of their run's key ('str' or 'int'): the text "1"
+    names two keys, and `ratchet trace --key 1` showed the runs of both. NULL (a trace kept
+    before): either key of its text. Added only where the table exists (a new state makes it
+    on first use, with the column) and lacks it (a state a test or a tool put back to an
+    older schema version may have it)."""
+    exists = c.execute("SELECT 1 FROM sqlite_master WHERE name = 'traces'").fetchone()
+    if exists is not None and not traces_typed(c):
+        c.execute(_ADD_TRACE_KEY_TYPE)
+
+
 # Python steps of migrations whose work SQL alone cannot do, by the version they reach.
-_PY_MIGRATIONS = {10: _typed_ltm_scopes, 11: _typed_signals}
+_PY_MIGRATIONS = {10: _typed_ltm_scopes, 11: _typed_signals, 12: _typed_traces}
 # Tables a new database creates when first written (an empty table still takes a page), with
-# the statements that created them in older databases.
-_LAZY_TABLES = {"traces": _MIGRATIONS[5], "ltm": _MIGRATIONS[6]}
+# the statements that created them in older databases (and added to them since: a table made
+# on first use has the same schema as one migrated).
+_LAZY_TABLES = {"traces": (*_MIGRATIONS[5], _ADD_TRACE_KEY_TYPE), "ltm": _MIGRATIONS[6]}
 # A memory longer than this (encoded) is kept in `spilled`, not in its key's row.
 _INLINE_MEMORY = 160
 _UPSERT_KEY = (
@@ -874,16 +896,19 @@ class SqliteStore:
             if rows.traces:
                 self._ensure_table("traces")
                 c.executemany(
-                    "INSERT OR REPLACE INTO traces(key_text, seq, at, status, trace) "
-                    "VALUES (?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO traces(key_text, seq, at, status, trace, key_type) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
                     rows.traces,
                 )
                 keep, age = rows.trace_retention
                 if keep is not None and rows.trace_prune:
+                    # A key's last N: its own traces and those kept before types were (either
+                    # key's), not the other key's of the same text.
+                    mine = "key_text = ?1 AND (key_type = ?2 OR key_type IS NULL)"
                     c.executemany(
-                        "DELETE FROM traces WHERE key_text = ? AND seq NOT IN (SELECT seq FROM "
-                        "traces WHERE key_text = ? ORDER BY seq DESC LIMIT ?)",
-                        [(k, k, keep) for k in rows.trace_prune],
+                        f"DELETE FROM traces WHERE {mine} AND seq NOT IN (SELECT seq FROM "
+                        f"traces WHERE {mine} ORDER BY seq DESC LIMIT ?3)",
+                        [(k, t, keep) for k, t in rows.trace_prune],
                     )
                 if age is not None:
                     c.execute("DELETE FROM traces WHERE at < ?", (triggered_at - age,))
@@ -1224,30 +1249,67 @@ class SqliteStore:
         ).fetchall()
         return [(str(i), str(t), bytes(m), bytes(v), float(a)) for i, t, m, v, a in rows]
 
-    def traces(self, key_text: str, seq: int | None = None) -> list[dict[str, Any]]:
-        """Kept traces of a key's completed runs, newest first (or the one of input `seq`)."""
-        exists = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'traces'").fetchone()
-        if exists is None:
+    def traces(
+        self, key_text: str, seq: int | None = None, key_type: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Kept traces of a key's completed runs, newest first (or the one of input `seq`).
+
+        `key_type` ('str' or 'int') says which of the two keys of a text like "1" (traces kept
+        before types were recorded are either's); None: every trace of the text. A trace that
+        records its key's type says it (`key_type`)."""
+        if not self._has_table("traces"):
             return []
-        sql = "SELECT seq, at, status, trace FROM traces WHERE key_text = ?"
+        typed = traces_typed(self.conn)
+        sql = f"SELECT seq, at, status, trace, {'key_type' if typed else 'NULL'} FROM traces "
+        sql += "WHERE key_text = ?"
         params: list[Any] = [key_text]
         if seq is not None:
             sql += " AND seq = ?"
             params.append(seq)
+        if key_type is not None and typed:
+            sql += " AND (key_type = ? OR key_type IS NULL)"
+            params.append(key_type)
         out = []
-        for s, at, status, blob in self.conn.execute(sql + " ORDER BY seq DESC", params):
+        for s, at, status, blob, kt in self.conn.execute(sql + " ORDER BY seq DESC", params):
             started, tasks = unpack_trace(blob)
-            out.append(
-                {
-                    "key": key_text,
-                    "seq": s,
-                    "completed_at": at,
-                    "status": status,
-                    "started_at": started,
-                    "tasks": tasks,
-                }
-            )
+            row = {
+                "key": key_text,
+                "seq": s,
+                "completed_at": at,
+                "status": status,
+                "started_at": started,
+                "tasks": tasks,
+            }
+            if kt is not None:
+                row["key_type"] = kt
+            out.append(row)
         return out
+
+    def held_key_types(self, key_text: str) -> set[str]:
+        """The types ('str', 'int') of the keys of text `key_text` the state holds: in its
+        keys, its runs or its typed traces. Two for a text like "1" whose string and integer
+        keys both ran."""
+        forms: dict[str, Any] = {"str": key_text}
+        if key_text.lstrip("-").isdigit() and str(int(key_text)) == key_text:
+            forms["int"] = int(key_text)
+        held = {
+            kind
+            for kind, form in forms.items()
+            if self.conn.execute(
+                "SELECT 1 FROM keys WHERE key = ?1 UNION ALL SELECT 1 FROM runs WHERE key = ?1",
+                (codec.encode(form),),
+            ).fetchone()
+        }
+        if self._has_table("traces") and traces_typed(self.conn):
+            held.update(
+                str(t)
+                for (t,) in self.conn.execute(
+                    "SELECT DISTINCT key_type FROM traces WHERE key_text = ? AND key_type "
+                    "IS NOT NULL",
+                    (key_text,),
+                )
+            )
+        return held
 
     def pending_signals(self) -> list[dict[str, Any]]:
         """Signals sent and not consumed yet (`ratchet status`)."""

@@ -25,9 +25,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ratchet._errors import CodecError, CorruptDataError, RatchetError, StateError
+from ratchet._errors import (
+    CodecError,
+    CorruptDataError,
+    InvalidArgumentError,
+    RatchetError,
+    StateError,
+)
 from ratchet.store import codec
-from ratchet.store._sqlite import DB_NAME, SqliteStore, signals_typed
+from ratchet.store._sqlite import DB_NAME, SqliteStore, signals_typed, traces_typed
 from ratchet.store._traces import unpack_trace
 
 __all__ = ["State", "open_state"]
@@ -56,24 +62,72 @@ def undecodable_trace(db: Path, key: str, seq: int, exc: BaseException) -> State
 
 
 def read_traces(
-    store: SqliteStore, key_text: str, seq: int | None = None
+    store: SqliteStore, key_text: str, seq: int | None = None, key_type: str | None = None
 ) -> tuple[list[dict[str, Any]], list[tuple[int, Exception]]]:
-    """`store.traces(key_text, seq)`, and apart the (seq, error) of each trace that does not
-    decode: one damaged row must not hide the others, and the error names its seq."""
+    """`store.traces(key_text, seq, key_type)`, and apart the (seq, error) of each trace that
+    does not decode: one damaged row must not hide the others, and the error names its seq."""
     try:
-        return store.traces(key_text, seq), []
+        return store.traces(key_text, seq, key_type), []
     except (CodecError, CorruptDataError, TypeError, ValueError):
         pass  # read them one by one to find the damaged ones (rare: only then)
     sql = "SELECT seq FROM traces WHERE key_text = ?" + (" AND seq = ?" if seq is not None else "")
     params: list[Any] = [key_text] if seq is None else [key_text, seq]
+    if key_type is not None and traces_typed(store.conn):
+        sql += " AND (key_type = ? OR key_type IS NULL)"
+        params.append(key_type)
     good: list[dict[str, Any]] = []
     bad: list[tuple[int, Exception]] = []
     for (s,) in store.conn.execute(sql + " ORDER BY seq DESC", params).fetchall():
         try:
-            good += store.traces(key_text, int(s))
+            good += store.traces(key_text, int(s), key_type)
         except (CodecError, CorruptDataError, TypeError, ValueError) as exc:
             bad.append((int(s), exc))
     return good, bad
+
+
+TRACE_KEY_TYPES = ("auto", "str", "int")
+
+
+def trace_key_type(
+    text: str,
+    key_type: str,
+    seq: int | None,
+    held: Callable[[], set[str]],
+    where: Path | str,
+) -> str | None:
+    """Which of the two keys of a text like "1" to show the traces of: 'str' or 'int' as
+    asked; for "auto", the one the state holds (`held()` gives the types it holds). None:
+    every trace of the text (with `seq`, which names one run; or when the state holds neither
+    key, so any trace there is one kept before types were, of either). A state holding both
+    is refused: showing both keys' runs as one key's was the defect this prevents."""
+    from ratchet.runtime._shards import int_text
+
+    if key_type not in TRACE_KEY_TYPES:
+        raise InvalidArgumentError(
+            f"key type must be one of {', '.join(TRACE_KEY_TYPES)}, not {key_type!r}"
+        )
+    if key_type == "int" and not int_text(text):
+        raise InvalidArgumentError(f"key {text!r} is not an integer (--key-type int)")
+    if key_type != "auto":
+        return key_type
+    if seq is not None:
+        return None
+    types = held()
+    if len(types) > 1:
+        raise InvalidArgumentError(
+            f"{where} holds both the string key {text!r} and the integer key {text}: say whose "
+            f"traces to show (--key-type str or --key-type int; REST: ?key_type=str or int; "
+            f"from Python: state.traces(key, key_type='str') or pass the key as an int)"
+        )
+    return types.pop() if types else None
+
+
+def _asked_type(key: str | int, key_type: str | None) -> str:
+    """What `State.traces` was asked for: an int key says it is the integer key; a str key
+    may be the text of either (as `keys()` and `recent_runs()` give keys)."""
+    if key_type is not None:
+        return key_type
+    return "int" if isinstance(key, int) and not isinstance(key, bool) else "auto"
 
 
 def open_state(state_dir: str | os.PathLike[str]) -> State:
@@ -253,13 +307,14 @@ class State:
             ).fetchone()
             if exists is None:
                 return []
+            kt = "key_type" if traces_typed(s.conn) else "NULL"
             rows = s.conn.execute(
-                "SELECT key_text, seq, at, status, trace FROM traces ORDER BY at DESC, seq DESC "
-                "LIMIT ?",
+                f"SELECT key_text, seq, at, status, trace, {kt} FROM traces "
+                "ORDER BY at DESC, seq DESC LIMIT ?",
                 (max(0, int(limit)),),
             ).fetchall()
-            out = []
-            for key_text, seq, at, status, blob in rows:
+            out: list[dict[str, Any]] = []
+            for key_text, seq, at, status, blob, key_type in rows:
                 try:  # either stored format (it read only the older, so it was always None)
                     tasks: int | None = len(unpack_trace(blob)[1])
                 except (RatchetError, TypeError, AttributeError, ValueError):
@@ -268,6 +323,8 @@ class State:
                     {"key": key_text, "seq": seq, "completed_at": at, "status": status,
                      "tasks": tasks}
                 )  # fmt: skip
+                if key_type is not None:  # which of the two keys of a text like "1"
+                    out[-1]["key_type"] = key_type
             return out
 
         return self._read(read)
@@ -357,20 +414,33 @@ class State:
         first."""
         return self._read(lambda s: _shown(s.dead_letters(), False))
 
-    def traces(self, key: str | int, seq: int | None = None) -> list[dict[str, Any]]:
+    def traces(
+        self, key: str | int, seq: int | None = None, *, key_type: str | None = None
+    ) -> list[dict[str, Any]]:
         """The kept traces of `key`'s completed runs, newest first (only input `seq`'s with
-        `seq`): key, seq, completed_at, status, started_at and tasks (each: action, on, task,
-        index, replayed, started, duration, attempts, calls, notes, memory, events). The first
-        one is what `ratchet trace --key K [--seq N] --json` prints. Runs in flight have no
-        trace yet; older ones go by the job's `--trace-retention`."""
+        `seq`): key, seq, completed_at, status, started_at, key_type ('str' or 'int'; absent
+        on a trace kept before types were) and tasks (each: action, on, task, index, replayed,
+        started, duration, attempts, calls, notes, memory, events). The first one is what
+        `ratchet trace --key K [--seq N] --json` prints. Runs in flight have no trace yet;
+        older ones go by the job's `--trace-retention`.
+
+        The string key "1" and the integer key 1 are two keys: an int `key`, or `key_type`
+        'int', means the integer key; `key_type` 'str' the string key; a str `key` without a
+        `key_type` ('auto') whichever of the two the state holds, and a state holding both
+        raises `ratchet.InvalidArgumentError` until you say which."""
+        text, asked = str(key), _asked_type(key, key_type)
 
         def read(s: SqliteStore) -> list[dict[str, Any]]:
-            good, bad = read_traces(s, str(key), seq)
+            typed = trace_key_type(text, asked, seq, lambda: s.held_key_types(text), self._dir)
+            good, bad = read_traces(s, text, seq, typed)
             if bad:
-                raise undecodable_trace(self._dir / DB_NAME, str(key), bad[0][0], bad[0][1])
+                raise undecodable_trace(self._dir / DB_NAME, text, bad[0][0], bad[0][1])
             return good
 
         return self._read(lambda s: _shown(read(s), False))
+
+    def _held_key_types(self, text: str) -> set[str]:
+        return self._read(lambda s: s.held_key_types(text))
 
     def checkpoints(self) -> dict[str, Any]:
         """What `ratchet checkpoints --json` prints: counts, latest_restored, the statistics
@@ -474,8 +544,17 @@ class ShardedState(State):
                 out.append(d)
         return sorted(out, key=lambda d: (d["at"], d["id"]))
 
-    def traces(self, key: str | int, seq: int | None = None) -> list[dict[str, Any]]:
-        found = [t for s in self._each() for t in s.traces(key, seq)]
+    def traces(
+        self, key: str | int, seq: int | None = None, *, key_type: str | None = None
+    ) -> list[dict[str, Any]]:
+        # The two keys of a text may live in two shards: which one is meant is found over all.
+        text, shards = str(key), self._each()
+
+        def held() -> set[str]:
+            return set().union(*(s._held_key_types(text) for s in shards))
+
+        typed = trace_key_type(text, _asked_type(key, key_type), seq, held, self._dir)
+        found = [t for s in shards for t in s.traces(text, seq, key_type=typed or "auto")]
         return sorted(found, key=lambda t: t["seq"], reverse=True)
 
     def checkpoints(self) -> dict[str, Any]:

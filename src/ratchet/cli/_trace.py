@@ -29,6 +29,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--seq", type=seq_number, default=None, help="the run's input seq (default: latest)"
     )
+    p.add_argument(
+        "--key-type",
+        choices=["auto", "str", "int"],
+        default="auto",
+        help="whether a KEY like 42 is the string or the integer key (two keys; default auto: "
+        "the one the state holds, refused when it holds both, unless --seq names the run)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)
 
@@ -36,16 +43,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_trace(args: argparse.Namespace) -> int:
     import sys
 
-    from ratchet._state_api import read_traces, undecodable_trace
-    from ratchet.runtime._shards import state_dirs
+    from ratchet._state_api import read_traces, trace_key_type, undecodable_trace
+    from ratchet.runtime._shards import int_text, state_dirs
     from ratchet.store._sqlite import DB_NAME, SqliteStore
 
+    dirs = state_dirs(args.state)  # a sharded job: the key's runs are in its shard
+
+    def held() -> set[str]:
+        """The types of the keys of the text that the state holds, over every shard (the
+        string key "1" and the integer key 1 may live in two)."""
+        types: set[str] = set()
+        for sdir in dirs:
+            store = SqliteStore.open_readonly(sdir)
+            try:
+                types |= store.held_key_types(args.key)
+            finally:
+                store.close()
+        return types
+
+    key_type = trace_key_type(args.key, args.key_type, args.seq, held, args.state)
     found: list[dict[str, Any]] = []
     damaged: list[tuple[int, Path, Exception]] = []
-    for sdir in state_dirs(args.state):  # a sharded job: the key's runs are in its shard
+    for sdir in dirs:
         store = SqliteStore.open_readonly(sdir)
         try:
-            good, bad = read_traces(store, args.key, args.seq)
+            good, bad = read_traces(store, args.key, args.seq, key_type)
         finally:
             store.close()
         found += good
@@ -58,7 +80,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
         seq, db, exc = newest_bad
         raise undecodable_trace(db, args.key, seq, exc) from exc
     if not found:
-        which = f"input {args.seq} of key {args.key!r}" if args.seq is not None else args.key
+        which = f"key {args.key!r}" if key_type is None else f"the {key_type} key {args.key!r}"
+        if args.seq is not None:
+            which = f"input {args.seq} of {which}"
         print(
             f"ratchet: no trace kept for {which} in {args.state} (runs in flight have none yet; "
             f"older ones go by --trace-retention)",
@@ -75,8 +99,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     starts = [t["started"] for t in run["tasks"] if t.get("started") is not None]
     origin = min(starts) if starts else None
+    # Of the two keys of a text like "1", which one ran (a trace kept before types were
+    # does not say).
+    kind = f" ({run['key_type']})" if run.get("key_type") and int_text(run["key"]) else ""
     title = (
-        f"[bold]key {e(str(run['key']))} input {run['seq']}[/]: {run['status']}, "
+        f"[bold]key {e(str(run['key']))}{kind} input {run['seq']}[/]: {run['status']}, "
         f"{len(run['tasks'])} "
         f"task(s), completed {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run['completed_at']))}"
     )

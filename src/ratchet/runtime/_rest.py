@@ -239,6 +239,9 @@ class RunSummary(BaseModel):
     completed_at: float
     status: str
     tasks: int | None = None
+    key_type: Literal["str", "int"] | None = Field(
+        None, description="whose run, of the two keys of a text like 1; absent: not recorded"
+    )
 
 
 class RunsView(BaseModel):
@@ -253,6 +256,9 @@ class Trace(BaseModel):
     completed_at: float
     status: str
     started_at: float | None = None
+    key_type: Literal["str", "int"] | None = Field(
+        None, description="whose run, of the two keys of a text like 1; absent: not recorded"
+    )
     tasks: list[Any]
 
 
@@ -624,7 +630,7 @@ def _state_endpoints(
     from fastapi import Query
     from fastapi.responses import JSONResponse
 
-    from ratchet._errors import StateError
+    from ratchet._errors import InvalidArgumentError, StateError
 
     no_state: dict[int | str, dict[str, Any]] = {
         503: {"model": Unavailable, "description": "the state cannot be read (not created yet)"},
@@ -634,6 +640,12 @@ def _state_endpoints(
         404: {"model": Unavailable, "description": "nothing committed under that name"},
         **no_state,
     }
+    # A key's traces: the string key "1" and the integer key 1 are two keys.
+    which_key: dict[int | str, dict[str, Any]] = {
+        400: {"model": Unavailable, "description": "key_type=auto and the state holds both "
+              "keys of the text: say which"},
+    }  # fmt: skip
+    key_type_doc = 'the string key "1" or the integer key 1 (auto: the one the state holds;'
 
     def read(fn: Callable[[Any], Any]) -> Any:
         try:
@@ -641,6 +653,8 @@ def _state_endpoints(
                 return fn(state)
         except StateError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=503)
+        except InvalidArgumentError as exc:  # which key is meant: the caller must say
+            return JSONResponse({"detail": str(exc)}, status_code=400)
 
     def missing(what: str) -> Any:
         return JSONResponse({"detail": what}, status_code=404)
@@ -675,27 +689,48 @@ def _state_endpoints(
     @app.get(
         "/v1/keys/{key:path}/runs",
         response_model=list[RunSummary],
-        responses=no_state,
+        responses={**which_key, **no_state},
         summary="a key's completed runs that have a kept trace, newest first",
     )
-    def get_key_runs(key: str) -> Any:
+    def get_key_runs(
+        key: str,
+        key_type: Literal["auto", "str", "int"] = Query(
+            "auto", description=key_type_doc + " a state holding both refuses auto)"
+        ),
+    ) -> Any:
+        from ratchet.runtime._shards import int_text
+
+        if key_type == "int" and not int_text(key):
+            return []  # no integer key has that text
         return read(
             lambda s: [
-                {k: t[k] for k in ("key", "seq", "completed_at", "status")}
+                {k: t[k] for k in ("key", "seq", "completed_at", "status", "key_type") if k in t}
                 | {"tasks": len(t["tasks"])}
-                for t in s.traces(key)
+                for t in s.traces(key, key_type=key_type)
             ]
         )
 
     @app.get(
         "/v1/keys/{key:path}/runs/{seq}/trace",
         response_model=Trace,
-        responses=not_found,
+        responses={**which_key, **not_found},
         summary="the trace of one completed run (`ratchet trace --key K --seq N --json`)",
     )
-    def get_trace(key: str, seq: int) -> Any:
+    def get_trace(
+        key: str,
+        seq: int,
+        key_type: Literal["auto", "str", "int"] = Query(
+            "auto", description=key_type_doc + " the run of the input seq)"
+        ),
+    ) -> Any:
+        from ratchet.runtime._shards import int_text
+
         def fn(s: Any) -> Any:
-            found = s.traces(key, seq) if -(2**63) <= seq < 2**63 else []
+            found = (
+                s.traces(key, seq, key_type=key_type)
+                if -(2**63) <= seq < 2**63 and (key_type != "int" or int_text(key))
+                else []
+            )
             if not found:
                 return missing(f"no kept trace for key {key!r}, input {seq}")
             return found[0]

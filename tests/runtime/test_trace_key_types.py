@@ -127,6 +127,7 @@ def test_rest_reads_the_traces_of_one_key(tmp_path: Path) -> None:
     assert [(r["seq"], r["key_type"]) for r in runs] == [(2, "str"), (0, "str")]
     assert client.get("/v1/keys/1/runs/2/trace").json()["key_type"] == "str"
     assert client.get("/v1/keys/1/runs/2/trace?key_type=int").status_code == 404
+    assert client.get("/v1/keys/a/runs?key_type=int").status_code == 404  # no integer reads so
 
 
 def _put_back_to_schema_11(state: Path) -> None:
@@ -199,3 +200,21 @@ def test_retention_keeps_the_last_n_of_each_key_of_a_text(tmp_path: Path) -> Non
     with ratchet.open_state(state) as st:
         assert [t["seq"] for t in st.traces("1", key_type="str")][:1] == [2]
         assert [t["seq"] for t in st.traces(1)][:1] == [3]
+
+
+def test_the_in_memory_store_keeps_traces_by_key_type_too() -> None:
+    from ratchet import Agent, InputEvent, OutputEvent, action
+    from ratchet.store._memory import MemoryStore
+    from ratchet.testing import FakeClock
+    from support.fakeclock import START, Drive
+
+    class Tag(Agent):
+        @action(InputEvent)
+        async def tag(self, event: InputEvent, ctx: Any) -> None:
+            ctx.send_event(OutputEvent(output=None))
+
+    store = MemoryStore(FakeClock(START))
+    rows = [{"key": k} for k in ("1", 1, "1", 1)]
+    Drive(Tag(), rows, store).run(trace_retention="1")
+    kept = {seq: (text, kind) for (text, seq), (*_row, kind) in store.traces.items()}
+    assert kept == {2: ("1", "str"), 3: ("1", "int")}

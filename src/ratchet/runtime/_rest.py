@@ -689,7 +689,11 @@ def _state_endpoints(
     @app.get(
         "/v1/keys/{key:path}/runs",
         response_model=list[RunSummary],
-        responses={**which_key, **no_state},
+        responses={
+            404: {"model": Unavailable, "description": "key_type=int and a key no integer has"},
+            **which_key,
+            **no_state,
+        },
         summary="a key's completed runs that have a kept trace, newest first",
     )
     def get_key_runs(
@@ -701,7 +705,7 @@ def _state_endpoints(
         from ratchet.runtime._shards import int_text
 
         if key_type == "int" and not int_text(key):
-            return []  # no integer key has that text
+            return missing(f"key {key!r} is not an integer: no integer key has that text")
         return read(
             lambda s: [
                 {k: t[k] for k in ("key", "seq", "completed_at", "status", "key_type") if k in t}

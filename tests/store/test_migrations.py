@@ -20,6 +20,7 @@ from ratchet.agents._run import load_agent
 from ratchet.runtime._memops import from_wire
 from ratchet.store import _sqlite, codec
 from ratchet.store._sqlite import DB_NAME, SCHEMA_VERSION, SqliteStore
+from ratchet.store._traces import pack_trace
 
 DATA = Path(__file__).with_name("data")
 AGENT = f"{DATA / 'schema_v1_agent.py'}:SchemaV1Agent"
@@ -189,3 +190,54 @@ def test_a_schema_version_no_ratchet_writes_is_refused(tmp_path: Path, version: 
     store.close()
     with pytest.raises(StateError, match=rf"records state schema {version!r}, which no ratchet"):
         SqliteStore.open(tmp_path / "s", *OWNER)
+
+
+def _schema_11_state(state: Path, traced_table: bool) -> None:
+    """A state as the schema-11 store made it: every migration up to 11, with (or without,
+    as a new state has until its first trace) a traces table holding one untyped trace."""
+    state.mkdir()
+    conn = sqlite3.connect(state / DB_NAME, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        SqliteStore._apply(conn, 0, 11)
+        if not traced_table:
+            conn.execute("DROP TABLE traces")
+        else:
+            conn.execute(
+                "INSERT INTO traces(key_text, seq, at, status, trace) VALUES ('1', 0, 1.0, 'ok', ?)",
+                (pack_trace(1.0, []),),
+            )
+        meta = SqliteStore._initial_meta(*OWNER, _sqlite.SYSTEM_CLOCK)
+        conn.executemany(
+            "INSERT INTO meta(name, value) VALUES (?, ?)",
+            [(k, codec.encode(11 if k == "schema_version" else v)) for k, v in meta.items()],
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("traced_table", [True, False], ids=["traces", "no-traces-yet"])
+def test_a_schema_11_state_gets_the_traces_key_type_and_keeps_its_traces_for_either_key(
+    tmp_path: Path, traced_table: bool
+) -> None:
+    state = tmp_path / "s"
+    _schema_11_state(state, traced_table)
+    store = SqliteStore.open(state, *OWNER)  # migrates to 12
+    try:
+        assert store.meta("schema_version") == SCHEMA_VERSION == 12
+        store.ensure_tables()
+        cols = [r[1] for r in store.conn.execute("PRAGMA table_info(traces)")]
+        assert cols[-1] == "key_type"
+        if traced_table:  # kept before types were: either key's, and it says no type
+            for key_type in (None, "str", "int"):
+                (old,) = store.traces("1", key_type=key_type)
+                assert old["seq"] == 0 and "key_type" not in old
+    finally:
+        store.close()
+    # Created in one go or migrated from 11: the same schema.
+    SqliteStore.open(tmp_path / "new", *OWNER).close()
+    fresh = SqliteStore.open(tmp_path / "new", *OWNER)
+    fresh.ensure_tables()
+    fresh.close()
+    assert raw(state)["schema"] == raw(tmp_path / "new")["schema"]

@@ -1290,6 +1290,7 @@ class SqliteStore:
         keys, its runs or its typed traces. Two for a text like "1" whose string and integer
         keys both ran."""
         forms: dict[str, Any] = {"str": key_text}
+        # How an integer key reads (runtime's int_text; the store imports nothing above it).
         if key_text.lstrip("-").isdigit() and str(int(key_text)) == key_text:
             forms["int"] = int(key_text)
         held = {

@@ -505,6 +505,35 @@ def test_signals_not_taken_yet_move_with_their_key_when_the_workers_change(
     assert s["pending_signals"] == [] and s["waiting"] == [], s
 
 
+def test_dead_letters_move_with_their_own_key_when_the_workers_change(tmp_path: Path) -> None:
+    """The integer key 1 and the string key "1" share a text: re-sharding placed both keys'
+    dead letters by the text (with one of them), so a redrive would run in a shard that does
+    not hold its key."""
+    import sqlite3
+
+    from ratchet.runtime._shards import read_layout, shard_of
+    from ratchet.store import codec
+
+    text = next(str(i) for i in range(1000) if shard_of(str(i), 3) != shard_of(i, 3))
+    inp, out, state = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "state"
+    inp.write_text("".join(json.dumps({"key": k, "fail": True}) + "\n" for k in (text, int(text))))
+    for workers in (2, 3):
+        done = cli("run", SIGNALS_AGENT, "--input", str(inp), "--output", str(out), "--state",
+                   str(state), "--workers", str(workers), "--allow-errors")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    placed = []
+    for index, shard in enumerate(read_layout(state).dirs):
+        db = sqlite3.connect(shard / "ratchet.db")
+        try:
+            keys = [codec.decode(bytes(k)) for (k,) in db.execute("SELECT key FROM dead_letters")]
+        finally:
+            db.close()
+        placed += [(key, index) for key in keys]
+    assert sorted(placed, key=repr) == sorted(
+        [(text, shard_of(text, 3)), (int(text), shard_of(int(text), 3))], key=repr
+    ), placed
+
+
 @SHARDED_ALL
 def test_migrate_killed_and_runs_commands_act_on_every_shard(tmp_path: Path) -> None:
     seed = _seed(random.randrange(1 << 30))

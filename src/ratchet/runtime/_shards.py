@@ -25,7 +25,7 @@ from typing import Any
 
 from ratchet._errors import ConfigError, StateError
 from ratchet.store import codec
-from ratchet.store._base import CheckpointRows
+from ratchet.store._base import CheckpointRows, signal_key_type
 from ratchet.store._files import atomic_json
 from ratchet.store._sqlite import DB_NAME, SqliteStore
 
@@ -383,6 +383,17 @@ def _copy_per_key_text(
     shard (in their order there: a key's signals keep the order they were sent in)."""
     conn.create_function("ratchet_mine", 1, lambda t: 1 if mine(str(t), None) else 0)
     conn.create_function("ratchet_mine_typed", 2, lambda t, k: 1 if mine(str(t), k) else 0)
+
+    def mine_by_key(blob: bytes, text: str) -> int:
+        """A dead letter by its exact key (its `key` column): the text "1" names two keys."""
+        try:
+            key = codec.decode(bytes(blob), unknown="generic")
+        except Exception:  # noqa: BLE001 - a row that cannot be read goes by its text
+            key = None
+        key_type = signal_key_type(key) if type(key) in (str, int) else None
+        return 1 if mine(str(text), key_type) else 0
+
+    conn.create_function("ratchet_mine_key", 2, mine_by_key)
     for d in dirs:
         db = d / DB_NAME
         if not db.exists():
@@ -399,11 +410,12 @@ def _copy_per_key_text(
                 if not cols:
                     continue
                 names = ", ".join(cols)
-                where = (
-                    "ratchet_mine_typed(key_text, key_type)"
-                    if "key_type" in cols
-                    else "ratchet_mine(key_text)"
-                )
+                if "key_type" in cols:
+                    where = "ratchet_mine_typed(key_text, key_type)"
+                elif "key" in cols:
+                    where = "ratchet_mine_key(key, key_text)"
+                else:
+                    where = "ratchet_mine(key_text)"
                 conn.execute(
                     f"INSERT OR IGNORE INTO main.{table}({names}) SELECT {names} FROM "
                     f"old.{table} WHERE {where} ORDER BY rowid"

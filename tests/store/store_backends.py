@@ -12,8 +12,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ratchet._clock import Clock
+from ratchet.runtime._signals import send_signal
 from ratchet.store._base import CheckpointStore
 from ratchet.store._memory import MemoryStore
 from ratchet.store._sqlite import SqliteStore
@@ -38,16 +40,28 @@ def _reopen_memory(store: CheckpointStore, directory: Path, clock: Clock) -> Che
     return store.reopen()
 
 
+def _send_memory(store: CheckpointStore, _directory: Path, key: Any, name: str, value: Any) -> int:
+    assert isinstance(store, MemoryStore)
+    return store.add_signal(key, name, value)
+
+
+def _send_sqlite(store: CheckpointStore, directory: Path, key: Any, name: str, value: Any) -> int:
+    assert isinstance(store, SqliteStore)
+    return int(send_signal(directory, key, name, value, clock=store.clock)["id"])
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
     open: Callable[[Path, Clock], CheckpointStore]
     reopen: Callable[[CheckpointStore, Path, Clock], CheckpointStore]
+    # Send a signal to the store's state (as another process would): its id.
+    send: Callable[[CheckpointStore, Path, Any, str, Any], int]
 
 
 BACKENDS = [
-    Backend("memory", lambda _directory, clock: MemoryStore(clock), _reopen_memory),
-    Backend("sqlite", _open_sqlite, _reopen_sqlite),
+    Backend("memory", lambda _directory, clock: MemoryStore(clock), _reopen_memory, _send_memory),
+    Backend("sqlite", _open_sqlite, _reopen_sqlite, _send_sqlite),
 ]
 
 
@@ -82,6 +96,10 @@ class Stores:
         self._dirs[id(again)] = directory
         self._open.append(again)
         return again
+
+    def send_signal(self, store: CheckpointStore, key: Any, name: str, value: Any) -> int:
+        """Send a signal to `store`'s state, as `ratchet signal` would; its id."""
+        return self.backend.send(store, self._dirs[id(store)], key, name, value)
 
     def close(self, store: CheckpointStore) -> None:
         self._dirs.pop(id(store))

@@ -23,7 +23,10 @@ from hypothesis.stateful import (
 from store_backends import FAKE_START, Stores
 
 from ratchet._errors import StateError
+from ratchet.store import codec
 from ratchet.store._base import (
+    REPLAY_FN,
+    SIGNAL_FN,
     Adopted,
     AgentVersion,
     CallRecord,
@@ -300,6 +303,71 @@ def test_long_term_memories_are_added_replaced_and_deleted_with_their_checkpoint
     assert [r[0] for r in store.ltm_rows("key:a")] == ["m1"]
 
 
+# -- signals a replay attempt took ---------------------------------------------------------------
+
+
+def wait(idx: int, name: str, status: str = "intent", value: Any = None) -> CallRecord:
+    payload = codec.encode(value) if status == "ok" else None
+    return CallRecord(0, "r>a", idx, SIGNAL_FN, name, status, payload)
+
+
+def marker(idx: int) -> CallRecord:
+    return CallRecord(0, "r>a", idx, REPLAY_FN, "", "intent", None)
+
+
+def test_a_signal_taken_where_no_replay_marker_covers_stays_taken(stores: Stores) -> None:
+    store = stores.open()
+    sid = stores.send_signal(store, "k", "go", 1)
+    store.put_calls([wait(0, "go")])
+    store.consume_signal(sid, wait(0, "go", "ok", 1))
+    assert store.signals_after(0) == []
+    assert store.release_signals(0, "r>a", [0]) == []  # a first execution's: for good
+    store = stores.reopen(store)
+    assert store.load().calls == [wait(0, "go", "ok", 1)]
+    with pytest.raises(StateError, match="consumed already"):
+        store.consume_signal(sid, wait(0, "go", "ok", 1))
+
+
+def test_dropping_a_replay_attempt_puts_back_the_signals_it_took_as_sent(
+    stores: Stores, clock: FakeClock
+) -> None:
+    store = stores.open()
+    first = stores.send_signal(store, "k", "go", "a")
+    sent = clock.now()
+    clock.advance(5)
+    second = stores.send_signal(store, "k", "go", "b")
+    (later,) = store.signals_after(first)
+    # The original attempt made a call (0); a replay attempt (its marker at -1) took the first
+    # signal in a new wait (1).
+    store.put_calls([call(0, "r>a", 0), marker(-1), wait(1, "go")])
+    store.consume_signal(first, wait(1, "go", "ok", "a"))
+    assert [row[0] for row in store.signals_after(0)] == [second]
+    store = stores.reopen(store)  # killed before its end: nothing is dropped yet
+    back = store.drop_calls(0, "r>a", 1)  # refused at the next attempt's end
+    assert back == [(first, "k", "go", codec.encode("a"), sent, "str")]
+    assert store.signals_after(0) == [*back, later]  # in its place: the first sent
+    assert store.load().calls == [call(0, "r>a", 0)]
+    assert store.drop_calls(0, "r>a", 1) == []  # nothing is put back twice
+    store = stores.reopen(store)
+    assert store.signals_after(0) == [*back, later]
+
+
+def test_releasing_puts_back_only_the_signals_a_replay_marker_keeps(stores: Stores) -> None:
+    store = stores.open()
+    a = stores.send_signal(store, "k", "ok", 1)
+    b = stores.send_signal(store, 7, "ok", 2)
+    # `a` taken by the first execution (0); `b` by a replay attempt (marker -2) at 2.
+    store.put_calls([wait(0, "ok")])
+    store.consume_signal(a, wait(0, "ok", "ok", 1))
+    store.put_calls([call(0, "r>a", 1), marker(-2), wait(2, "ok")])
+    store.consume_signal(b, wait(2, "ok", "ok", 2))
+    back = store.release_signals(0, "r>a", [0, 1, 2, 9])
+    assert [(row[0], row[1], row[5]) for row in back] == [(b, "7", "int")]
+    assert [c.idx for c in store.load().calls] == [-2, 0, 1]
+    assert store.signals_after(0) == back
+    assert store.release_signals(0, "r>a", [2]) == []
+
+
 # -- every backend and a model, in lockstep ------------------------------------------------------
 
 KEYS = [b"\x00", b"a", b"b", b"k\xff"]
@@ -338,7 +406,7 @@ call_records = st.builds(
     CallRecord,
     seq=seqs,
     task_id=st.sampled_from(TASKS),
-    idx=st.integers(0, 2),
+    idx=st.integers(-2, 2),
     fn=st.sampled_from(["m.f", "m.g"]),
     digest=st.text("0123456789abcdef", max_size=4),
     status=st.sampled_from(["intent", "ok", "error"]),
@@ -435,6 +503,16 @@ class Lockstep(RuleBasedStateMachine):
             self.model.calls[(r.seq, r.task_id, r.idx)] = r
         for _name, store in self.each():
             store.put_calls([dataclasses.replace(r) for r in records])
+
+    @rule(seq=seqs, task=st.sampled_from(TASKS), from_idx=st.integers(0, 3))
+    def drop_calls(self, seq: int, task: str, from_idx: int) -> None:
+        self.model.calls = {
+            (s, t, i): r
+            for (s, t, i), r in self.model.calls.items()
+            if not (s == seq and t == task and (i >= from_idx or i == -from_idx))
+        }
+        for name, store in self.each():
+            assert store.drop_calls(seq, task, from_idx) == [], name  # no signal taken
 
     @rule(ids=st.lists(st.sampled_from(OUT_IDS), max_size=3))
     def forget_outputs(self, ids: list[str]) -> None:

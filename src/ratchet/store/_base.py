@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ratchet._errors import StateError
+from ratchet.store import codec
 
 
 @dataclass
@@ -145,6 +146,43 @@ def signal_key_type(key: Any) -> str:
     return "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
 
 
+# Call records the store reads as more than bytes (their writers: ratchet.runtime._dispatch).
+# A signal wait's record: "ok" holds the value of the signal it took.
+SIGNAL_FN = "ratchet.signal"
+# A replay marker, at index -F: the records from F on come from an attempt that re-executed a
+# task and was never accepted (see the runtime's `REPLAY_FN`). Its payload is None, or the
+# signals that attempt took (`taken_signals`), so that dropping their records can put the
+# signals back as they were sent.
+REPLAY_FN = "ratchet.replay"
+
+# A row of the signals table: (id, key as text, name, encoded value, sent at, key type).
+SignalRow = tuple[int, str, str, bytes, float, str | None]
+
+
+def covering_marker(marker_idxs: Iterable[int], idx: int) -> int | None:
+    """The index of the replay marker whose attempt wrote the record at `idx` (the marker at
+    -F with the largest F <= idx), or None: a record no replay marker covers."""
+    found = [m for m in marker_idxs if m < 0 and -m <= idx]
+    return min(found) if found else None
+
+
+def taken_signals(payload: bytes | None) -> dict[int, list[Any]]:
+    """A replay marker's signals: record index -> [signal id, key text, sent at, key type]."""
+    if not payload:
+        return {}
+    taken = codec.decode(payload)
+    return dict(taken) if isinstance(taken, dict) else {}
+
+
+def signal_back(record: CallRecord, taken: list[Any]) -> SignalRow | None:
+    """The signal a delivered signal's record took, as the signals table held it (None when
+    the record is not one)."""
+    if record.fn != SIGNAL_FN or record.status != "ok" or record.payload is None:
+        return None
+    sid, key_text, sent_at, key_type = taken
+    return (int(sid), str(key_text), record.digest, record.payload, float(sent_at), key_type)
+
+
 def version_id(fingerprint: str, memory_version: int) -> str:
     """What a run in flight is pinned to: the dispatch table and the memory layout."""
     return f"{fingerprint}.m{memory_version}"
@@ -252,7 +290,22 @@ class CheckpointStore(Protocol):
 
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:
         """Deliver a signal: write `record` (the waiting task's call record, holding the value)
-        and remove the signal, in one transaction, so it is delivered exactly once."""
+        and remove the signal, in one transaction, so it is delivered exactly once. When a
+        replay marker covers the record (`covering_marker`), the marker's payload keeps the
+        signal as it was sent (`taken_signals`), for `drop_calls` and `release_signals`."""
+        ...
+
+    def drop_calls(self, seq: int, task_id: str, from_idx: int) -> list[SignalRow]:
+        """Delete one task's call records from `from_idx` on and its replay marker at
+        -from_idx (what a refused replay attempt added), putting back, in the same
+        transaction, every signal one of them took, with its id and time sent. Returns the
+        signals put back."""
+        ...
+
+    def release_signals(self, seq: int, task_id: str, idxs: list[int]) -> list[SignalRow]:
+        """Of one task's records at `idxs`, delete those that took a signal a replay marker
+        keeps, and put the signals back, in one transaction; returns them. Other records
+        stay (a record no marker covers took its signal for good)."""
         ...
 
     def forget_outputs(self, ids: list[str]) -> None:

@@ -41,6 +41,7 @@ from ratchet.store._base import (
     CheckpointRows,
     CheckpointStore,
     Loaded,
+    SignalRow,
 )
 
 T = TypeVar("T")
@@ -57,6 +58,8 @@ METHODS = (
     "stats",
     "signals_after",
     "consume_signal",
+    "drop_calls",
+    "release_signals",
     "redrives",
 )
 
@@ -232,6 +235,14 @@ class FaultyStore:
 
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:
         self._call("consume_signal", lambda: self.inner.consume_signal(signal_id, record))
+
+    def drop_calls(self, seq: int, task_id: str, from_idx: int) -> list[SignalRow]:
+        return self._call("drop_calls", lambda: self.inner.drop_calls(seq, task_id, from_idx))
+
+    def release_signals(self, seq: int, task_id: str, idxs: list[int]) -> list[SignalRow]:
+        return self._call(
+            "release_signals", lambda: self.inner.release_signals(seq, task_id, list(idxs))
+        )
 
     def forget_outputs(self, ids: list[str]) -> None:
         self._call("forget_outputs", lambda: self.inner.forget_outputs(ids))

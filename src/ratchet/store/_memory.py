@@ -8,6 +8,7 @@ and against every durable backend, so the semantics are written down once, here,
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,6 +16,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import StateError
 from ratchet.store import codec
 from ratchet.store._base import (
+    REPLAY_FN,
     Adopted,
     AgentVersion,
     CallRecord,
@@ -22,9 +24,13 @@ from ratchet.store._base import (
     DispatchTable,
     Loaded,
     Pinned,
+    SignalRow,
     adopt_pins,
     check_adoption,
+    covering_marker,
+    signal_back,
     signal_key_type,
+    taken_signals,
     version_id,
 )
 
@@ -201,8 +207,58 @@ class MemoryStore:
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:
         if signal_id not in self.signals:
             raise StateError(f"signal {signal_id} was consumed already")
-        del self.signals[signal_id]
-        self.calls[(record.seq, record.task_id, record.idx)] = copy.copy(record)
+        key_text, _name, _value, sent_at, key_type = self.signals.pop(signal_id)
+        r = record
+        self.calls[(r.seq, r.task_id, r.idx)] = copy.copy(r)
+        # Taken by an attempt replay has not accepted: its marker keeps the signal as sent.
+        markers = self._markers(r.seq, r.task_id)
+        mark = covering_marker(markers, r.idx)
+        if mark is not None:
+            taken = taken_signals(markers[mark])
+            taken[r.idx] = [signal_id, key_text, sent_at, key_type]
+            where = (r.seq, r.task_id, mark)
+            self.calls[where] = dataclasses.replace(self.calls[where], payload=codec.encode(taken))
+
+    def _markers(self, seq: int, task_id: str) -> dict[int, bytes | None]:
+        return {
+            i: r.payload
+            for (s, t, i), r in self.calls.items()
+            if s == seq and t == task_id and i < 0 and r.fn == REPLAY_FN
+        }
+
+    def _put_back(self, seq: int, task_id: str, records: list[CallRecord]) -> dict[int, SignalRow]:
+        markers = self._markers(seq, task_id)
+        back = {}
+        for r in records:
+            mark = covering_marker(markers, r.idx)
+            taken = taken_signals(markers[mark]).get(r.idx) if mark is not None else None
+            row = signal_back(r, taken) if taken is not None else None
+            if row is None:
+                continue
+            sid = row[0]
+            if sid in self.signals:
+                sid = self.next_signal_id
+                self.next_signal_id += 1
+            self.signals[sid] = row[1:]
+            back[r.idx] = (sid, *row[1:])
+        return back
+
+    def drop_calls(self, seq: int, task_id: str, from_idx: int) -> list[SignalRow]:
+        dropped = [
+            r for (s, t, i), r in self.calls.items() if s == seq and t == task_id and i >= from_idx
+        ]
+        back = self._put_back(seq, task_id, dropped)
+        for r in dropped:
+            del self.calls[(seq, task_id, r.idx)]
+        self.calls.pop((seq, task_id, -from_idx), None)
+        return list(back.values())
+
+    def release_signals(self, seq: int, task_id: str, idxs: list[int]) -> list[SignalRow]:
+        records = [self.calls[(seq, task_id, i)] for i in idxs if (seq, task_id, i) in self.calls]
+        back = self._put_back(seq, task_id, records)
+        for i in back:
+            del self.calls[(seq, task_id, i)]
+        return list(back.values())
 
     def forget_outputs(self, ids: list[str]) -> None:
         for out_id in ids:

@@ -26,6 +26,7 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import RatchetError, StateError
 from ratchet.store import codec
 from ratchet.store._base import (
+    REPLAY_FN,
     Adopted,
     AgentVersion,
     CallRecord,
@@ -33,9 +34,13 @@ from ratchet.store._base import (
     DispatchTable,
     Loaded,
     Pinned,
+    SignalRow,
     adopt_pins,
     check_adoption,
+    covering_marker,
     ltm_key_scope,
+    signal_back,
+    taken_signals,
     version_id,
 )
 from ratchet.store._files import fsync_dir
@@ -1156,14 +1161,75 @@ class SqliteStore:
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:
         r = record
         with self._transaction() as c:
-            gone = c.execute("DELETE FROM signals WHERE id = ?", (signal_id,)).rowcount
-            if not gone:
+            sent = c.execute(
+                "SELECT key_text, sent_at, key_type FROM signals WHERE id = ?", (signal_id,)
+            ).fetchone()
+            if sent is None:
                 raise StateError(f"{self.path}: signal {signal_id} was consumed already")
+            c.execute("DELETE FROM signals WHERE id = ?", (signal_id,))
             c.execute(
                 "INSERT OR REPLACE INTO calls(seq, task_id, idx, fn, digest, status, payload) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload),
             )
+            # Taken by an attempt that replay has not accepted (its replay marker covers the
+            # record): the marker keeps the signal as sent, so that dropping the record puts
+            # it back (drop_calls, release_signals) instead of losing it.
+            markers = self._markers(c, r.seq, r.task_id)
+            mark = covering_marker(markers, r.idx)
+            if mark is not None:
+                taken = taken_signals(markers[mark])
+                taken[r.idx] = [signal_id, *sent]
+                c.execute(
+                    "UPDATE calls SET payload = ? WHERE seq = ? AND task_id = ? AND idx = ?",
+                    (codec.encode(taken), r.seq, r.task_id, mark),
+                )
+
+    @staticmethod
+    def _markers(c: sqlite3.Connection, seq: int, task_id: str) -> dict[int, bytes | None]:
+        """A task's replay markers: index -> payload."""
+        return dict(
+            c.execute(
+                "SELECT idx, payload FROM calls WHERE seq = ? AND task_id = ? AND idx < 0 "
+                "AND fn = ?",
+                (seq, task_id, REPLAY_FN),
+            ).fetchall()
+        )
+
+    def _put_back(
+        self, c: sqlite3.Connection, seq: int, task_id: str, records: list[CallRecord]
+    ) -> dict[int, SignalRow]:
+        """Put back the signals that `records` (about to be deleted) took, with the id and
+        time they were sent: they are delivered again, in their place among the others.
+        Returns them by the index of the record that had taken them."""
+        markers = self._markers(c, seq, task_id)
+        back = {}
+        for r in records:
+            mark = covering_marker(markers, r.idx)
+            taken = taken_signals(markers[mark]).get(r.idx) if mark is not None else None
+            row = signal_back(r, taken) if taken is not None else None
+            if row is None:
+                continue
+            sid, key_text, name, value, sent_at, key_type = row
+            # Its own id (AUTOINCREMENT never gives one twice), else (not expected) a new one.
+            used = c.execute("SELECT 1 FROM signals WHERE id = ?", (sid,)).fetchone()
+            cur = c.execute(
+                "INSERT INTO signals(id, key_text, name, value, sent_at, key_type) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (None if used else sid, key_text, name, value, sent_at, key_type),
+            )
+            back[r.idx] = (int(cur.lastrowid or 0), key_text, name, value, sent_at, key_type)
+        return back
+
+    def _task_calls(
+        self, c: sqlite3.Connection, seq: int, task_id: str, where: str, args: tuple[Any, ...]
+    ) -> list[CallRecord]:
+        rows = c.execute(
+            "SELECT seq, task_id, idx, fn, digest, status, payload FROM calls WHERE seq = ? "
+            f"AND task_id = ? AND {where}",
+            (seq, task_id, *args),
+        ).fetchall()
+        return [CallRecord(*row) for row in rows]
 
     def waits(self) -> list[dict[str, Any]]:
         """Durable waits of runs in flight: signal waits not answered yet and sleeps (from
@@ -1336,14 +1402,34 @@ class SqliteStore:
                 rows,
             )
 
-    def drop_calls(self, seq: int, task_id: str, from_idx: int) -> None:
+    def drop_calls(self, seq: int, task_id: str, from_idx: int) -> list[SignalRow]:
         """Delete the call records of one task from `from_idx` on, and its replay marker
-        (index -from_idx): what a refused replay attempt added (`TaskCalls.discard_new`)."""
+        (index -from_idx): what a refused replay attempt added (`TaskCalls.discard_new`).
+        A signal one of them took is put back, in the same transaction; returns those."""
         with self._transaction() as c:
+            dropped = self._task_calls(c, seq, task_id, "idx >= ?", (from_idx,))
+            back = self._put_back(c, seq, task_id, dropped)
             c.execute(
                 "DELETE FROM calls WHERE seq = ? AND task_id = ? AND (idx >= ? OR idx = ?)",
                 (seq, task_id, from_idx, -from_idx),
             )
+        return list(back.values())
+
+    def release_signals(self, seq: int, task_id: str, idxs: list[int]) -> list[SignalRow]:
+        """Delete the records at `idxs` of one task that took a signal its replay marker
+        keeps, and put those signals back, in one transaction; returns them. (The records of
+        an attempt replay never accepted, which the accepted one did not use.)"""
+        if not idxs:
+            return []
+        with self._transaction() as c:
+            marks = ",".join("?" * len(idxs))
+            records = self._task_calls(c, seq, task_id, f"idx IN ({marks})", tuple(idxs))
+            back = self._put_back(c, seq, task_id, records)
+            c.executemany(
+                "DELETE FROM calls WHERE seq = ? AND task_id = ? AND idx = ?",
+                [(seq, task_id, i) for i in back],
+            )
+        return list(back.values())
 
     def close(self) -> None:
         if self._writable:

@@ -326,6 +326,110 @@ def test_a_refused_replay_leaves_the_call_records_so_the_documented_fixes_still_
     assert [e["phase"] for e in usd] == ["v1"], usd
 
 
+def gate_parked(w: World) -> None:
+    """Gate parks the run of input 0 (key k0) on "go" after paying; then an approval is sent,
+    for the version that waits for one."""
+    w.input.write_text(json.dumps({"key": "k0", "n": 0}) + "\n")
+    proc = w.start("Gate", "v1")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "1 run(s) waiting for signals" in err, err
+    send(w, "approve", '{"by": "alice"}')
+
+
+def send(w: World, name: str, value: str) -> None:
+    done = w.cli("signal", "--state", str(w.state), "--key", "k0", name, "--value", value)
+    assert done.returncode == 0, done.stderr
+
+
+def pending(w: World) -> list[str]:
+    return [p["name"] for p in w.status()["pending_signals"]]
+
+
+def approvals_held(w: World) -> int:
+    """The approval, where it is at rest: pending, or taken by a call record."""
+    taken = [r for r in call_rows(w.state) if r[3:6] == ("ratchet.signal", "approve", "ok")]
+    return len(taken) + pending(w).count("approve")
+
+
+def finish_with_the_patched_version(w: World, why: str) -> None:
+    """Run 0 finishes on Gate's path; input 1 (the patched path) gets the approval, exactly
+    once: input 2, which waits for one too, is left waiting."""
+    send(w, "go", "1")
+    with w.input.open("a") as fh:
+        fh.write("".join(json.dumps({"key": "k0", "n": n}) + "\n" for n in (1, 2)))
+    proc = w.start("GatePatched", "v2-patched")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"{why}: {err}"
+    assert "1 run(s) waiting for signals" in err, f"{why}: {err}"
+    outs = {o["output"]["n"]: o["output"] for o in w.lines(w.output)}
+    assert sorted(outs) == [0, 1], f"{why}: {outs}"
+    assert outs[0]["by"] == 1 and outs[0]["go"] == 1, why
+    assert outs[0]["paid"]["currency"] == "USD", why
+    assert outs[1]["approval"] == {"by": "alice"}, f"{why}: {outs}"
+    assert pending(w) == [], why
+    usd = [e["phase"] for e in w.lines(w.log) if is_pay(e, 0, "USD")]
+    assert usd == ["v1"], f"{why}: {usd}"
+
+
+def test_a_refused_replay_puts_back_the_signal_its_new_wait_took(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    gate_parked(w)
+    before = call_rows(w.state)
+    # The new version waits for "approve" first: it takes the signal, then is refused (its
+    # records cannot replay the USD payment).
+    proc = w.start("GateApproveFirst", "v2")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert "key 'k0' input 0" in err, err
+    took = [e["approval"] for e in w.lines(w.log) if e["what"] == "approved"]
+    assert took == [{"by": "alice"}], took
+    # Its records are gone, and the approval it took is back, for whoever waits for it next.
+    assert call_rows(w.state) == before
+    assert pending(w) == ["approve"]
+    finish_with_the_patched_version(w, "after a refusal")
+
+
+def test_a_refused_replay_killed_at_seeded_moments_delivers_the_signal_once(
+    tmp_path: Path,
+) -> None:
+    seed = int(os.environ.get("RATCHET_TEST_SEED") or 5407)
+    rng = random.Random(seed)
+    w = World(tmp_path)
+    gate_parked(w)
+    moments: list[str] = []
+    for attempt in range(6):
+        # Killed parked right after the signal arrived; or soon after it arrived (paying, at
+        # the refusal, while its records are dropped, or too late: refused); or at a moment
+        # from the start (often before the wait).
+        how = rng.choice(["parked", "after the signal", "from the start"])
+        if how == "parked":
+            w.stuck.write_text("k0")
+        phase = f"v2-{attempt}"
+        proc = w.start("GateApproveFirst", phase)
+        took = lambda phase=phase: any(  # noqa: E731
+            e["phase"] == phase for e in w.lines(w.log) if e["what"] == "approved"
+        )
+        if how == "from the start":
+            moment = rng.uniform(0.3, 1.5)
+        else:
+            while not took() and proc.poll() is None:
+                time.sleep(0.002)
+            moment = rng.uniform(0, 0.3 if how == "parked" else 0.08)
+        time.sleep(moment)
+        if proc.poll() is None:
+            kill(proc)
+            moments.append(f"killed {moment:.3f}s {how}")
+        else:
+            _, err = proc.communicate()
+            assert proc.returncode == 2, f"seed {seed}: {err}"
+            moments.append(f"refused ({how})")
+        w.stuck.unlink(missing_ok=True)
+        held = approvals_held(w)
+        assert held == 1, f"seed {seed}, {moments}: the approval is held {held} times"
+    print(f"seed {seed} (RATCHET_TEST_SEED): {moments}")
+    finish_with_the_patched_version(w, f"seed {seed}, {moments}")
+
+
 def test_a_changed_event_a_run_in_flight_holds_is_refused_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -270,3 +270,49 @@ class ApprovesRenamed(Agent):
     @action(Approved)
     async def after_renamed(self, event: Approved, ctx: Any) -> None:
         ctx.send_event(OutputEvent(output={"v": event.v}))
+
+
+async def pay_then_go(event: InputEvent, ctx: Any) -> None:
+    n = event.input["n"]
+    receipt = await ctx.durable_execute_async(pay, str(ctx.key), n)
+    go = await ctx.wait_for_signal("go")
+    ctx.send_event(OutputEvent(output={"n": n, "paid": receipt, "go": go, "by": 1}))
+
+
+class Gate(Agent):
+    """Pays for the input, then waits for the signal "go" (runs in flight park there)."""
+
+    @action(InputEvent)
+    async def gate(self, event: InputEvent, ctx: Any) -> None:
+        await pay_then_go(event, ctx)
+
+
+class GateApproveFirst(Gate):
+    """A body a run parked in Gate cannot replay: it waits for a new signal, "approve", then
+    pays in EUR (the recorded USD payment is not made again): refused at the task's end,
+    after its new wait took the signal. While UPGRADE_STUCK lists the key it parks right
+    after the signal arrived (a kill there leaves the attempt's records)."""
+
+    @action(InputEvent)
+    async def gate(self, event: InputEvent, ctx: Any) -> None:
+        n = event.input["n"]
+        approval = await ctx.wait_for_signal("approve")
+        log(what="approved", key=str(ctx.key), n=n, approval=approval)
+        if stuck(str(ctx.key)):
+            await asyncio.sleep(3600)
+        receipt = await ctx.durable_execute_async(pay, str(ctx.key), n, "EUR")
+        ctx.send_event(OutputEvent(output={"n": n, "paid": receipt, "approval": approval}))
+
+
+class GatePatched(Gate):
+    """GateApproveFirst behind `ctx.patched`: runs recorded by Gate keep Gate's path."""
+
+    @action(InputEvent)
+    async def gate(self, event: InputEvent, ctx: Any) -> None:
+        n = event.input["n"]
+        if not ctx.patched("approve-first"):
+            await pay_then_go(event, ctx)
+            return
+        approval = await ctx.wait_for_signal("approve")
+        receipt = await ctx.durable_execute_async(pay, str(ctx.key), n, "EUR")
+        ctx.send_event(OutputEvent(output={"n": n, "paid": receipt, "approval": approval, "by": 2}))

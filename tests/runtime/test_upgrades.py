@@ -29,7 +29,9 @@ from ratchet.runtime._dispatch import PATCH_FN, REPLAY_FN, TaskCalls
 from ratchet.runtime._machine import JournalEntry, Machine, RestoredRun, Task, TaskResult
 from ratchet.store._base import CallRecord
 from ratchet.store._memory import MemoryStore
+from ratchet.testing import FakeClock
 from support.engines import run_embedded, store_memory
+from support.fakeclock import START, Drive
 
 RATCHET = [sys.executable, "-m", "ratchet.cli"]
 
@@ -367,6 +369,85 @@ def test_records_after_a_replay_marker_answer_calls_but_are_not_required() -> No
     again = TaskCalls(0, "r>a", "k", left, Writer())  # the attempt's version, once more
     assert again.claim("m.g", "d3")[1] is not None  # answered, not called again
     assert [r.idx for r in again.unclaimed()] == [0]
+
+
+# -- a signal a refused or killed attempt took goes back ----------------------------------------
+
+
+def charge(key: str, n: int, currency: str = "USD") -> str:
+    return f"{n} {currency}"
+
+
+async def pay_then_go(event: InputEvent, ctx: Any) -> None:
+    paid = await ctx.durable_execute_async(charge, ctx.key, event.input["n"])
+    go = await ctx.wait_for_signal("go")
+    ctx.send_event(OutputEvent(output={"n": event.input["n"], "paid": paid, "go": go}))
+
+
+class PaysThenGo(Agent):
+    @action(InputEvent)
+    async def gate(self, event: InputEvent, ctx: Any) -> None:
+        await pay_then_go(event, ctx)
+
+
+class ApprovesFirst(PaysThenGo):
+    """A changed body: a new wait, then a payment in EUR (a run recorded by PaysThenGo is
+    refused at the end). With `hold`, it waits for "never" after taking the approval (the
+    engine then stops with it in flight: what a kill there leaves)."""
+
+    hold = False
+
+    @action(InputEvent)
+    async def gate(self, event: InputEvent, ctx: Any) -> None:
+        approval = await ctx.wait_for_signal("approve")
+        if self.hold:
+            await ctx.wait_for_signal("never")
+        paid = await ctx.durable_execute_async(charge, ctx.key, event.input["n"], "EUR")
+        ctx.send_event(OutputEvent(output={"n": event.input["n"], "paid": paid, "a": approval}))
+
+
+class ApprovesIfPatched(PaysThenGo):
+    @action(InputEvent)
+    async def gate(self, event: InputEvent, ctx: Any) -> None:
+        if not ctx.patched("approve-first"):
+            await pay_then_go(event, ctx)
+            return
+        approval = await ctx.wait_for_signal("approve")
+        ctx.send_event(OutputEvent(output={"n": event.input["n"], "a": approval}))
+
+
+def pending_signals(store: MemoryStore) -> list[tuple[str, str]]:
+    return [(k, n) for _i, (k, n, _v, _t, _kt) in sorted(store.signals.items())]
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["refused", "killed-then-refused"])
+def test_a_signal_a_refused_attempt_took_goes_back_once(killed: bool) -> None:
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    first = Drive(PaysThenGo(), [{"key": "k", "n": 0}], store)
+    assert first.run().stopped_by == "1 run(s) waiting for signals"
+    store.add_signal("k", "approve", "yes")
+    if killed:  # it takes the approval, then stops in flight (as a kill would leave it)
+        held = ApprovesFirst()
+        held.hold = True
+        stopped = Drive(held, [{"key": "k", "n": 0}], store := store.reopen())
+        assert stopped.run().stopped_by == "1 run(s) waiting for signals"
+        assert pending_signals(store) == []  # the record that took it stays (not required)
+    refused = Drive(ApprovesFirst(), [{"key": "k", "n": 0}], store := store.reopen())
+    with pytest.raises(ratchet.IncompatibleChangeError, match="input 0"):
+        refused.run()
+    # Refused: what it added is dropped; a signal it took in a new wait is back (a record
+    # from the killed attempt, which answered its wait, stays until an attempt is accepted).
+    assert pending_signals(store) == ([] if killed else [("k", "approve")])
+    store.add_signal("k", "go", 1)
+    rows = [{"key": "k", "n": n} for n in range(3)]
+    last = Drive(ApprovesIfPatched(), rows, store := store.reopen())
+    assert last.run().stopped_by == "1 run(s) waiting for signals"  # input 2: no approval
+    assert sorted(last.outputs(), key=lambda o: o["n"]) == [
+        {"n": 0, "paid": "0 USD", "go": 1},
+        {"n": 1, "a": "yes"},
+    ]
+    assert pending_signals(store) == []
 
 
 # -- runs abandon / list / restart refusals ------------------------------------------------------

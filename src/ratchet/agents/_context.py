@@ -649,7 +649,11 @@ class RunnerContext:
 
     def _seal(self) -> None:
         """The action returned (or failed): what this ctx is asked to do from now on is
-        refused, not silently dropped."""
+        refused, not silently dropped. Signals an earlier attempt took, which this one did not
+        wait for again, go back (`TaskCalls.release_unused`)."""
+        made = self._calls_made
+        if made is not None and made.replayed:
+            made.release_unused()
         ended = self._ended = _Ended(self._task)
         self.events = ended  # type: ignore[assignment]
         for buf in (self._stm_buf, self._sensory_buf):

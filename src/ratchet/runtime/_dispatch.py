@@ -20,7 +20,9 @@ from typing import Any, Protocol, TypeVar
 
 from ratchet._errors import InternalError, RatchetError
 from ratchet.runtime._machine import Output, Task, TaskResult
-from ratchet.store._base import AgentVersion, CallRecord, DispatchTable
+from ratchet.store._base import REPLAY_FN as _REPLAY_FN
+from ratchet.store._base import SIGNAL_FN as _SIGNAL_FN
+from ratchet.store._base import AgentVersion, CallRecord, DispatchTable, SignalRow
 
 log = logging.getLogger("ratchet.runtime")
 
@@ -39,7 +41,7 @@ AGENT_FILE_MODULE_PREFIX = "ratchet_user_"
 # Durable waits among a task's call records: a sleep ("ok", {since, until}) and a signal wait
 # ("intent" {since, until} while waiting; "ok" with the value, or "error" {timeout} after).
 SLEEP_FN = "ratchet.sleep"
-SIGNAL_FN = "ratchet.signal"
+SIGNAL_FN = _SIGNAL_FN  # (defined with the store, which reads a delivered signal's record)
 # A failed attempt of a task with a retry policy ("ok", {error, until}; digest: the attempt
 # number). Attempt n > 1 records its durable calls under the task id `<task id>#<n>`, so a
 # retry calls again instead of being answered with the failed attempt's records.
@@ -50,8 +52,10 @@ ATTEMPT_SEP = "#"
 # calls stay as they were): the records from F on come from an attempt whose replay was never
 # accepted (it was killed before its task ended). A later replay answers calls from them but
 # does not require them, since that attempt may have been one the end-of-task check would
-# have refused; a refused attempt deletes them (`TaskCalls.discard_new`).
-REPLAY_FN = "ratchet.replay"
+# have refused; a refused attempt deletes them (`TaskCalls.discard_new`). A signal such an
+# attempt took is kept in the marker's payload as it was sent (the store writes it with the
+# delivery), so that deleting the record puts the signal back (`TaskCalls.release_unused`).
+REPLAY_FN = _REPLAY_FN
 
 
 class Waits(Protocol):
@@ -90,6 +94,11 @@ class Waits(Protocol):
         deadline (the timeout recorded)."""
         ...
 
+    def signals_back(self, rows: list[SignalRow]) -> None:
+        """Signals a dropped record had taken are in the store again (`drop_calls`,
+        `release_signals`): deliver them as if never taken, in their place by id. Any thread."""
+        ...
+
 
 class Binding(Protocol):
     """What an engine needs from an agent (implemented by `ratchet.agents.AgentBinding`)."""
@@ -126,9 +135,12 @@ class CallWriter(Protocol):
 
     def put_call(self, record: CallRecord) -> concurrent.futures.Future[None]: ...
 
-    # Optional: `drop_calls(seq, task_id, from_idx) -> Future[None]` deletes the task's records
-    # from `from_idx` on and its replay marker at -from_idx (what a refused attempt added). A
-    # writer without it leaves them, and the marker keeps a later replay from requiring them.
+    # Optional: `drop_calls(seq, task_id, from_idx) -> Future[list[SignalRow]]` deletes the
+    # task's records from `from_idx` on and its replay marker at -from_idx (what a refused
+    # attempt added), and `release_signals(seq, task_id, idxs) -> Future[list[SignalRow]]`
+    # the records at `idxs` that took a signal the marker keeps; both put those signals back
+    # and return them. A writer without them leaves the records, and the marker keeps a later
+    # replay from requiring them (a signal one took stays taken).
 
 
 class TaskCalls:
@@ -363,13 +375,51 @@ class TaskCalls:
         if drop is None:
             return
         try:
-            drop(self.seq, self.task_id, self._added_from).result()
+            back = drop(self.seq, self.task_id, self._added_from).result()
         except Exception as exc:  # noqa: BLE001 - the marker keeps them from being required
             log.warning(
                 "the durable-call records a refused replay of task %s (input %d) added could "
                 "not be deleted (%s); the next start does not require them", self.task_id,
                 self.seq, exc,
             )  # fmt: skip
+            return
+        self._signals_back(back)
+
+    def release_unused(self) -> None:
+        """The task's code ended (not refused): put back the signals that records of an attempt
+        replay never accepted took (after a replay marker: one killed before its end) and that
+        this execution did not wait for again. Nothing else would ever read those records, so
+        the signals would be lost; back in the store, the next wait for them gets them. One
+        transaction per task: the record goes and the signal returns, or neither."""
+        if self._optional_from is None or self._lock is None:
+            return
+        with self._lock:
+            idxs = [
+                idx
+                for idx, r in sorted(self._recorded.items())
+                if idx not in self._claimed
+                and not self._required(idx)
+                and r.fn == SIGNAL_FN
+                and r.status == "ok"
+            ]
+        release = getattr(self._writer, "release_signals", None)
+        if not idxs or release is None:
+            return
+        try:
+            back = release(self.seq, self.task_id, idxs).result()
+        except Exception as exc:  # noqa: BLE001 - the records stay; the signals stay taken
+            log.warning(
+                "signals that records of an earlier attempt of task %s (input %d) took, and "
+                "its accepted attempt did not use, could not be put back (%s)", self.task_id,
+                self.seq, exc,
+            )  # fmt: skip
+            return
+        self._signals_back(back)
+
+    def _signals_back(self, rows: list[SignalRow]) -> None:
+        back = getattr(self.waits, "signals_back", None)
+        if rows and back is not None:
+            back(rows)
 
 
 _MAKING = threading.Lock()

@@ -72,6 +72,7 @@ from ratchet.store._base import (
     CallRecord,
     CheckpointRows,
     CheckpointStore,
+    SignalRow,
     signal_key_type,
 )
 from ratchet.store._traces import pack_rows, pack_trace
@@ -309,6 +310,12 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+def _done(value: Any) -> concurrent.futures.Future[Any]:
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
 class _Writer(threading.Thread):
     """The single thread that writes SQLite; durable-call records are group-committed."""
 
@@ -330,13 +337,22 @@ class _Writer(threading.Thread):
 
     def drop_calls(self, seq: int, task_id: str, from_idx: int) -> concurrent.futures.Future[Any]:
         """Delete a refused attempt's records (`TaskCalls.discard_new`), after every record
-        queued before (a job runs after the calls of its group)."""
+        queued before (a job runs after the calls of its group); the signals they took go
+        back (the future's result)."""
         drop = getattr(self.store, "drop_calls", None)
         if drop is None:  # a store without it: the replay marker makes them optional
-            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            done.set_result(None)
-            return done
+            return _done([])
         return self.submit(lambda: drop(seq, task_id, from_idx))
+
+    def release_signals(
+        self, seq: int, task_id: str, idxs: list[int]
+    ) -> concurrent.futures.Future[Any]:
+        """Put back the signals unused records of an unaccepted attempt took
+        (`TaskCalls.release_unused`), after every record queued before."""
+        release = getattr(self.store, "release_signals", None)
+        if release is None:  # a store without it: the signals stay taken
+            return _done([])
+        return self.submit(lambda: release(seq, task_id, idxs))
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -578,6 +594,7 @@ class _EngineWaits:
             tuple[str, str], collections.deque[tuple[int, bytes, float, str | None]]
         ] = {}
         self.waiters: dict[tuple[str, str], collections.deque[_SignalWait]] = {}
+        self.put_back: set[int] = set()  # ids of signals put back while this engine ran
         self.breakers: dict[str, _Breaker] = {}  # resources unavailable now
         # The engine's clock read directly (every task reads it twice, for its trace): the
         # system clock's `now` is `time.time`, called without its wrapper.
@@ -738,10 +755,38 @@ class _EngineWaits:
         if not wait.done.done():
             wait.done.set_result(None)
 
+    def signals_back(self, rows: list[SignalRow]) -> None:
+        loop = self.engine._loop
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or running is loop:
+            self._back(rows)
+        else:  # a sync action's worker thread
+            loop.call_soon_threadsafe(self._back, rows)
+
+    def _back(self, rows: list[SignalRow]) -> None:
+        """Signals put back (`signals_back`): pending again, in their place by id. Their ids
+        may be above the cursor (taken by an earlier process): a later poll must not add them
+        a second time, so they are remembered."""
+        touched = set()
+        for sid, key_text, name, value, sent_at, key_type in rows:
+            self.put_back.add(sid)
+            where = (key_text, name)
+            pending = self.signals.setdefault(where, collections.deque())
+            if any(e[0] == sid for e in pending):
+                continue
+            at = next((i for i, e in enumerate(pending) if e[0] > sid), len(pending))
+            pending.insert(at, (sid, value, sent_at, key_type))
+            touched.add(where)
+        for where in touched:
+            self._match(where)
+
     def add_signals(self, rows: list[tuple[int, str, str, bytes, float, str | None]]) -> None:
         touched = set()
         for sid, key_text, name, value, sent_at, key_type in rows:
-            if sid <= self.cursor:
+            if sid <= self.cursor or sid in self.put_back:
                 continue
             self.cursor = sid
             where = (key_text, name)

@@ -397,7 +397,7 @@ def test_a_refused_replay_killed_at_seeded_moments_delivers_the_signal_once(
     w = World(tmp_path)
     gate_parked(w)
     moments: list[str] = []
-    for attempt in range(6):
+    for attempt in range(5):
         # Killed parked right after the signal arrived; or soon after it arrived (paying, at
         # the refusal, while its records are dropped, or too late: refused); or at a moment
         # from the start (often before the wait).
@@ -410,7 +410,7 @@ def test_a_refused_replay_killed_at_seeded_moments_delivers_the_signal_once(
             e["phase"] == phase for e in w.lines(w.log) if e["what"] == "approved"
         )
         if how == "from the start":
-            moment = rng.uniform(0.3, 1.5)
+            moment = rng.uniform(0.1, 0.7)
         else:
             while not took() and proc.poll() is None:
                 time.sleep(0.002)

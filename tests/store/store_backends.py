@@ -1,8 +1,9 @@
 """The store backends every conformance test runs against: add a new backend to BACKENDS.
 
-A backend is two functions: `open(directory, clock)` makes a fresh, empty store (a durable
-one keeps its files under `directory`), and `reopen(store, directory, clock)` returns what a
-restarted process would see (the old object is finished with). The `stores` fixture
+A backend is three functions: `open(directory, clock)` makes a fresh, empty store (a durable
+one keeps its files under `directory`), `reopen(store, directory, clock)` returns what a
+restarted process would see (the old object is finished with), and `send(store, directory,
+key, name, value)` sends a signal to it as another process would. The `stores` fixture
 (conftest.py) hands a test one backend at a time; `all_stores` hands it every backend.
 """
 

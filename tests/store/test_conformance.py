@@ -437,24 +437,24 @@ class Model:
         self.signals[sid] = (sid, str(key), name, codec.encode(value), now, kind)
         return sid
 
-    def _cover(self, seq: int, task: str, idx: int) -> tuple[int, int, str, int] | None:
+    def _cover(self, seq: int, task: str, idx: int) -> tuple[int, str, int] | None:
         """The replay marker whose attempt wrote the record at idx: -F with the largest F."""
         marks = [
             i
             for (s, t, i), r in self.calls.items()
             if s == seq and t == task and i < 0 and -i <= idx and r.fn == REPLAY_FN
         ]
-        return (seq, task, min(marks)) if marks else None  # type: ignore[return-value]
+        return (seq, task, min(marks)) if marks else None
 
     def consume(self, sid: int, r: CallRecord) -> None:
         _sid, key_text, _name, _value, sent_at, kind = self.signals.pop(sid)
         self.calls[(r.seq, r.task_id, r.idx)] = r
         mark = self._cover(r.seq, r.task_id, r.idx)
         if mark is not None:
-            m = self.calls[mark]  # type: ignore[index]
+            m = self.calls[mark]
             taken = dict(codec.decode(m.payload)) if m.payload else {}
             taken[r.idx] = [sid, key_text, sent_at, kind]
-            self.calls[mark] = dataclasses.replace(m, payload=codec.encode(taken))  # type: ignore[index]
+            self.calls[mark] = dataclasses.replace(m, payload=codec.encode(taken))
 
     def put_back(self, seq: int, task: str, idxs: list[int]) -> dict[int, Any]:
         back = {}
@@ -463,7 +463,7 @@ class Model:
             mark = self._cover(seq, task, idx)
             if r is None or mark is None or r.fn != SIGNAL_FN or r.status != "ok":
                 continue
-            m = self.calls[mark]  # type: ignore[index]
+            m = self.calls[mark]
             taken = dict(codec.decode(m.payload)) if m.payload else {}
             if idx not in taken or r.payload is None:
                 continue

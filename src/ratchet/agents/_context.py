@@ -652,7 +652,7 @@ class RunnerContext:
         refused, not silently dropped. Signals an earlier attempt took, which this one did not
         wait for again, go back (`TaskCalls.release_unused`)."""
         made = self._calls_made
-        if made is not None and made.replayed:
+        if isinstance(made, TaskCalls) and made.replayed:
             made.release_unused()
         ended = self._ended = _Ended(self._task)
         self.events = ended  # type: ignore[assignment]

@@ -28,6 +28,7 @@ from ratchet.agents._memory import nested
 from ratchet.runtime._dispatch import PATCH_FN, REPLAY_FN, TaskCalls
 from ratchet.runtime._machine import JournalEntry, Machine, RestoredRun, Task, TaskResult
 from ratchet.store._base import CallRecord
+from ratchet.store._faulty import FaultyStore
 from ratchet.store._memory import MemoryStore
 from ratchet.testing import FakeClock
 from support.engines import run_embedded, store_memory
@@ -447,6 +448,34 @@ def test_a_signal_a_refused_attempt_took_goes_back_once(killed: bool) -> None:
         {"n": 0, "paid": "0 USD", "go": 1},
         {"n": 1, "a": "yes"},
     ]
+    assert pending_signals(store) == []
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["not-applied", "applied-unanswered"])
+def test_a_drop_that_fails_leaves_the_signal_taken_once_and_the_next_end_gives_it_back(
+    after: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The refusal's drop fails (a full disk; or it committed and the answer was lost, as a
+    kill right after the commit leaves it): the signal is held exactly once, by the record
+    that stays or back in the state, and goes once to the next wait for it."""
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    assert Drive(PaysThenGo(), [{"key": "k", "n": 0}], store).run().stopped_by
+    store.add_signal("k", "approve", "yes")
+    store = store.reopen()
+    faulty = FaultyStore(store, seed=11, clock=clock).fail("drop_calls", calls=[1], after=after)
+    refused = Drive(ApprovesFirst(), [{"key": "k", "n": 0}], store)
+    refused.store = faulty  # type: ignore[assignment]
+    with pytest.raises(ratchet.IncompatibleChangeError):
+        refused.run()
+    assert "could not be deleted" in caplog.text
+    taken = [r for r in store.calls.values() if r.digest == "approve" and r.status == "ok"]
+    assert len(taken) + len(pending_signals(store)) == 1, (faulty.injected, taken)
+    store.add_signal("k", "go", 1)
+    rows = [{"key": "k", "n": n} for n in range(3)]
+    last = Drive(ApprovesIfPatched(), rows, store := store.reopen())
+    assert last.run().stopped_by == "1 run(s) waiting for signals"
+    assert sorted(last.outputs(), key=lambda o: o["n"])[1] == {"n": 1, "a": "yes"}
     assert pending_signals(store) == []
 
 

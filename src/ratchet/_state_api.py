@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 from ratchet._errors import (
     CodecError,
     CorruptDataError,
-    InvalidArgumentError,
     RatchetError,
     StateError,
 )
@@ -85,9 +84,6 @@ def read_traces(
     return good, bad
 
 
-TRACE_KEY_TYPES = ("auto", "str", "int")
-
-
 def trace_key_type(
     text: str,
     key_type: str,
@@ -100,26 +96,16 @@ def trace_key_type(
     every trace of the text (with `seq`, which names one run; or when the state holds neither
     key, so any trace there is one kept before types were, of either). A state holding both
     is refused: showing both keys' runs as one key's was the defect this prevents."""
-    from ratchet.runtime._shards import int_text
+    from ratchet.runtime._shards import chosen_key_type
 
-    if key_type not in TRACE_KEY_TYPES:
-        raise InvalidArgumentError(
-            f"key type must be one of {', '.join(TRACE_KEY_TYPES)}, not {key_type!r}"
-        )
-    if key_type == "int" and not int_text(text):
-        raise InvalidArgumentError(f"key {text!r} is not an integer (--key-type int)")
-    if key_type != "auto":
-        return key_type
-    if seq is not None:
-        return None
-    types = held()
-    if len(types) > 1:
-        raise InvalidArgumentError(
-            f"{where} holds both the string key {text!r} and the integer key {text}: say whose "
-            f"traces to show (--key-type str or --key-type int; REST: ?key_type=str or int; "
-            f"from Python: state.traces(key, key_type='str') or pass the key as an int)"
-        )
-    return types.pop() if types else None
+    return chosen_key_type(
+        text,
+        key_type,
+        (lambda: set()) if seq is not None else held,  # an input seq names one run
+        where,
+        "say whose traces to show (--key-type str or --key-type int; REST: ?key_type=str or "
+        "int; from Python: state.traces(key, key_type='str') or pass the key as an int)",
+    )
 
 
 def _asked_type(key: str | int, key_type: str | None) -> str:

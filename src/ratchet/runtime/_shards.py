@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ratchet._errors import ConfigError, StateError
+from ratchet._errors import ConfigError, InvalidArgumentError, StateError
 from ratchet.store import codec
 from ratchet.store._base import CheckpointRows, signal_key_type
 from ratchet.store._files import atomic_json
@@ -496,6 +496,30 @@ KEY_TYPES = ("auto", "str", "int")
 def int_text(text: str) -> bool:
     """Whether `text` is how an integer key reads (so "1" may be the integer key 1)."""
     return text.lstrip("-").isdigit() and str(int(text)) == text
+
+
+def chosen_key_type(
+    text: str, key_type: str, held: Callable[[], set[str]], where: Path | str, say: str
+) -> str | None:
+    """Which of the two keys of a text like "1" a command given the text means: 'str' or
+    'int' as asked (--key-type); for "auto", the one the state holds (`held()` gives the types
+    it holds), None when it holds neither. A state holding both is refused, the message
+    ending with `say` (how to name one): acting on both keys as one was the defect this
+    prevents. The one decision of `ratchet signal`, `trace`, `redrive` and `fork`."""
+    if key_type not in KEY_TYPES:
+        raise InvalidArgumentError(
+            f"key type must be one of {', '.join(KEY_TYPES)}, not {key_type!r}"
+        )
+    if key_type == "int" and not int_text(text):
+        raise InvalidArgumentError(f"key {text!r} is not an integer (--key-type int)")
+    if key_type != "auto":
+        return key_type
+    types = held()
+    if len(types) > 1:
+        raise InvalidArgumentError(
+            f"{where} holds both the string key {text!r} and the integer key {text}: {say}"
+        )
+    return types.pop() if types else None
 
 
 def _holds(sdir: Path, keys: list[Any]) -> bool:

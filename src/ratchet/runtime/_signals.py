@@ -18,7 +18,14 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import BadInputError, InvalidArgumentError, InvalidTypeError, StateError
-from ratchet.runtime._shards import Moved, int_text, read_layout, shard_for_text, write_in_force
+from ratchet.runtime._shards import (
+    Moved,
+    chosen_key_type,
+    int_text,
+    read_layout,
+    shard_for_text,
+    write_in_force,
+)
 from ratchet.store import codec
 from ratchet.store._base import signal_key_type
 from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
@@ -160,13 +167,14 @@ def _held_type(conn: sqlite3.Connection, text: str, sdir: Path) -> str | None:
             (codec.encode(form),),
         ).fetchone()
     ]
-    if len(held) == 2:
-        raise InvalidArgumentError(
-            f"{sdir} holds both the string key {text!r} and the integer key {text}: say which "
-            f"one the signal is for (--key-type str or --key-type int; from Python, pass the "
-            f"key as a str or an int)"
-        )
-    return held[0] if held else None
+    return chosen_key_type(
+        text,
+        "auto",
+        lambda: set(held),
+        sdir,
+        "say which one the signal is for (--key-type str or --key-type int; from Python, pass "
+        "the key as a str or an int)",
+    )
 
 
 def ensure_schema(sdir: Path, needed: int, what: str) -> None:

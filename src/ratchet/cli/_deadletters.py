@@ -7,7 +7,7 @@ import json
 import time
 
 from ratchet._argtypes import whole_number
-from ratchet._errors import EXIT_OK
+from ratchet._errors import EXIT_OK, ConfigError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,7 +29,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     which = redrive.add_mutually_exclusive_group(required=True)
     which.add_argument("--all", action="store_true", help="every dead letter not redriven yet")
-    which.add_argument("--key", help="those of one key")
+    which.add_argument(
+        "--key", help="those of one key, as `ratchet dead-letters` shows it (see --key-type)"
+    )
     which.add_argument(
         "--id",
         type=whole_number(
@@ -38,6 +40,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="one, by its id (`ratchet dead-letters`)",
     )
     redrive.add_argument("--state", required=True)
+    redrive.add_argument(
+        "--key-type",
+        choices=["auto", "str", "int"],
+        default="auto",
+        help="with --key: whether a KEY like 42 is the string or the integer key (two keys; "
+        "default auto: the one the state holds, refused when it holds both)",
+    )
     redrive.add_argument("--json", action="store_true")
     redrive.set_defaults(func=cmd_redrive)
 
@@ -53,7 +62,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"dead letters of {args.state}")
-    for col in ("id", "kind", "key", "input", "reason", "when", "redrive"):
+    for col in ("id", "kind", "key", "key type", "input", "reason", "when", "redrive"):
         table.add_column(col)
     for d in letters:
         redriven = d.get("redriven_as")
@@ -68,6 +77,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
             str(d["id"]),
             d["kind"],
             str(d["key"]),
+            d.get("key_type") or "",  # the integer key 1 and the string key "1" read alike
             "" if d["seq"] is None or d["seq"] < 0 else str(d["seq"]),
             d["reason"],
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["at"])),
@@ -80,7 +90,11 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
 def cmd_redrive(args: argparse.Namespace) -> int:
     from ratchet.runtime._deadletters import request_redrive
 
-    done = request_redrive(args.state, all_letters=args.all, key=args.key, dead_id=args.id)
+    if args.key is None and args.key_type != "auto":
+        raise ConfigError(f"--key-type {args.key_type} says which key --key is: give --key KEY")
+    done = request_redrive(
+        args.state, all_letters=args.all, key=args.key, dead_id=args.id, key_type=args.key_type
+    )
     if args.json:
         print(json.dumps(done))
         return EXIT_OK

@@ -17,8 +17,16 @@ from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import ConfigError, StateError
-from ratchet.runtime._shards import Moved, global_id, local_id, read_layout, write_in_force
+from ratchet.runtime._shards import (
+    Moved,
+    chosen_key_type,
+    global_id,
+    local_id,
+    read_layout,
+    write_in_force,
+)
 from ratchet.runtime._signals import ensure_schema
+from ratchet.store import codec
 from ratchet.store._sqlite import DB_NAME, SqliteStore
 
 DEAD_LETTERS_SCHEMA = 5
@@ -54,14 +62,18 @@ def request_redrive(
     state_dir: str | os.PathLike[str],
     *,
     all_letters: bool = False,
-    key: str | None = None,
+    key: str | int | None = None,
     dead_id: int | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    key_type: str | None = None,
 ) -> dict[str, Any]:
     """Mark dead letters to be admitted again (all, a key's, or one); what was marked.
 
     Of a sharded job: in the shard that holds each (its worker admits it); `dead_id` is the
-    job-wide id `list_dead_letters` shows."""
+    job-wide id `list_dead_letters` shows. The integer key 1 and the string key "1" are two
+    keys: `key_type` ("str", "int" or "auto": the one the state holds, refused when it holds
+    both) says which a key given as text is; None takes the type of `key` itself, as
+    `send_signal` does, except that a str key is taken as "auto" (the CLI and REST give text)."""
     if sum((all_letters, key is not None, dead_id is not None)) != 1:
         raise ConfigError("redrive takes exactly one of --all, --key KEY or --id ID")
     sdir = Path(state_dir)
@@ -72,13 +84,18 @@ def request_redrive(
         targets = [(layout.dirs[shard], local_in_shard)]
     if layout.workers == 1 and not (sdir / DB_NAME).exists():
         raise StateError(f"no ratchet state in {sdir} ({sdir / DB_NAME} does not exist)")
+    typed_key: Any = None
+    if key is not None:
+        typed_key = _typed_key(
+            sdir, [d for d in layout.dirs if (d / DB_NAME).exists()], key, key_type
+        )
     marked = bad = 0
     for target, local in targets:
         if not (target / DB_NAME).exists():
             continue
         ensure_schema(target, DEAD_LETTERS_SCHEMA, "dead letters")
         try:
-            m, b = write_in_force(sdir, target, _marker(key, local, clock.now()))
+            m, b = write_in_force(sdir, target, _marker(key, typed_key, local, clock.now()))
         except Moved:
             raise StateError(
                 f"the number of workers of {sdir} changed while dead letters were marked "
@@ -94,14 +111,49 @@ def request_redrive(
     return {"marked": marked, "bad_lines_skipped": bad, "state": str(sdir)}
 
 
+def _typed_key(sdir: Path, dirs: list[Path], key: str | int, key_type: str | None) -> Any:
+    """The key `redrive --key` means, as the state stores it (the str or the int of its
+    text); None when the state holds neither (then no dead letter is of it)."""
+    text = str(key)
+    if key_type is None:
+        key_type = "int" if isinstance(key, int) and not isinstance(key, bool) else "auto"
+
+    def held() -> set[str]:
+        # Over every shard: the string key "1" and the integer key 1 may live in two.
+        types: set[str] = set()
+        for d in dirs:
+            store = SqliteStore.open_readonly(d)
+            try:
+                types |= store.held_key_types(text) | store.dead_letter_key_types(text)
+            finally:
+                store.close()
+        return types
+
+    typed = chosen_key_type(
+        text,
+        key_type,
+        held,
+        sdir,
+        "say whose dead letters to redrive (--key-type str or --key-type int; REST: "
+        '{"key": K, "key_type": "int"}; `ratchet dead-letters` shows each one\'s key type)',
+    )
+    if typed is None:
+        return None
+    return int(text) if typed == "int" else text
+
+
 def _marker(
-    key: str | None, dead_id: int | None, now: float
+    key: str | int | None, typed_key: Any, dead_id: int | None, now: float
 ) -> Callable[[sqlite3.Connection], tuple[int, int]]:
     where = "redriven_as IS NULL AND redrive_requested IS NULL"
     params: list[Any] = []
     if key is not None:
         where += " AND key_text = ?"
-        params.append(key)
+        params.append(str(key))
+        if typed_key is not None:
+            # The exact key (the `key` column holds it encoded): its text alone is two keys'.
+            where += " AND key = ?"
+            params.append(codec.encode(typed_key))
     if dead_id is not None:
         where += " AND id = ?"
         params.append(dead_id)

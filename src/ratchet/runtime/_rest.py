@@ -89,6 +89,11 @@ class RedriveAll(BaseModel):
 class RedriveKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
     key: str = Field(description="the dead letters of this key (its text form)")
+    key_type: Literal["auto", "str", "int"] = Field(
+        "auto",
+        description='the string key "1" or the integer key 1 (auto: the one the state holds; '
+        "a state holding both refuses auto)",
+    )
 
 
 class RedriveId(BaseModel):
@@ -290,7 +295,7 @@ def create_app(
     config: Callable[[], JobConfig | None],
     metrics: Callable[[], JobMetrics | None] | None = None,
     signal: Callable[..., dict[str, Any]] | None = None,
-    redrive: Callable[[bool, str | None, int | None], dict[str, Any]] | None = None,
+    redrive: Callable[[bool, str | None, int | None, str], dict[str, Any]] | None = None,
     prometheus: Callable[[], tuple[bytes, str]] | None = None,
     token: str | None = None,
     history: Callable[[], list[dict[str, Any]]] | None = None,
@@ -503,9 +508,10 @@ def create_app(
 
             all_letters = isinstance(body, RedriveAll)
             key = body.key if isinstance(body, RedriveKey) else None
+            key_type = body.key_type if isinstance(body, RedriveKey) else "auto"
             dead_id = body.id if isinstance(body, RedriveId) else None
             try:
-                return ask(all_letters, key, dead_id)
+                return ask(all_letters, key, dead_id, key_type)
             except ConfigError as exc:
                 # The body names exactly one; what can still be wrong is an unknown id.
                 return JSONResponse(

@@ -222,12 +222,20 @@ class Supervisor:
         sent = send_signal(self.state_dir, key, name, value, clock=self.clock, key_type=key_type)
         return {k: sent[k] for k in ("id", "key", "name", "sent_at", "key_type") if k in sent}
 
-    def redrive(self, all_letters: bool, key: str | None, dead_id: int | None) -> dict[str, Any]:
-        """REST: mark dead letters for redrive (the worker admits each once)."""
+    def redrive(
+        self, all_letters: bool, key: str | None, dead_id: int | None, key_type: str = "auto"
+    ) -> dict[str, Any]:
+        """REST: mark dead letters for redrive (the worker admits each once); `key_type` says
+        which of the integer key 1 and the string key "1" a key's text is."""
         from ratchet.runtime._deadletters import request_redrive
 
         done = request_redrive(
-            self.state_dir, all_letters=all_letters, key=key, dead_id=dead_id, clock=self.clock
+            self.state_dir,
+            all_letters=all_letters,
+            key=key,
+            dead_id=dead_id,
+            clock=self.clock,
+            key_type=key_type,
         )
         return {k: done[k] for k in ("marked", "bad_lines_skipped")}
 

@@ -141,10 +141,24 @@ _MIGRATIONS: list[tuple[str, ...]] = [
     (),  # 11: the type of the key a signal is for (_typed_signals)
     (),  # 12: the type of the key a trace is of (_typed_traces)
 ]
+
+
 # Whether a stored key (its codec bytes) is a string: msgpack's str forms (fixstr a0-bf, str
 # 8/16/32 d9-db) and nothing else start with these bytes, and the codec writes only exact
 # `str` values so. Frozen: it is keys_by_text's WHERE, and SQLite uses a partial index only
 # for a query that repeats its WHERE.
+def _dead_key_type(blob: bytes) -> str | None:
+    """A dead letter's key type ('str' or 'int', as signals and traces record it); None for a
+    bad line's (it has no key) or a key that does not decode (the listing still shows it)."""
+    try:
+        key = codec.decode(bytes(blob), unknown="generic")
+    except (codec.CorruptDataError, TypeError, ValueError):
+        return None
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        return None
+    return "int" if isinstance(key, int) else "str"
+
+
 _KEY_IS_STR = "(key >= x'a0' AND key < x'c0' OR key >= x'd9' AND key < x'dc')"
 
 
@@ -1044,11 +1058,14 @@ class SqliteStore:
                 for i, k, seq, reason, at in rows
             ]
         out = []
-        for i, k, seq, reason, at, kind, detail, requested, redriven in self.conn.execute(
-            "SELECT id, key_text, seq, reason, at, kind, detail, redrive_requested, redriven_as "
-            "FROM dead_letters ORDER BY id"
+        for i, k, seq, reason, at, kind, detail, requested, redriven, blob in self.conn.execute(
+            "SELECT id, key_text, seq, reason, at, kind, detail, redrive_requested, redriven_as, "
+            "key FROM dead_letters ORDER BY id"
         ):
             letter = {"id": i, "kind": kind, "key": k, "seq": seq, "reason": reason, "at": at}
+            typed = _dead_key_type(blob)
+            if typed is not None:  # the integer key 1 and the string key "1" read alike
+                letter["key_type"] = typed
             if detail is not None:
                 try:
                     letter["detail"] = codec.decode(detail, unknown="generic")
@@ -1058,6 +1075,16 @@ class SqliteStore:
             letter["redriven_as"] = redriven
             out.append(letter)
         return out
+
+    def dead_letter_key_types(self, key_text: str) -> set[str]:
+        """The types ('str', 'int') of the keys of text `key_text` that have dead letters (a
+        key whose only trace in the state is a dead letter is still one `redrive` acts on)."""
+        if not self._has_table("dead_letters"):
+            return set()
+        rows = self.conn.execute(
+            "SELECT DISTINCT key FROM dead_letters WHERE key_text = ?", (key_text,)
+        )
+        return {t for (blob,) in rows if (t := _dead_key_type(blob)) is not None}
 
     def redrives(self) -> list[tuple[int, bytes, bytes]]:
         """Dead letters asked to be redriven and not redriven yet: (id, key, event)."""

@@ -114,6 +114,19 @@ def test_the_dead_letters_table_shows_each_key_type(tmp_path: Path) -> None:
     assert len(rows) == 2 and any(" int " in r for r in rows) and any(" str " in r for r in rows)
 
 
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["one-worker", "two-workers"])
+@pytest.mark.parametrize("command", ["trace", "inspect"])
+def test_a_key_the_state_does_not_hold_is_a_usage_error(
+    tmp_path: Path, workers: str, command: str
+) -> None:
+    state, env = job(tmp_path, BOTH, "--workers", workers)
+    got = cli(env, command, "--state", str(state), "--key", "nokey")
+    # Exit 1 is "the work ran and failed"; asking for a key that is not there is a usage error.
+    assert got.returncode == 2, (got.returncode, got.stderr)
+    assert "'nokey'" in got.stderr and f"ratchet inspect --state {state}" in got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
+
+
 def post(port: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:

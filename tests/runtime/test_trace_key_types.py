@@ -68,7 +68,8 @@ def test_ratchet_trace_shows_the_runs_of_the_key_of_the_type_asked(
     assert (as_str["seq"], as_str["key_type"]) == (2, "str")
     assert shown(state, "--key", "1", "--key-type", "str", "--seq", "0")["seq"] == 0
     other = cli("trace", "--state", str(state), "--key", "1", "--key-type", "str", "--seq", "1")
-    assert other.returncode == 1 and "no trace kept for input 1 of the str key '1'" in other.stderr
+    # Not there: a usage error (exit 2); exit 1 is work that ran and failed.
+    assert other.returncode == 2 and "no trace kept for input 1 of the str key '1'" in other.stderr
     tree = cli("trace", "--state", str(state), "--key", "1", "--key-type", "int")
     assert tree.returncode == 0 and "key 1 (int) input 3" in tree.stdout, tree.stdout
 
@@ -90,7 +91,7 @@ def test_a_text_the_state_holds_once_needs_no_type(tmp_path: Path) -> None:
     state = run_job(tmp_path, '{"key": 7, "n": 0}\n{"key": "a", "n": 1}\n{"key": 7, "n": 2}\n')
     assert (shown(state, "--key", "7")["seq"], shown(state, "--key", "a")["seq"]) == (2, 1)
     nothing = cli("trace", "--state", str(state), "--key", "7", "--key-type", "str")
-    assert nothing.returncode == 1 and "no trace kept for the str key '7'" in nothing.stderr
+    assert nothing.returncode == 2 and "holds no str key '7'" in nothing.stderr
     not_int = cli("trace", "--state", str(state), "--key", "a", "--key-type", "int")
     assert not_int.returncode == 2 and "key 'a' is not an integer" in not_int.stderr
 

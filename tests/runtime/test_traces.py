@@ -95,7 +95,7 @@ def test_a_trace_holds_tasks_attempts_calls_notes_memory_and_events(tmp_path: Pa
     missing = subprocess.run(
         [*RATCHET, "trace", "--state", str(state), "--key", "zz"], capture_output=True, text=True
     )
-    assert missing.returncode == 1 and "no trace kept" in missing.stderr
+    assert missing.returncode == 2 and "holds no key 'zz'" in missing.stderr
 
 
 def test_work_answered_from_the_journal_after_a_restore_is_marked_replayed() -> None:

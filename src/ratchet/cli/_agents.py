@@ -13,7 +13,6 @@ from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import (
     EXIT_BAD_INPUT,
     EXIT_ERRORS,
-    EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
     BadInputError,
@@ -809,8 +808,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.key is not None and not rows:
-        print(f"ratchet: no committed memory for key {args.key!r}", file=sys.stderr)
-        return EXIT_FAILED
+        # Asking for a key that is not there is a usage error (exit 2), not failed work (1).
+        source = (
+            f"--state {args.state}"
+            if args.state is not None
+            else f"--flink-memory {args.flink_memory}"
+        )
+        raise ConfigError(
+            f"no committed memory for key {args.key!r} in {source.split(' ', 1)[1]} (a key whose "
+            f"first run is still in flight has none yet); `ratchet inspect {source}` lists the "
+            f"keys that have"
+        )
     # A row that does not decode is reported after the others are shown, not instead of
     # them: one damaged key must not hide a state's every other key.
     decoded: list[tuple[Any, Any]] = []

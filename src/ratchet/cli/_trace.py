@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._argtypes import whole_number
-from ratchet._errors import EXIT_FAILED, EXIT_OK
+from ratchet._errors import EXIT_OK, ConfigError
 
 # An input seq as the state stores it: a whole number from 0 to 2**63 - 1.
 seq_number = whole_number(0, (1 << 63) - 1, out_of_range="{n} is not an input seq (0 to 2**63 - 1)")
@@ -41,8 +41,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    import sys
-
     from ratchet._state_api import read_traces, trace_key_type, undecodable_trace
     from ratchet.runtime._shards import int_text, state_dirs
     from ratchet.store._sqlite import DB_NAME, SqliteStore
@@ -80,15 +78,22 @@ def cmd_trace(args: argparse.Namespace) -> int:
         seq, db, exc = newest_bad
         raise undecodable_trace(db, args.key, seq, exc) from exc
     if not found:
-        which = f"key {args.key!r}" if key_type is None else f"the {key_type} key {args.key!r}"
+        # Asking for what is not there is a usage error (exit 2), not failed work (exit 1).
+        what = f"key {args.key!r}" if key_type is None else f"{key_type} key {args.key!r}"
+        types = held()
+        if not types or (key_type is not None and key_type not in types):
+            raise ConfigError(
+                f"{args.state} holds no {what}; `ratchet "
+                f"inspect --state {args.state}` lists the keys (`ratchet dead-letters` those "
+                f"whose runs ended in error)"
+            )
+        which = f"the {what}" if key_type is not None else what
         if args.seq is not None:
             which = f"input {args.seq} of {which}"
-        print(
-            f"ratchet: no trace kept for {which} in {args.state} (runs in flight have none yet; "
-            f"older ones go by --trace-retention)",
-            file=sys.stderr,
+        raise ConfigError(
+            f"no trace kept for {which} in {args.state} (runs in flight have none yet; older "
+            f"ones go by --trace-retention)"
         )
-        return EXIT_FAILED
     run = found[0]
     if args.json:
         print(json.dumps(run, indent=2, default=str))

@@ -114,6 +114,38 @@ def test_the_dead_letters_table_shows_each_key_type(tmp_path: Path) -> None:
     assert len(rows) == 2 and any(" int " in r for r in rows) and any(" str " in r for r in rows)
 
 
+def test_fork_copies_the_key_of_the_type_asked(tmp_path: Path) -> None:
+    state, env = job(tmp_path, BOTH)
+    both = cli(env, "fork", "--state", str(state), "--to", str(tmp_path / "f0"), "--key", "1")
+    assert both.returncode == 2, (both.returncode, both.stdout)
+    assert "holds both the string key '1' and the integer key 1" in both.stderr
+    assert "--key-type" in both.stderr and not (tmp_path / "f0").exists()
+    made = cli(
+        env, "fork", "--state", str(state), "--to", str(tmp_path / "f1"), "--key", "1",
+        "--key-type", "int", "--json",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    forked = letters(tmp_path / "f1", env)
+    # By the text alone both keys' dead letters came along.
+    assert [(d["key"], d.get("key_type")) for d in forked] == [("1", "int")]
+    as_str = cli(
+        env, "fork", "--state", str(state), "--to", str(tmp_path / "f2"), "--key", "1",
+        "--key-type", "str",
+    )  # fmt: skip
+    assert as_str.returncode == 0, as_str.stderr
+    assert [(d["key"], d.get("key_type")) for d in letters(tmp_path / "f2", env)] == [("1", "str")]
+
+
+def test_fork_of_a_key_the_state_does_not_hold_counts_its_keys_by_type(tmp_path: Path) -> None:
+    state, env = job(tmp_path, BOTH)
+    got = cli(env, "fork", "--state", str(state), "--to", str(tmp_path / "f"), "--key", "nokey")
+    assert got.returncode == 2, (got.returncode, got.stdout)
+    # It said "it holds 2 key(s): '1', '2'": the two keys of the text "1" counted as one.
+    assert "it holds 3 key(s): 1, '1', '2'" in got.stderr, got.stderr
+    assert f"ratchet inspect --state {state}" in got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
+
+
 @pytest.mark.parametrize("workers", ["1", "2"], ids=["one-worker", "two-workers"])
 @pytest.mark.parametrize("command", ["trace", "inspect"])
 def test_a_key_the_state_does_not_hold_is_a_usage_error(

@@ -184,9 +184,15 @@ def test_traces_move_with_their_own_key_when_the_workers_change(tmp_path: Path) 
 
 def test_a_fork_and_a_savepoint_keep_the_key_types(tmp_path: Path) -> None:
     state = run_job(tmp_path, BOTH)
-    forked = cli("fork", "--state", str(state), "--to", str(tmp_path / "fork"), "--key", "1")
+    forked = cli(
+        "fork", "--state", str(state), "--to", str(tmp_path / "fork"), "--key", "1",
+        "--key-type", "str",
+    )  # fmt: skip
     assert forked.returncode == 0, forked.stderr
-    assert shown(tmp_path / "fork", "--key", "1", "--key-type", "str")["seq"] == 2
+    # The string key's traces only: the fork holds one key of the text, so none is asked.
+    assert shown(tmp_path / "fork", "--key", "1")["seq"] == 2
+    other = cli("trace", "--state", str(tmp_path / "fork"), "--key", "1", "--key-type", "int")
+    assert other.returncode == 2 and "holds no int key '1'" in other.stderr
     saved = cli("savepoint", "--state", str(state), str(tmp_path / "sp.db"))
     assert saved.returncode == 0, saved.stderr
     with sqlite3.connect(tmp_path / "sp.db") as db:

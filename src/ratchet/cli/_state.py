@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ratchet._errors import EXIT_OK
+from ratchet._errors import EXIT_OK, ConfigError
 
 _SAVEPOINT_HELP = """\
 Write a consistent copy of the job's state to PATH, one self-contained SQLite file.
@@ -85,6 +85,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="K",
         default=None,
         help="copy only this key (repeat for more); default: all keys",
+    )
+    fork.add_argument(
+        "--key-type",
+        choices=["auto", "str", "int"],
+        default="auto",
+        help="whether a K like 42 is the string or the integer key (two keys; default auto: "
+        "the one the state holds, refused when it holds both)",
     )
     fork.add_argument("--json", action="store_true", help="print what was copied as JSON")
     fork.set_defaults(func=cmd_fork)
@@ -179,14 +186,20 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def cmd_fork(args: argparse.Namespace) -> int:
     from ratchet.runtime._savepoints import fork_state
 
-    result = fork_state(args.state, args.to, args.keys)
+    if args.keys is None and args.key_type != "auto":
+        raise ConfigError(f"--key-type {args.key_type} says which key --key is: give --key K")
+    result = fork_state(args.state, args.to, args.keys, key_type=args.key_type)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
         return EXIT_OK
     which = (
         "all keys"
         if result["selected_keys"] is None
-        else "key(s) " + ", ".join(repr(k) for k in result["selected_keys"])
+        else "key(s) "
+        + ", ".join(
+            repr(int(k) if t == "int" else k)
+            for k, t in zip(result["selected_keys"], result["selected_key_types"], strict=True)
+        )
     )
     print(f"forked {result['from']} into {result['to']}: {which}")
     print(

@@ -47,7 +47,9 @@ from ratchet._errors import (
     StateError,
 )
 from ratchet.runtime._io import JOB_FILE, job_identity
+from ratchet.runtime._shards import chosen_key_type, int_text
 from ratchet.store import codec
+from ratchet.store._base import signal_key_type
 from ratchet.store._files import atomic_json, fsync_dir
 from ratchet.store._sqlite import DB_NAME, LOCK_NAME, SCHEMA_VERSION, SqliteStore
 
@@ -676,10 +678,19 @@ def _key_text(blob: bytes, where: str) -> str:
         raise StateError(f"{where}: a stored key cannot be decoded ({exc}); it is damaged") from exc
 
 
-def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> dict[str, int]:
+def _blob_type(blob: bytes, text: str) -> str:
+    """Which of the two keys of `text` a stored key is: 'int' for the integer key, else 'str'
+    (as signals and traces record it; a key of another type reads as neither)."""
+    return "int" if int_text(text) and blob == codec.encode(int(text)) else "str"
+
+
+def _keep_only(
+    conn: sqlite3.Connection, selected: list[str], where: Path, key_type: str = "auto"
+) -> tuple[dict[str, int], dict[str, str]]:
     """Delete, in one transaction, every row that belongs to a key not in `selected` (keys by
-    their text, as `ratchet inspect` shows them); the rows removed per table. ConfigError
-    naming the keys the state does not hold."""
+    their text, as `ratchet inspect` shows them, and `key_type`: which of the two keys of a
+    text like "1" each is); the rows removed per table, and each text's type kept. ConfigError naming the keys the state
+    does not hold, or a text whose two keys it holds when `key_type` is "auto"."""
     tables = _tables(conn)
     unknown_tables = sorted(
         name
@@ -704,18 +715,35 @@ def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> di
             for (blob,) in conn.execute(f"SELECT DISTINCT key FROM {_q(name)}"):
                 if bytes(blob) not in texts:
                     texts[bytes(blob)] = _key_text(bytes(blob), f"{where} table {name}")
-    known = set(texts.values())
-    unknown = [k for k in selected if k not in known]
+    # Every key by (text, type): the integer key 1 and the string key "1" are two.
+    known = {(text, _blob_type(blob, text)) for blob, text in texts.items()}
+    wanted: set[tuple[str, str]] = set()
+    unknown = []
+    for text in selected:
+        held = {t for k, t in known if k == text}
+        typed = chosen_key_type(
+            text,
+            key_type,
+            held.copy,
+            where.parent,
+            "say which one to fork (--key-type str or --key-type int)",
+        )
+        if typed is None or (text, typed) not in known:
+            unknown.append(repr(text) if typed is None else f"{text!r} ({typed})")
+        else:
+            wanted.add((text, typed))
     if unknown:
         listed = sorted(known)
-        shown = ", ".join(repr(k) for k in listed[:20]) + (", ..." if len(listed) > 20 else "")
+        shown = ", ".join(repr(int(k) if t == "int" else k) for k, t in listed[:20]) + (
+            ", ..." if len(listed) > 20 else ""
+        )
         raise ConfigError(
-            f"--key {', '.join(repr(k) for k in unknown)}: no such key in the state of "
+            f"--key {', '.join(unknown)}: no such key in the state of "
             f"{where.parent} (as of its latest checkpoint); it holds {len(listed)} key(s): "
             f"{shown or 'none'}; `ratchet inspect --state {where.parent}` lists them"
         )
-    keep = [(blob,) for blob, text in texts.items() if text in selected]
-    wanted = set(selected)
+    keep = [(blob,) for blob, text in texts.items() if (text, _blob_type(blob, text)) in wanted]
+    wanted_texts = sorted({text for text, _ in wanted})
     removed: dict[str, int] = {}
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -729,11 +757,21 @@ def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> di
                 removed[name] = max(cur.rowcount, 0)
         for name in _PER_KEY_TEXT:
             if name in tables:
-                marks = ", ".join("?" for _ in wanted) or "NULL"
+                marks = ", ".join("?" for _ in wanted_texts) or "NULL"
                 cur = conn.execute(
-                    f"DELETE FROM main.{_q(name)} WHERE key_text NOT IN ({marks})", sorted(wanted)
+                    f"DELETE FROM main.{_q(name)} WHERE key_text NOT IN ({marks})", wanted_texts
                 )
                 removed[name] = max(cur.rowcount, 0)
+                if "key_type" in tables[name]:
+                    # A typed row of the other key of a kept text goes too (an untyped one,
+                    # kept from before types were, is either key's: it stays).
+                    cur = conn.execute(
+                        f"DELETE FROM main.{_q(name)} WHERE key_type IS NOT NULL AND "
+                        f"key_text || ':' || key_type NOT IN "
+                        f"({', '.join('?' for _ in wanted) or 'NULL'})",
+                        sorted(f"{text}:{t}" for text, t in wanted),
+                    )
+                    removed[name] += max(cur.rowcount, 0)
         # A call record belongs to the run of its input. One whose input is not in the state
         # (admitted after the latest checkpoint) cannot be placed: it goes, so the fork makes
         # that call again rather than trust a record that may be another key's.
@@ -757,7 +795,7 @@ def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> di
                     ) from exc
                 if not isinstance(rec, dict) or "key" not in rec:
                     raise StateError(f"{where}: the unreleased output {out_id} names no key")
-                if str(rec["key"]) not in wanted:
+                if (str(rec["key"]), signal_key_type(rec["key"])) not in wanted:
                     gone.append((out_id,))
             conn.executemany("DELETE FROM main.outbox WHERE id = ?", gone)
             removed["outbox"] = len(gone)
@@ -767,7 +805,7 @@ def _keep_only(conn: sqlite3.Connection, selected: list[str], where: Path) -> di
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-    return removed
+    return removed, {text: t for text, t in sorted(wanted)}
 
 
 def fork_state(
@@ -775,10 +813,13 @@ def fork_state(
     to: str | os.PathLike[str],
     keys: Sequence[str] | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    key_type: str = "auto",
 ) -> dict[str, Any]:
     """Copy the state in `state_dir` into a new job at `to` (which must not exist, or be empty).
 
-    All keys, or only those whose text (as `ratchet inspect` shows keys) is in `keys`: every
+    All keys, or only those whose text (as `ratchet inspect` shows keys) is in `keys`, of
+    `key_type` ("str", "int", or "auto": for each text, the key of it the state holds, refused
+    when it holds both the string key "1" and the integer key 1): every
     row of the other keys is left out (memory, queued and in-flight inputs, their call records
     and unreleased outputs, dead letters). The fork gets a new job id: it is a different job,
     so its outputs go to a new output file (or are appended with --append-output). Its source
@@ -803,7 +844,11 @@ def fork_state(
                 _meta(dest, sdir / DB_NAME)
                 before = _describe(dest)
                 checkpoint_id = _latest_checkpoint(dest)
-                removed = {} if selected is None else _keep_only(dest, selected, sdir / DB_NAME)
+                removed, types = (
+                    ({}, {})
+                    if selected is None
+                    else _keep_only(dest, selected, sdir / DB_NAME, key_type)
+                )
                 _set_meta(
                     dest,
                     FORK_META,
@@ -814,6 +859,7 @@ def fork_state(
                         "job": source_job,
                         "checkpoint_id": checkpoint_id,
                         "keys": selected,
+                        "key_types": types or None,
                     },
                 )
                 if any(removed.values()):
@@ -841,6 +887,8 @@ def fork_state(
         "job": job.id,
         "checkpoint_id": checkpoint_id,
         "selected_keys": selected,
+        # Which key of each text (the integer key 1 or the string key "1"; --key-type).
+        "selected_key_types": None if selected is None else [types[k] for k in selected],
         "keys_with_memory": kept,
         "source_counts": before,
         **after,

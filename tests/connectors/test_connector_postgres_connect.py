@@ -121,21 +121,20 @@ def test_a_stop_while_connecting_ends_the_job_at_once(
     the timeout (the test's bound is less than it)."""
     port = silent.getsockname()[1]
     uri = f"postgresql://app@127.0.0.1:{port}/db?table=t&connect_timeout=60"
-    proc = subprocess.Popen(
-        [*RATCHET, "run", AGENT, *io_for("--output", uri, tmp_path),
-         "--state", str(tmp_path / "state")],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        silent.settimeout(BOUND)
-        conn, _ = silent.accept()  # the job is connecting (and gets no answer: conn stays open)
-        with conn:
-            proc.send_signal(sig)
-            _, err = proc.communicate(timeout=BOUND // 2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    argv = [*RATCHET, "run", AGENT, *io_for("--output", uri, tmp_path), "--state",
+            str(tmp_path / "state")]  # fmt: skip
+    # As a context manager: its pipe is closed however the test ends.
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            silent.settimeout(BOUND)
+            conn, _ = silent.accept()  # the job is connecting (no answer: conn stays open)
+            with conn:
+                proc.send_signal(sig)
+                _, err = proc.communicate(timeout=BOUND // 2)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert proc.returncode == code, err
     assert "Traceback" not in err
 

@@ -252,14 +252,17 @@ def test_an_output_uri_of_an_unknown_scheme_is_refused_not_written_as_a_path(
     assert not (tmp_path / f"{scheme}:").exists()
 
 
-@pytest.mark.parametrize("command", [["inspect"], ["runs", "list"], ["dead-letters"], ["run"]])
+@pytest.mark.parametrize(
+    "command",
+    [["inspect"], ["runs", "list"], ["dead-letters"], ["run"], ["run", "--workers", "2"]],
+)
 def test_a_state_that_is_a_file_is_named_as_one(tmp_path: Path, command: list[str]) -> None:
     """They said `shards/layout.json cannot be read ...; restore it from a backup`, or
-    `[Errno 17] File exists`."""
+    `[Errno 17] File exists` (with --workers 2, a traceback)."""
     (tmp_path / "statefile").write_text("x\n")
-    if command == ["run"]:
+    if command[0] == "run":
         (tmp_path / "in.jsonl").write_text('{"key": "a"}\n')
-        command = ["run", agent_file(tmp_path), "--input", str(tmp_path / "in.jsonl")]
+        command = ["run", agent_file(tmp_path), "--input", str(tmp_path / "in.jsonl"), *command[1:]]
         command += ["--output", str(tmp_path / "o.jsonl")]
     proc = subprocess.run(
         [*RATCHET, *command, "--state", str(tmp_path / "statefile")],

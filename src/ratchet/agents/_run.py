@@ -37,7 +37,7 @@ from ratchet.runtime._io import (
     job_identity,
     refuse_output_read_as_input,
 )
-from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock, state_dir_error
 
 log = logging.getLogger("ratchet.agents")
 
@@ -318,15 +318,7 @@ class Job:
             source.close()
             sink.close()
             if isinstance(exc, OSError):
-                why = (
-                    "it is a file, not a directory; point --state at a directory (a new one "
-                    "for a new job)"
-                    if self.state_dir.exists() and not self.state_dir.is_dir()
-                    else str(exc)
-                )
-                raise StateError(
-                    f"--state {self.state_dir} cannot be used as a state directory: {why}"
-                ) from exc
+                raise state_dir_error(self.state_dir, exc) from exc
             raise
         store: SqliteStore | None = None
         try:

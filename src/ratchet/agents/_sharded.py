@@ -74,7 +74,7 @@ from ratchet.runtime._shards import (
     shard_of,
     shard_position,
 )
-from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock, state_dir_error
 
 log = logging.getLogger("ratchet.shards")
 
@@ -199,9 +199,12 @@ def run_sharded(
         no_fork = "the agent was passed as an object, not loaded by ratchet from its spec"
     binding = AgentBinding(instance)
     sdir = Path(state_dir)
-    sdir.mkdir(parents=True, exist_ok=True)
-    lock = StateLock(sdir)
-    lock.acquire()
+    try:
+        sdir.mkdir(parents=True, exist_ok=True)
+        lock = StateLock(sdir)
+        lock.acquire()
+    except OSError as exc:
+        raise state_dir_error(sdir, exc) from exc
     try:
         layout = read_layout(sdir)
         drained: EngineResult | None = None

@@ -253,6 +253,17 @@ def _sidecars(path: Path) -> list[Path]:
     return [path, *(path.with_name(path.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
 
 
+def state_dir_error(state_dir: Path, exc: OSError) -> StateError:
+    """Why `--state DIR` could not be made or locked, in one line (a file there, a read-only
+    file system): every command that makes a state directory says it so."""
+    why = (
+        "it is a file, not a directory; point --state at a directory (a new one for a new job)"
+        if state_dir.exists() and not state_dir.is_dir()
+        else str(exc)
+    )
+    return StateError(f"--state {state_dir} cannot be used as a state directory: {why}")
+
+
 class StateLock:
     """Exclusive ownership of a state directory; the OS drops it when the process dies."""
 

@@ -649,3 +649,32 @@ def test_restore_refuses_what_is_not_a_whole_savepoint_and_a_used_directory(
     record = restore_savepoint(sp, target)
     assert record["job"] == job_of(state) == job_of(target)
     assert inspect(target) == finished["memory"]
+
+
+def test_a_savepoint_path_that_names_a_directory_or_nothing_is_exit_2_naming_the_fix(
+    finished: dict[str, Any], tmp_path: Path
+) -> None:
+    state = finished["state"]
+    here = tmp_path / "here"
+    here.mkdir()
+    for path, words in (
+        (".", (". is a directory", "a savepoint is one file", "e.g. savepoint.db")),
+        ("/", ("/ is a directory", "e.g. /savepoint.db")),
+        ("", ("the savepoint PATH is empty", "e.g. savepoint.db")),
+    ):
+        proc = subprocess.run(
+            [*RATCHET, "savepoint", "--state", str(state), path],
+            capture_output=True, text=True, timeout=120, cwd=here, check=False,
+        )  # fmt: skip
+        assert_refused(proc, *words)
+    assert list(here.iterdir()) == []
+    (state / "savepoint.db").touch()  # the example never names a file that exists
+    try:
+        assert_refused(
+            ratchet("savepoint", "--state", state, state, check=False),
+            f"{state} is a directory",
+            f"e.g. {state / 'savepoint-2.db'}",
+        )
+    finally:
+        (state / "savepoint.db").unlink()
+

@@ -485,6 +485,14 @@ def take_savepoint(
     sdir = Path(state_dir)
     target = Path(path)
     _require_state(sdir)
+    if not str(path):
+        raise ConfigError("the savepoint PATH is empty; pass a new file's path, e.g. savepoint.db")
+    if target.is_dir():  # also '.' and '/', whose name is empty: no sibling name to suggest
+        inside = target / "savepoint.db"
+        raise ConfigError(
+            f"{target} is a directory; a savepoint is one file: pass a new file's path, e.g. "
+            f"{_free_name(inside) if inside.exists() else inside}"
+        )
     if target.exists() or target.is_symlink():
         raise StateError(
             f"{target} exists; a savepoint never replaces a file; choose a new path, e.g. "

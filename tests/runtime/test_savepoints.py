@@ -678,3 +678,25 @@ def test_a_savepoint_path_that_names_a_directory_or_nothing_is_exit_2_naming_the
     finally:
         (state / "savepoint.db").unlink()
 
+
+def test_a_restore_into_its_own_earlier_restore_is_resumed_and_never_advised_away(
+    finished: dict[str, Any], tmp_path: Path
+) -> None:
+    from ratchet.runtime._savepoints import restore_or_resume
+
+    sp, target = tmp_path / "sp.db", tmp_path / "restored"
+    ratchet("savepoint", "--state", finished["state"], sp)
+    assert restore_or_resume(sp, target)["resumed"] is False
+    before = (target / "ratchet.db").read_bytes()
+    again = restore_or_resume(sp, target)
+    assert again["resumed"] is True and again["job"] == job_of(target)
+    assert (target / "ratchet.db").read_bytes() == before, "the restore was done again"
+    # The library call, which never resumes, refuses without advice to empty it.
+    with pytest.raises(StateError, match=f"it holds job .*, restored from {sp} before") as info:
+        restore_savepoint(sp, target)
+    assert f"empty {target}" not in str(info.value)
+    # A savepoint taken of the restored state is another savepoint.
+    sp2 = tmp_path / "sp2.db"
+    ratchet("savepoint", "--state", target, sp2)
+    with pytest.raises(StateError, match=f"restored from another savepoint .*, not from {sp2}"):
+        restore_or_resume(sp2, target)

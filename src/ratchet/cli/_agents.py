@@ -441,12 +441,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.from_savepoint is not None:
         from pathlib import Path
 
-        from ratchet.runtime._savepoints import restore_savepoint
+        from ratchet.runtime._savepoints import restore_or_resume
 
-        restore_savepoint(Path(args.from_savepoint), Path(args.state))
+        # The same command again resumes the state its first run restored (killed, or refused
+        # after the restore): restoring anew would repeat the work done since.
+        restored = restore_or_resume(Path(args.from_savepoint), Path(args.state))
         say(
             course,
-            f"restored savepoint {args.from_savepoint} into {args.state}",
+            (
+                f"{args.state} already holds savepoint {args.from_savepoint}, restored by an "
+                f"earlier run: resuming it (not restored again; a new --state restores anew)"
+            )
+            if restored["resumed"]
+            else f"restored savepoint {args.from_savepoint} into {args.state}",
             getattr(args, "log_format", "text"),
         )
     if args.workers == "auto":

@@ -580,11 +580,8 @@ def _log_savepoint(state_dir: Path, result: dict[str, Any]) -> tuple[bool, str |
     return True, None
 
 
-def read_savepoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The `savepoint` record of the savepoint file at `path`, with what it holds (`counts`)
-    and its size, after checking that it is whole (SQLite's integrity check) and a ratchet
-    savepoint; StateError naming what is wrong otherwise."""
-    p = Path(path)
+def _read_savepoint(p: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """The savepoint record of the file `p` as stored, and what the savepoint holds."""
     if not p.is_file():
         what = "does not exist" if not p.exists() else "is not a file"
         raise StateError(f"savepoint {p} {what}; pass a file written by `ratchet savepoint`")
@@ -615,6 +612,18 @@ def read_savepoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{p} is a savepoint of format {record.get('format')!r}; this ratchet reads format "
             f"{SAVEPOINT_FORMAT}; use the ratchet version that wrote it"
         )
+    return record, counts
+
+
+def read_savepoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The `savepoint` record of the savepoint file at `path`, with what it holds (`counts`)
+    and its size, after checking that it is whole (SQLite's integrity check) and a ratchet
+    savepoint; StateError naming what is wrong otherwise."""
+    p = Path(path)
+    return _described(p, *_read_savepoint(p))
+
+
+def _described(p: Path, record: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
     return dict(record, counts=counts, size_bytes=p.stat().st_size, path=str(p.resolve()))
 
 
@@ -632,8 +641,120 @@ def restore_savepoint(
     """
     sp = Path(savepoint)
     target = Path(state_dir)
-    record = read_savepoint(sp)
-    _require_empty(target, "restore the savepoint into")
+    stored, counts = _read_savepoint(sp)
+    if _is_used(target):
+        raise _used_error(target, sp, stored, _restored_record(target))
+    return _restore(sp, target, _described(sp, stored, counts), clock)
+
+
+def restore_or_resume(
+    savepoint: str | os.PathLike[str],
+    state_dir: str | os.PathLike[str],
+    clock: Clock = SYSTEM_CLOCK,
+) -> dict[str, Any]:
+    """`restore_savepoint`, unless `state_dir` already holds this very savepoint's restore:
+    then nothing is done and the result says `resumed: True`.
+
+    What `ratchet run --from-savepoint` does, so that the same command continues a job killed
+    after its restore (or refused after it: wrong input, output or agent) instead of refusing
+    the directory: restoring again would roll the job back to the savepoint and make every
+    durable call since then again. The restore is recognised by the savepoint record it
+    copied into the state's meta (its time, source state and checkpoint are the savepoint's
+    alone). Anything else in `state_dir` is refused, naming a fix that loses nothing."""
+    sp = Path(savepoint)
+    target = Path(state_dir)
+    stored, counts = _read_savepoint(sp)
+    record = _described(sp, stored, counts)
+    if not _is_used(target):
+        return dict(_restore(sp, target, record, clock), resumed=False)
+    held = _restored_record(target)
+    if held is not None and held["record"] == stored:
+        return dict(
+            record, state_dir=str(target.resolve()), savepoint=str(sp.resolve()), resumed=True
+        )
+    raise _used_error(target, sp, stored, held)
+
+
+def _is_used(target: Path) -> bool:
+    """Whether `target` is anything but a directory to restore into (absent, or empty)."""
+    if target.is_dir() and not target.is_symlink():
+        return any(target.iterdir())
+    return target.exists() or target.is_symlink()
+
+
+def _restored_record(target: Path) -> dict[str, Any] | None:
+    """What the state in `target` is, for the refusal and the resume: None if `target` holds no
+    ratchet state; else {"job": its job id or None, "record": the savepoint record its restore
+    copied (None: never restored), "sharded": bool, "error": why it could not be read}."""
+    from ratchet.runtime._shards import is_sharded
+
+    if not target.is_dir():
+        return None
+    sharded = is_sharded(target)
+    if not (target / DB_NAME).exists() and not sharded and not (target / JOB_FILE).exists():
+        return None
+    held: dict[str, Any] = {"job": None, "record": None, "sharded": sharded, "error": None}
+    try:
+        held["job"] = _read_job(target)[0]
+        if (target / DB_NAME).exists():
+            store = SqliteStore.open_readonly(target)
+            try:
+                record = _meta(store.conn, store.path).get(SAVEPOINT_META)
+            finally:
+                store.close()
+            held["record"] = record if isinstance(record, dict) else None
+    except (StateError, sqlite3.Error) as exc:
+        held["error"] = str(exc)
+    return held
+
+
+def _used_error(
+    target: Path, sp: Path, stored: dict[str, Any], held: dict[str, Any] | None
+) -> StateError:
+    """The refusal to restore into a `target` that is not empty. A target holding a ratchet
+    state may hold committed work (the job restored there before and run on): the fix named
+    never empties it."""
+    new = (
+        f"restore {sp} into a new --state directory (one that does not exist yet, or an empty one)"
+    )
+    if held is None:
+        if target.is_dir() and not target.is_symlink():
+            return StateError(
+                f"{target} is not empty; {new}, or empty {target} first (it holds no ratchet state)"
+            )
+        return StateError(f"{target} exists and is not a plain directory; {new}")
+    job = f"job {held['job']}" if held["job"] else "a job"
+    resume = f"resume it with the same command without --from-savepoint, or {new}"
+    if held["error"] is not None:
+        return StateError(
+            f"{target} is not empty: it holds a ratchet state that could not be read "
+            f"({held['error']}); {new}"
+        )
+    if held["sharded"] and held["record"] is None:
+        return StateError(
+            f"{target} is not empty: it holds the sharded state of {job}, which cannot tell "
+            f"whether it was restored from {sp}; {resume}"
+        )
+    other = held["record"]
+    if other == stored:
+        return StateError(
+            f"{target} is not empty: it holds {job}, restored from {sp} before and maybe run "
+            f"on since; resume it (`ratchet run ... --state {target}`, with or without "
+            f"--from-savepoint), or {new}"
+        )
+    if other is None:
+        return StateError(
+            f"{target} is not empty: it holds the state of {job}, never restored from a "
+            f"savepoint; {resume}"
+        )
+    return StateError(
+        f"{target} is not empty: it holds {job} restored from another savepoint (of "
+        f"{other.get('state_dir')}, checkpoint #{other.get('checkpoint_id')}, taken "
+        f"{iso_utc(other.get('taken_at'))}), not from {sp}; {resume}"
+    )
+
+
+def _restore(sp: Path, target: Path, record: dict[str, Any], clock: Clock) -> dict[str, Any]:
     job = record.get("job")
     if job is not None and not isinstance(job, str):
         raise StateError(f"{sp}: the savepoint names the job {job!r}, which is not a job id")

@@ -206,6 +206,26 @@ def test_a_refused_restore_is_continued_by_the_corrected_command(
     assert inspect(state) == base["reference"]
 
 
+def test_the_same_command_resumes_a_restore_sharded_since(
+    base: dict[str, Any], tmp_path: Path
+) -> None:
+    """--workers 2 re-shards the restored state (its top database goes): still recognised."""
+    out, state = tmp_path / "out.jsonl", tmp_path / "restored"
+    out.write_bytes(base["output"].read_bytes())
+    argv = run_argv(base["input"], out, state, "--from-savepoint", base["sp"], "--workers", "2")
+    first = ratchet(argv)
+    assert first.returncode == EXIT_OK, first.stderr
+    assert (state / "shards" / "layout.json").exists() and not (state / "ratchet.db").exists()
+    written = out.read_bytes()
+
+    again = ratchet(argv)
+
+    assert again.returncode == EXIT_OK, again.stderr
+    assert RESUMING in again.stderr, again.stderr
+    assert out.read_bytes() == written, "the resumed job wrote outputs again"
+    assert_exactly_once(out)
+
+
 def refusal(proc: subprocess.CompletedProcess[str]) -> str:
     assert proc.returncode == EXIT_USAGE, proc.stderr
     lines = proc.stderr.strip().splitlines()

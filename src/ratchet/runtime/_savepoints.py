@@ -644,7 +644,7 @@ def restore_savepoint(
     stored, counts = _read_savepoint(sp)
     if _is_used(target):
         raise _used_error(target, sp, stored, _restored_record(target))
-    return _restore(sp, target, _described(sp, stored, counts), clock)
+    return _restore(sp, target, stored, counts, clock)
 
 
 def restore_or_resume(
@@ -660,13 +660,14 @@ def restore_or_resume(
     the directory: restoring again would roll the job back to the savepoint and make every
     durable call since then again. The restore is recognised by the savepoint record it
     copied into the state's meta (its time, source state and checkpoint are the savepoint's
-    alone). Anything else in `state_dir` is refused, naming a fix that loses nothing."""
+    alone; job.json keeps a copy for a state sharded since). Anything else in `state_dir` is
+    refused, naming a fix that loses nothing."""
     sp = Path(savepoint)
     target = Path(state_dir)
     stored, counts = _read_savepoint(sp)
     record = _described(sp, stored, counts)
     if not _is_used(target):
-        return dict(_restore(sp, target, record, clock), resumed=False)
+        return dict(_restore(sp, target, stored, counts, clock), resumed=False)
     held = _restored_record(target)
     if held is not None and held["record"] == stored:
         return dict(
@@ -703,9 +704,21 @@ def _restored_record(target: Path) -> dict[str, Any] | None:
             finally:
                 store.close()
             held["record"] = record if isinstance(record, dict) else None
+        elif sharded:
+            held["record"] = _job_file_restore(target)
     except (StateError, sqlite3.Error) as exc:
         held["error"] = str(exc)
     return held
+
+
+def _job_file_restore(target: Path) -> dict[str, Any] | None:
+    """The savepoint record a restore wrote into `target`'s job.json (None: none there)."""
+    try:
+        data = json.loads((target / JOB_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    record = data.get("restored_from") if isinstance(data, dict) else None
+    return record if isinstance(record, dict) else None
 
 
 def _used_error(
@@ -732,8 +745,8 @@ def _used_error(
         )
     if held["sharded"] and held["record"] is None:
         return StateError(
-            f"{target} is not empty: it holds the sharded state of {job}, which cannot tell "
-            f"whether it was restored from {sp}; {resume}"
+            f"{target} is not empty: it holds the sharded state of {job}, which records no "
+            f"restore of {sp}; {resume}"
         )
     other = held["record"]
     if other == stored:
@@ -754,7 +767,10 @@ def _used_error(
     )
 
 
-def _restore(sp: Path, target: Path, record: dict[str, Any], clock: Clock) -> dict[str, Any]:
+def _restore(
+    sp: Path, target: Path, stored: dict[str, Any], counts: dict[str, int], clock: Clock
+) -> dict[str, Any]:
+    record = _described(sp, stored, counts)
     job = record.get("job")
     if job is not None and not isinstance(job, str):
         raise StateError(f"{sp}: the savepoint names the job {job!r}, which is not a job id")
@@ -785,6 +801,9 @@ def _restore(sp: Path, target: Path, record: dict[str, Any], clock: Clock) -> di
                         "job": job,
                         "created": clock.now(),
                         "legacy_outputs": bool(record.get("legacy_outputs", False)),
+                        # Kept here too: re-sharding (--workers N) leaves no top database,
+                        # and its shards no meta of the restore; this file stays.
+                        "restored_from": stored,
                     },
                 )
                 # Read back as the engine will read it: a format drift fails here, not later.

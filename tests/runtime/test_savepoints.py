@@ -700,3 +700,38 @@ def test_a_restore_into_its_own_earlier_restore_is_resumed_and_never_advised_awa
     ratchet("savepoint", "--state", target, sp2)
     with pytest.raises(StateError, match=f"restored from another savepoint .*, not from {sp2}"):
         restore_or_resume(sp2, target)
+
+
+def test_a_restore_or_fork_into_the_current_directory_is_exit_2_and_writes_nothing(
+    finished: dict[str, Any], tmp_path: Path
+) -> None:
+    sp = tmp_path / "sp.db"
+    ratchet("savepoint", "--state", finished["state"], sp)
+    here = tmp_path / "here"
+    here.mkdir()
+    for argv, flag in (
+        (["run", AGENT, "--input", str(finished["input"]), "--output", str(tmp_path / "o.jsonl"),
+          "--state", ".", "--from-savepoint", str(sp)], "--state"),
+        (["fork", "--state", str(finished["state"]), "--to", "."], "--to"),
+    ):  # fmt: skip
+        proc = subprocess.run(
+            [*RATCHET, *argv], capture_output=True, text=True, timeout=120, cwd=here, check=False
+        )
+        assert_refused(proc, f"{flag} . is the current directory", f"e.g. {flag} {here / 'state'}")
+    assert list(here.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_missing_savepoint_names_the_resume_of_the_state_it_was_restored_into(
+    finished: dict[str, Any], tmp_path: Path
+) -> None:
+    sp, state = tmp_path / "sp.db", tmp_path / "restored"
+    ratchet("savepoint", "--state", finished["state"], sp)
+    restore_savepoint(sp, state)
+    sp.unlink()
+    assert_refused(
+        run_job(finished["input"], tmp_path / "o.jsonl", state, "--from-savepoint", sp,
+                check=False),
+        f"savepoint {sp} does not exist",
+        f"to resume the state in {state} as it is, run without --from-savepoint",
+    )  # fmt: skip

@@ -246,6 +246,17 @@ def _require_empty(target: Path, what: str) -> None:
         raise StateError(f"{target} exists and is not a plain directory; {what} a new directory")
 
 
+def _refuse_here(target: Path, flag: str) -> None:
+    """A new state is moved into place by renaming a finished copy onto `target`: that cannot
+    replace the current directory (nor `/`), and would leave this process in a removed one."""
+    if not target.name or target.resolve() == Path.cwd().resolve():
+        raise ConfigError(
+            f"{flag} {target} is the current directory (or the root), which a restore or a fork "
+            f"cannot fill: it puts a finished copy in place of the directory; pass a new "
+            f"directory, e.g. {flag} {target.resolve() / 'state'}"
+        )
+
+
 def _free_name(path: Path) -> Path:
     """A name beside `path` that is not taken: `name-2.ext`, `name-3.ext`, ..."""
     n = 2
@@ -664,7 +675,14 @@ def restore_or_resume(
     refused, naming a fix that loses nothing."""
     sp = Path(savepoint)
     target = Path(state_dir)
-    stored, counts = _read_savepoint(sp)
+    try:
+        stored, counts = _read_savepoint(sp)
+    except StateError as exc:
+        if _is_used(target) and _restored_record(target) is not None:
+            raise StateError(
+                f"{exc}; or, to resume the state in {target} as it is, run without --from-savepoint"
+            ) from exc
+        raise
     record = _described(sp, stored, counts)
     if not _is_used(target):
         return dict(_restore(sp, target, stored, counts, clock), resumed=False)
@@ -770,6 +788,7 @@ def _used_error(
 def _restore(
     sp: Path, target: Path, stored: dict[str, Any], counts: dict[str, int], clock: Clock
 ) -> dict[str, Any]:
+    _refuse_here(target, "--state")
     record = _described(sp, stored, counts)
     job = record.get("job")
     if job is not None and not isinstance(job, str):
@@ -977,6 +996,7 @@ def fork_state(
     sdir = Path(state_dir)
     target = Path(to)
     _require_state(sdir)
+    _refuse_here(target, "--to")
     _require_empty(target, "fork into")
     selected = None if keys is None else list(dict.fromkeys(str(k) for k in keys))
     source_job, _legacy = _read_job(sdir)

@@ -123,8 +123,15 @@ def test_a_stop_while_connecting_ends_the_job_at_once(
     uri = f"postgresql://app@127.0.0.1:{port}/db?table=t&connect_timeout=60"
     argv = [*RATCHET, "run", AGENT, *io_for("--output", uri, tmp_path), "--state",
             str(tmp_path / "state")]  # fmt: skip
-    # As a context manager: its pipe is closed however the test ends.
-    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as proc:
+    # SIGINT as a terminal gives it: a suite started in the background by a shell without job
+    # control (`make test &` in a script) passes SIGINT on ignored, and the job then rightly
+    # ignores it too. As a context manager: its pipe is closed however the test ends.
+    with subprocess.Popen(
+        argv,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
+    ) as proc:
         try:
             silent.settimeout(BOUND)
             conn, _ = silent.accept()  # the job is connecting (no answer: conn stays open)

@@ -7,6 +7,7 @@
     │   ├── PromptArgumentError       (also ChatError) a prompt formatted without an argument
     │   └── ProjectError              (also ValueError) a checks project file or plan is invalid
     ├── StateError                    a state directory cannot be used as it is; exit 2
+    │   ├── StateInUseError           another process holds the state directory's lock
     │   ├── ReceiptError              (also ValueError) a checks receipt cannot be trusted
     │   │   └── LegacyReceiptError    a receipt from before checkpoints: grants no reuse
     │   └── ResumeRefusedError        (also ValueError) a checks run cannot be resumed as it is
@@ -93,6 +94,15 @@ class InvalidTypeError(ConfigError, TypeError):
 
 class StateError(RatchetError):
     """A state directory cannot be used as it is (wrong schema, corrupt, locked, wrong agent)."""
+
+
+class StateInUseError(StateError):
+    """Another process holds the state directory's lock (`holder`, e.g. "pid 123"): a job, or a
+    command that needs the job stopped. Trying again once it is gone may succeed."""
+
+    def __init__(self, message: str, holder: str = "another process") -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class NonDeterminismError(RatchetError):

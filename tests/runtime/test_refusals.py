@@ -96,6 +96,7 @@ def test_public_names_are_pinned() -> None:
         "StageTimeoutError",
         "State",
         "StateError",
+        "StateInUseError",
         "StructuredOutputError",
         "TokenBudget",
         "TokenBudgetExceededError",

@@ -18,6 +18,7 @@ from ratchet._errors import (
     BadInputError,
     ConfigError,
     RatchetError,
+    StateInUseError,
 )
 from ratchet.runtime._io import to_json_line
 
@@ -414,10 +415,7 @@ def _job_reporter(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ratchet.agents._run import Job, load_agent, run_owned
-    from ratchet.cli import end_startup
     from ratchet.connectors import is_uri
-    from ratchet.runtime._engine import stopped_for_max_errors
     from ratchet.runtime._io import (
         check_input_path,
         check_output_path,
@@ -479,6 +477,35 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"{flag} is an option of a supervised job (with the REST API it serves); add "
                 f"--supervise (or drop {flag})"
             )
+    try:
+        return _run_here(args)
+    except StateInUseError as exc:
+        _tell_supervisor(exc)
+        raise
+
+
+def _tell_supervisor(exc: StateInUseError) -> None:
+    """A supervised worker refused the state's lock says so on its status pipe before it exits
+    2: the holder is another process's for a moment, so its supervisor restarts it (within the
+    restart policy) instead of giving up as on a state that is wrong."""
+    import os
+
+    from ratchet.runtime._supervisor_env import REFUSED_STATE_IN_USE, STATUS_FD_ENV
+
+    fd = os.environ.get(STATUS_FD_ENV)
+    if fd:
+        line = json.dumps({REFUSED_STATE_IN_USE: exc.holder}) + "\n"
+        try:
+            os.write(int(fd), line.encode())
+        except OSError:  # the supervisor is gone: nobody to tell
+            pass
+
+
+def _run_here(args: argparse.Namespace) -> int:
+    """`ratchet run` in this process (a supervised job's worker, or an unsupervised job)."""
+    from ratchet.agents._run import Job, load_agent, run_owned
+    from ratchet.cli import end_startup
+    from ratchet.runtime._engine import stopped_for_max_errors
     from ratchet.runtime._shards import is_sharded
 
     if args.workers != 1 or is_sharded(args.state):

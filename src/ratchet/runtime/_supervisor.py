@@ -33,16 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import EXIT_FAILED, EXIT_NO_RESTART, EXIT_OK, ConfigError
+from ratchet._errors import EXIT_FAILED, EXIT_NO_RESTART, EXIT_OK, EXIT_USAGE, ConfigError
 from ratchet.runtime._say import say
 from ratchet.runtime._supervisor_env import (
+    REFUSED_STATE_IN_USE,
     RESOURCE_ID_ENV,
     REST_TOKEN_ENV,
     STATUS_FD_ENV,
     SUPERVISOR_PID_ENV,
     check_token,
 )
-from ratchet.store._sqlite import StateLock
+from ratchet.store._sqlite import SUPERVISOR_LOCK_NAME, StateLock
 
 log = logging.getLogger("ratchet.supervisor")
 # The supervisor's lifecycle lines (REST API address, a worker's death, a restart) are always
@@ -70,6 +71,9 @@ class _Worker:
     resource_id: str
     started: float
     reader: threading.Thread | None = None
+    # What held the state's lock when this worker was refused it ("pid 123"), as it said on
+    # its pipe before it exited 2; None for any other end.
+    state_in_use_by: str | None = None
 
 
 @dataclass
@@ -440,6 +444,12 @@ class Supervisor:
                 except ValueError:
                     log.warning("unreadable worker report: %r", line[:200])
                     continue
+                if isinstance(report, dict) and REFUSED_STATE_IN_USE in report:
+                    with self._lock:
+                        w = self.s.worker
+                        if w is not None and w.resource_id == resource_id:
+                            w.state_in_use_by = str(report[REFUSED_STATE_IN_USE])
+                    continue
                 with self._lock:
                     if self.s.worker is not None and self.s.worker.resource_id == resource_id:
                         self.s.report = report
@@ -465,7 +475,7 @@ class Supervisor:
         previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            lock = StateLock(self.state_dir, name="supervisor.lock")
+            lock = StateLock(self.state_dir, name=SUPERVISOR_LOCK_NAME)
             lock.acquire()
             try:
                 self._start_rest()
@@ -508,7 +518,12 @@ class Supervisor:
                 with self._lock:
                     self.s.state = "failed"
                 return rc if rc > 0 else EXIT_FAILED
-            if rc in EXIT_NO_RESTART:
+            if rc == EXIT_USAGE and worker.state_in_use_by is not None:
+                # Refused only because another process held the state's lock for a moment
+                # (`ratchet signal` upgrading an old schema, a command of an older ratchet):
+                # that is gone by the next attempt, so it is restarted like a death.
+                how = f"exit code {rc}: the state directory was in use by {worker.state_in_use_by}"
+            elif rc in EXIT_NO_RESTART:
                 with self._lock:
                     self.s.state = "failed"
                 self._say(logging.ERROR, f"worker failed ({how}); not restarting")

@@ -8,6 +8,9 @@ STATUS_FD_ENV = "RATCHET_STATUS_FD"
 RESOURCE_ID_ENV = "RATCHET_RESOURCE_ID"
 SUPERVISOR_PID_ENV = "RATCHET_SUPERVISOR_PID"
 REST_TOKEN_ENV = "RATCHET_REST_TOKEN"
+# The one line a worker writes to its status pipe instead of a report when it was refused the
+# state's lock (`{"state_in_use_by": "pid 123"}`, then exit 2): the supervisor restarts it.
+REFUSED_STATE_IN_USE = "state_in_use_by"
 
 
 def check_token(token: str) -> None:

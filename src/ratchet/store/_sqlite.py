@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import RatchetError, StateError
+from ratchet._errors import RatchetError, StateError, StateInUseError
 from ratchet.store import codec
 from ratchet.store._base import (
     REPLAY_FN,
@@ -48,6 +48,8 @@ from ratchet.store._traces import unpack_trace
 
 DB_NAME = "ratchet.db"
 LOCK_NAME = "ratchet.lock"
+# Held by `ratchet run --supervise` for as long as it lives, between its workers too.
+SUPERVISOR_LOCK_NAME = "supervisor.lock"
 
 # Append-only: _MIGRATIONS[i] takes schema i to i + 1 (0 is an empty database). Never edit a
 # shipped entry: databases in the field were made by it. One statement per string.
@@ -286,9 +288,10 @@ class StateLock:
             os.close(fd)
             if self._busy is not None:
                 raise self._busy(holder) from None
-            raise StateError(
+            raise StateInUseError(
                 f"state directory {self.path.parent} is in use by {holder} ({self.path.name}); only "
-                f"one engine may own a state directory (stop it first, or use another --state)"
+                f"one engine may own a state directory (stop it first, or use another --state)",
+                holder,
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)

@@ -1,0 +1,161 @@
+"""`ratchet migrate`, `runs restart` and `runs abandon` need the job stopped: they refuse a
+supervised job also while its supervisor is between two workers, and a supervisor restarts a
+worker that was refused the state's lock only because another process held it for a moment.
+Each refusal is one line and exit 2, and none of them writes a state where there was none."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet._errors import StateError
+from ratchet.store._sqlite import StateLock
+
+pytestmark = pytest.mark.kill
+
+AGENT_SRC = """
+from ratchet import Agent, InputEvent, OutputEvent, action
+
+class Acc(Agent):
+    @action(InputEvent, inline=True)
+    def acc(self, event, ctx):
+        n = (ctx.short_term_memory.get("n") or 0) + 1
+        ctx.short_term_memory.set("n", n)
+        ctx.send_event(OutputEvent(output={"key": event.input["key"], "n": n}))
+"""
+STOPPED_COMMANDS = [
+    ["migrate", "--agent", "{agent}"],
+    ["runs", "abandon", "--key", "k1"],
+    ["runs", "restart", "--key", "k1"],
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(port: int, path: str) -> Any:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    assert resp.status == 200, (path, resp.status, body)
+    return json.loads(body)
+
+
+def ratchet(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def command(tmp: Path, words: list[str], state: Path) -> list[str]:
+    agent = f"{tmp / 'agent.py'}:Acc"
+    return [w.replace("{agent}", agent) for w in words] + ["--state", str(state)]
+
+
+def one_line_refusal(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ratchet: error: "), proc.stderr
+    return lines[0]
+
+
+def start_supervised(tmp: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    (tmp / "agent.py").write_text(AGENT_SRC)
+    (tmp / "in.jsonl").write_text("".join(json.dumps({"key": f"k{i}"}) + "\n" for i in range(50)))
+    cmd = [
+        sys.executable, "-m", "ratchet.cli", "run", f"{tmp / 'agent.py'}:Acc",
+        "--input", str(tmp / "in.jsonl"), "--output", str(tmp / "out.jsonl"),
+        "--state", str(tmp / "state"), "--follow", "--supervise", "--rest-port", str(port),
+        "--checkpoint-interval", "50", *extra,
+    ]  # fmt: skip
+    with open(tmp / "sup.log", "wb") as log:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def wait_job(port: int, ok: Any, what: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            job = get(port, "/v1/job")
+            if ok(job):
+                return job
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the supervised job never got {what}; last /v1/job: {job}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_worker_refused_a_lock_held_for_a_moment_is_restarted(
+    tmp_path: Path, workers: str
+) -> None:
+    port = free_port()
+    sup = start_supervised(tmp_path, port, "--workers", workers, "--restart-delay", "0.5")
+    try:
+        job = wait_job(port, lambda j: j["state"] == "running", "running")
+        os.kill(job["worker_pid"], signal.SIGKILL)
+        # Another process takes the state's lock while the worker is down (what a `migrate`
+        # of a ratchet before this fix did), and holds it over two restarts.
+        held = StateLock(tmp_path / "state")
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                held.acquire()
+                break
+            except StateError:
+                assert time.monotonic() < deadline, "the killed worker's lock was never freed"
+                time.sleep(0.005)
+        try:
+            wait_job(port, lambda j: j["restarts"] >= 3, "two refused restarts")
+            assert sup.poll() is None, (tmp_path / "sup.log").read_text()
+        finally:
+            held.release()
+        wait_job(port, lambda j: j["state"] == "running", "running again")
+        log = (tmp_path / "sup.log").read_text()
+        assert (
+            f"(exit code 2: the state directory was in use by pid {os.getpid()}); restart 2/10"
+            in log
+        ), log
+        assert "not restarting" not in log, log
+    finally:
+        assert stop(sup) == 0, (tmp_path / "sup.log").read_text()
+
+
+def test_a_refusal_for_a_real_reason_still_ends_the_supervisor(tmp_path: Path) -> None:
+    """The control: a worker refused for a state that is wrong is not restarted, as before."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "ratchet.db").write_bytes(b"not a database at all" * 100)
+    sup = start_supervised(tmp_path, free_port())
+    assert sup.wait(timeout=60) == 2
+    log = (tmp_path / "sup.log").read_text()
+    assert "not restarting" in log and "restart 1/" not in log, log

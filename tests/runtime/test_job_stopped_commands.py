@@ -116,6 +116,27 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
+def test_commands_that_need_the_job_stopped_refuse_a_supervisor_between_workers(
+    tmp_path: Path, workers: str
+) -> None:
+    port = free_port()
+    sup = start_supervised(tmp_path, port, "--workers", workers, "--restart-delay", "60")
+    try:
+        job = wait_job(port, lambda j: j["state"] == "running", "running")
+        os.kill(job["worker_pid"], signal.SIGKILL)
+        # The worker is dead, its lock free; the supervisor waits 60 s before the next one.
+        wait_job(port, lambda j: j["state"] == "restarting", "restarting")
+        for words in STOPPED_COMMANDS:
+            proc = ratchet(*command(tmp_path, words, tmp_path / "state"))
+            line = one_line_refusal(proc)
+            assert f"its supervisor, pid {sup.pid} (supervisor.lock)" in line, line
+            assert f"kill -TERM {sup.pid}" in line, line
+        assert sup.poll() is None
+    finally:
+        assert stop(sup) == 0, (tmp_path / "sup.log").read_text()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_worker_refused_a_lock_held_for_a_moment_is_restarted(
     tmp_path: Path, workers: str
 ) -> None:
@@ -159,3 +180,26 @@ def test_a_refusal_for_a_real_reason_still_ends_the_supervisor(tmp_path: Path) -
     assert sup.wait(timeout=60) == 2
     log = (tmp_path / "sup.log").read_text()
     assert "not restarting" in log and "restart 1/" not in log, log
+
+
+@pytest.fixture
+def stopped_state(tmp_path: Path) -> Path:
+    (tmp_path / "agent.py").write_text(AGENT_SRC)
+    (tmp_path / "in.jsonl").write_text('{"key": "k1"}\n')
+    made = ratchet(
+        "run", f"{tmp_path / 'agent.py'}:Acc", "--input", str(tmp_path / "in.jsonl"),
+        "--output", str(tmp_path / "out.jsonl"), "--state", str(tmp_path / "state"),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return tmp_path / "state"
+
+
+@pytest.mark.parametrize("words", STOPPED_COMMANDS, ids=lambda w: " ".join(w[:2]))
+def test_a_lock_file_that_cannot_be_opened_is_one_line(
+    stopped_state: Path, tmp_path: Path, words: list[str]
+) -> None:
+    (stopped_state / "ratchet.lock").unlink()
+    (stopped_state / "ratchet.lock").mkdir()
+    line = one_line_refusal(ratchet(*command(tmp_path, words, stopped_state)))
+    assert f"{stopped_state / 'ratchet.lock'} cannot be opened (Is a directory)" in line, line
+    assert "ratchet.lock a file" in line, line

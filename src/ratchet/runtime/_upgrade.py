@@ -1,6 +1,7 @@
 """Operations on a stopped job's state for upgrades: `ratchet migrate` and `ratchet runs`.
 
-Each takes the state lock (a running job holds it, so they refuse to run beside one) and
+Each takes the job's locks (a running job, or the supervisor of one, holds them, so they refuse
+to run beside one: also while a supervisor is between two workers) and
 changes the state in transactions that are whole or absent after a kill.
 """
 
@@ -14,34 +15,38 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import StateError
+from ratchet._errors import StateError, StateInUseError
 from ratchet.runtime._dispatch import Binding
 from ratchet.runtime._journal import decode_memory, decoded, encode_memory
 from ratchet.runtime._shards import read_layout
 from ratchet.store import codec
-from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+from ratchet.store._sqlite import (
+    DB_NAME,
+    LOCK_NAME,
+    SUPERVISOR_LOCK_NAME,
+    SqliteStore,
+    StateLock,
+)
 
 MIGRATE_BATCH = 256
 
 
 @contextlib.contextmanager
 def stopped_state(
-    state_dir: str | os.PathLike[str], clock: Clock = SYSTEM_CLOCK
+    state_dir: str | os.PathLike[str], clock: Clock = SYSTEM_CLOCK, *, whole_job: bool = True
 ) -> Iterator[SqliteStore]:
-    """The state of a job that is not running, locked for as long as the block runs."""
+    """The state of a job that is not running, locked for as long as the block runs.
+
+    `whole_job` False: a shard's directory, whose job's locks the caller holds already."""
     sdir = Path(state_dir)
     if not (sdir / DB_NAME).exists():
         raise StateError(f"no ratchet state in {sdir} ({sdir / DB_NAME} does not exist)")
-    lock = StateLock(sdir)
-    lock.acquire()  # a running job holds it: refused, naming its pid
-    try:
+    with _job_stopped(sdir) if whole_job else _locked(sdir, LOCK_NAME):
         store = SqliteStore.open(sdir, "", "", [], clock=clock)
         try:
             yield store
         finally:
             store.close()
-    finally:
-        lock.release()
 
 
 @dataclass
@@ -70,7 +75,7 @@ def migrate_state(
         for d in layout.dirs:
             if not (d / DB_NAME).exists():
                 continue
-            one = _migrate_one(d, binding, on_progress, clock, batch)
+            one = _migrate_one(d, binding, on_progress, clock, batch, whole_job=False)
             total.migrated += one.migrated
             total.waiting += one.waiting
             total.upgraded_from = total.upgraded_from or one.upgraded_from
@@ -79,9 +84,39 @@ def migrate_state(
 
 @contextlib.contextmanager
 def _job_stopped(sdir: Path) -> Iterator[None]:
-    """The state lock of a sharded job's directory (its coordinator holds it while it runs)."""
-    lock = StateLock(sdir)
-    lock.acquire()
+    """Both locks of a job's directory: the supervisor's, which a supervised job holds also
+    while its worker is down between restarts (its new worker would be refused the engine's
+    lock and the supervisor would give up), then the engine's (a job running, or the
+    coordinator of a sharded one)."""
+
+    def supervised(holder: str) -> StateError:
+        pid = holder.removeprefix("pid ")
+        return StateInUseError(
+            f"state directory {sdir} belongs to a supervised job: its supervisor, {holder} "
+            f"({SUPERVISOR_LOCK_NAME}), restarts its worker whenever it stops; stop the job "
+            f"first (kill -TERM {pid}: the worker takes a final checkpoint and both exit), "
+            f"then run this again",
+            holder,
+        )
+
+    with _locked(sdir, SUPERVISOR_LOCK_NAME, supervised), _locked(sdir, LOCK_NAME):
+        yield
+
+
+@contextlib.contextmanager
+def _locked(
+    sdir: Path, name: str, busy: Callable[[str], StateError] | None = None
+) -> Iterator[None]:
+    """One lock file of `sdir`; one that cannot be opened is a one-line StateError."""
+    lock = StateLock(sdir, name, busy)
+    try:
+        lock.acquire()  # held by another process: refused, naming its pid
+    except OSError as exc:
+        raise StateError(
+            f"--state {sdir} cannot be locked: {lock.path} cannot be opened "
+            f"({exc.strerror or exc}); this command changes the state, so it needs a writable "
+            f"state directory with {name} a file (or absent)"
+        ) from exc
     try:
         yield
     finally:
@@ -94,6 +129,8 @@ def _migrate_one(
     on_progress: Callable[[int, int], None] | None,
     clock: Clock,
     batch: int,
+    *,
+    whole_job: bool = True,
 ) -> MigrateResult:
     """Bring every key's memory to the agent's `memory_version` now, instead of lazily.
 
@@ -107,7 +144,7 @@ def _migrate_one(
     """
     target = binding.memory_version
     result = MigrateResult(to_version=target)
-    with stopped_state(state_dir, clock) as store:
+    with stopped_state(state_dir, clock, whole_job=whole_job) as store:
         # Refusals (another agent's state, memory newer than the agent's) before anything.
         result.upgraded_from = store.adopt(binding.version, dry_run=True).upgraded_from
         adopted = False
@@ -182,7 +219,7 @@ def discard_run(
         for d in layout.dirs:
             if not (d / DB_NAME).exists():
                 continue
-            with stopped_state(d, clock) as store:
+            with stopped_state(d, clock, whole_job=False) as store:
                 try:
                     run = find_run(store, key, seq)
                 except StateError:

@@ -203,3 +203,22 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(
     line = one_line_refusal(ratchet(*command(tmp_path, words, stopped_state)))
     assert f"{stopped_state / 'ratchet.lock'} cannot be opened (Is a directory)" in line, line
     assert "ratchet.lock a file" in line, line
+
+
+@pytest.mark.parametrize("words", STOPPED_COMMANDS, ids=lambda w: " ".join(w[:2]))
+def test_an_empty_or_missing_database_is_refused_and_left_untouched(
+    tmp_path: Path, words: list[str]
+) -> None:
+    (tmp_path / "agent.py").write_text(AGENT_SRC)
+    empty = tmp_path / "z"
+    empty.mkdir()
+    (empty / "ratchet.db").write_bytes(b"")
+    line = one_line_refusal(ratchet(*command(tmp_path, words, empty)))
+    assert f"{empty / 'ratchet.db'} is not a ratchet state database" in line, line
+    assert "left untouched" in line, line
+    assert sorted(p.name for p in empty.iterdir()) == ["ratchet.db"]
+    assert (empty / "ratchet.db").stat().st_size == 0
+    missing = tmp_path / "missing"
+    line = one_line_refusal(ratchet(*command(tmp_path, words, missing)))
+    assert "no ratchet state in" in line, line
+    assert not missing.exists()

@@ -41,6 +41,9 @@ def stopped_state(
     sdir = Path(state_dir)
     if not (sdir / DB_NAME).exists():
         raise StateError(f"no ratchet state in {sdir} ({sdir / DB_NAME} does not exist)")
+    # Read-only first: an empty or foreign file is refused as `status` refuses it, before a
+    # writer would build a new state in it (or a lock file is left beside it).
+    SqliteStore.open_readonly(sdir).close()
     with _job_stopped(sdir) if whole_job else _locked(sdir, LOCK_NAME):
         store = SqliteStore.open(sdir, "", "", [], clock=clock)
         try:

@@ -90,10 +90,15 @@ def start_supervised(tmp: Path, port: int, *extra: str) -> subprocess.Popen[byte
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
 
 
-def wait_job(port: int, ok: Any, what: str, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
+def wait_job(
+    tmp: Path, sup: subprocess.Popen[bytes], port: int, ok: Any, what: str
+) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
     job: dict[str, Any] = {}
     while time.monotonic() < deadline:
+        if sup.poll() is not None:
+            log = (tmp / "sup.log").read_text()
+            raise AssertionError(f"the supervisor exited {sup.returncode} before {what}:\n{log}")
         try:
             job = get(port, "/v1/job")
             if ok(job):
@@ -122,10 +127,10 @@ def test_commands_that_need_the_job_stopped_refuse_a_supervisor_between_workers(
     port = free_port()
     sup = start_supervised(tmp_path, port, "--workers", workers, "--restart-delay", "60")
     try:
-        job = wait_job(port, lambda j: j["state"] == "running", "running")
+        job = wait_job(tmp_path, sup, port, lambda j: j["state"] == "running", "running")
         os.kill(job["worker_pid"], signal.SIGKILL)
         # The worker is dead, its lock free; the supervisor waits 60 s before the next one.
-        wait_job(port, lambda j: j["state"] == "restarting", "restarting")
+        wait_job(tmp_path, sup, port, lambda j: j["state"] == "restarting", "restarting")
         for words in STOPPED_COMMANDS:
             proc = ratchet(*command(tmp_path, words, tmp_path / "state"))
             line = one_line_refusal(proc)
@@ -144,7 +149,7 @@ def test_a_worker_refused_a_lock_held_for_a_moment_is_restarted(
     # A second between a worker's death and the next: the test takes the lock well before it.
     sup = start_supervised(tmp_path, port, "--workers", workers, "--restart-delay", "1")
     try:
-        job = wait_job(port, lambda j: j["state"] == "running", "running")
+        job = wait_job(tmp_path, sup, port, lambda j: j["state"] == "running", "running")
         os.kill(job["worker_pid"], signal.SIGKILL)
         # Another process takes the state's lock while the worker is down (what a `migrate`
         # of a ratchet before this fix did), and holds it over two restarts.
@@ -158,11 +163,11 @@ def test_a_worker_refused_a_lock_held_for_a_moment_is_restarted(
                 assert time.monotonic() < deadline, "the lock was never free for the test"
                 time.sleep(0.005)
         try:
-            wait_job(port, lambda j: j["restarts"] >= 3, "two refused restarts")
+            wait_job(tmp_path, sup, port, lambda j: j["restarts"] >= 3, "two refused restarts")
             assert sup.poll() is None, (tmp_path / "sup.log").read_text()
         finally:
             held.release()
-        wait_job(port, lambda j: j["state"] == "running", "running again")
+        wait_job(tmp_path, sup, port, lambda j: j["state"] == "running", "running again")
         log = (tmp_path / "sup.log").read_text()
         assert (
             f"(exit code 2: the state directory was in use by pid {os.getpid()}); restart 2/10"

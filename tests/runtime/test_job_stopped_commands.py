@@ -207,8 +207,9 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(
     (stopped_state / "ratchet.lock").unlink()
     (stopped_state / "ratchet.lock").mkdir()
     line = one_line_refusal(ratchet(*command(tmp_path, words, stopped_state)))
-    assert f"{stopped_state / 'ratchet.lock'} cannot be opened (Is a directory)" in line, line
-    assert "ratchet.lock a file" in line, line
+    assert f"--state {stopped_state} cannot be used as a state directory" in line, line
+    assert f"Is a directory: '{stopped_state / 'ratchet.lock'}'" in line, line
+    assert "its lock files, ratchet.lock and supervisor.lock, plain files" in line, line
 
 
 @pytest.mark.parametrize("words", STOPPED_COMMANDS, ids=lambda w: " ".join(w[:2]))

@@ -26,6 +26,7 @@ from ratchet.store._sqlite import (
     SUPERVISOR_LOCK_NAME,
     SqliteStore,
     StateLock,
+    state_dir_error,
 )
 
 MIGRATE_BATCH = 256
@@ -115,11 +116,7 @@ def _locked(
     try:
         lock.acquire()  # held by another process: refused, naming its pid
     except OSError as exc:
-        raise StateError(
-            f"--state {sdir} cannot be locked: {lock.path} cannot be opened "
-            f"({exc.strerror or exc}); this command changes the state, so it needs a writable "
-            f"state directory with {name} a file (or absent)"
-        ) from exc
+        raise state_dir_error(sdir, exc) from exc  # as `ratchet run` says it
     try:
         yield
     finally:

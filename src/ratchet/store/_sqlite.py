@@ -261,7 +261,8 @@ def state_dir_error(state_dir: Path, exc: OSError) -> StateError:
     why = (
         "it is a file, not a directory; point --state at a directory (a new one for a new job)"
         if state_dir.exists() and not state_dir.is_dir()
-        else str(exc)
+        else f"{exc} (it must be a directory this process can write to, and its lock files, "
+        f"{LOCK_NAME} and {SUPERVISOR_LOCK_NAME}, plain files)"
     )
     return StateError(f"--state {state_dir} cannot be used as a state directory: {why}")
 

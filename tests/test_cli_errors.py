@@ -254,7 +254,14 @@ def test_an_output_uri_of_an_unknown_scheme_is_refused_not_written_as_a_path(
 
 @pytest.mark.parametrize(
     "command",
-    [["inspect"], ["runs", "list"], ["dead-letters"], ["run"], ["run", "--workers", "2"]],
+    [
+        ["inspect"],
+        ["runs", "list"],
+        ["dead-letters"],
+        ["run"],
+        ["run", "--workers", "2"],
+        ["run", "--supervise"],
+    ],
 )
 def test_a_state_that_is_a_file_is_named_as_one(tmp_path: Path, command: list[str]) -> None:
     """They said `shards/layout.json cannot be read ...; restore it from a backup`, or

@@ -43,7 +43,7 @@ from ratchet.runtime._supervisor_env import (
     SUPERVISOR_PID_ENV,
     check_token,
 )
-from ratchet.store._sqlite import SUPERVISOR_LOCK_NAME, StateLock
+from ratchet.store._sqlite import SUPERVISOR_LOCK_NAME, StateLock, state_dir_error
 
 log = logging.getLogger("ratchet.supervisor")
 # The supervisor's lifecycle lines (REST API address, a worker's death, a restart) are always
@@ -474,9 +474,12 @@ class Supervisor:
         # (what a caller can see) is a clean stop, not the default death.
         previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            lock = StateLock(self.state_dir, name=SUPERVISOR_LOCK_NAME)
-            lock.acquire()
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                lock = StateLock(self.state_dir, name=SUPERVISOR_LOCK_NAME)
+                lock.acquire()
+            except OSError as exc:
+                raise state_dir_error(self.state_dir, exc) from exc
             try:
                 self._start_rest()
                 return self._supervise()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Callable
 
 
@@ -37,3 +38,25 @@ def _refused(message: str) -> Exception:
     import argparse
 
     return argparse.ArgumentTypeError(message)
+
+
+def add_key_type(
+    parser: argparse.ArgumentParser, name: str = "KEY", *, when: str = "", unless: str = ""
+) -> None:
+    """`--key-type`, as every command that takes a key's text has it: the text "42" names the
+    string key and the integer key (`runtime._shards.chosen_key_type` decides auto)."""
+    parser.add_argument(
+        "--key-type",
+        choices=["auto", "str", "int"],
+        default="auto",
+        help=f"{when}whether a {name} like 42 is the string or the integer key (two keys; "
+        f"default auto: the one the state holds, refused when it holds both{unless})",
+    )
+
+
+def refuse_key_type_without_key(key_type: str, key: object, name: str = "KEY") -> None:
+    """A `--key-type` that names no key's type is a mistake, not ignored."""
+    if key_type != "auto" and key is None:
+        from ratchet._errors import ConfigError
+
+        raise ConfigError(f"--key-type {key_type} says which key --key is: give --key {name}")

@@ -6,8 +6,8 @@ import argparse
 import json
 import time
 
-from ratchet._argtypes import whole_number
-from ratchet._errors import EXIT_OK, ConfigError
+from ratchet._argtypes import add_key_type, refuse_key_type_without_key, whole_number
+from ratchet._errors import EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,13 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="one, by its id (`ratchet dead-letters`)",
     )
     redrive.add_argument("--state", required=True)
-    redrive.add_argument(
-        "--key-type",
-        choices=["auto", "str", "int"],
-        default="auto",
-        help="with --key: whether a KEY like 42 is the string or the integer key (two keys; "
-        "default auto: the one the state holds, refused when it holds both)",
-    )
+    add_key_type(redrive, when="with --key: ")
     redrive.add_argument("--json", action="store_true")
     redrive.set_defaults(func=cmd_redrive)
 
@@ -90,8 +84,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
 def cmd_redrive(args: argparse.Namespace) -> int:
     from ratchet.runtime._deadletters import request_redrive
 
-    if args.key is None and args.key_type != "auto":
-        raise ConfigError(f"--key-type {args.key_type} says which key --key is: give --key KEY")
+    refuse_key_type_without_key(args.key_type, args.key)
     done = request_redrive(
         args.state, all_letters=args.all, key=args.key, dead_id=args.id, key_type=args.key_type
     )

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from ratchet._argtypes import add_key_type
 from ratchet._errors import EXIT_OK, BadInputError
 
 
@@ -24,13 +25,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--value", default="null", metavar="JSON", help="the value, as JSON (default: null)"
     )
-    p.add_argument(
-        "--key-type",
-        choices=["auto", "str", "int"],
-        default="auto",
-        help="whether a KEY like 42 is the string or the integer key (two keys; default auto: "
-        "the one the state holds, refused when it holds both)",
-    )
+    add_key_type(p)
     p.add_argument("--json", action="store_true", help="print what was stored as JSON")
     p.set_defaults(func=cmd_signal)
 

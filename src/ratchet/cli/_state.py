@@ -6,7 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from ratchet._errors import EXIT_OK, ConfigError
+from ratchet._argtypes import add_key_type, refuse_key_type_without_key
+from ratchet._errors import EXIT_OK
 
 _SAVEPOINT_HELP = """\
 Write a consistent copy of the job's state to PATH, one self-contained SQLite file.
@@ -86,13 +87,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="copy only this key (repeat for more); default: all keys",
     )
-    fork.add_argument(
-        "--key-type",
-        choices=["auto", "str", "int"],
-        default="auto",
-        help="whether a K like 42 is the string or the integer key (two keys; default auto: "
-        "the one the state holds, refused when it holds both)",
-    )
+    add_key_type(fork, "K")
     fork.add_argument("--json", action="store_true", help="print what was copied as JSON")
     fork.set_defaults(func=cmd_fork)
 
@@ -186,8 +181,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def cmd_fork(args: argparse.Namespace) -> int:
     from ratchet.runtime._savepoints import fork_state
 
-    if args.keys is None and args.key_type != "auto":
-        raise ConfigError(f"--key-type {args.key_type} says which key --key is: give --key K")
+    refuse_key_type_without_key(args.key_type, args.keys, "K")
     result = fork_state(args.state, args.to, args.keys, key_type=args.key_type)
     if args.json:
         print(json.dumps(result, indent=2, default=str))

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ratchet._argtypes import whole_number
+from ratchet._argtypes import add_key_type, whole_number
 from ratchet._errors import EXIT_OK, ConfigError
 
 # An input seq as the state stores it: a whole number from 0 to 2**63 - 1.
@@ -29,13 +29,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--seq", type=seq_number, default=None, help="the run's input seq (default: latest)"
     )
-    p.add_argument(
-        "--key-type",
-        choices=["auto", "str", "int"],
-        default="auto",
-        help="whether a KEY like 42 is the string or the integer key (two keys; default auto: "
-        "the one the state holds, refused when it holds both, unless --seq names the run)",
-    )
+    add_key_type(p, unless=", unless --seq names the run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trace)
 

@@ -8,7 +8,7 @@ default; `tests/store/` is the conformance suite both pass, and any later backen
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -181,6 +181,19 @@ def signal_back(record: CallRecord, taken: list[Any]) -> SignalRow | None:
         return None
     sid, key_text, sent_at, key_type = taken
     return (int(sid), str(key_text), record.digest, record.payload, float(sent_at), key_type)
+
+
+def signals_taken(
+    markers: dict[int, bytes | None], records: Iterable[CallRecord]
+) -> Iterator[tuple[CallRecord, SignalRow]]:
+    """The signals `records` took under their replay markers (`markers`: index -> payload),
+    each with the record that took it: what dropping or releasing those records puts back."""
+    for r in records:
+        mark = covering_marker(markers, r.idx)
+        taken = taken_signals(markers[mark]).get(r.idx) if mark is not None else None
+        row = signal_back(r, taken) if taken is not None else None
+        if row is not None:
+            yield r, row
 
 
 def version_id(fingerprint: str, memory_version: int) -> str:

@@ -28,8 +28,8 @@ from ratchet.store._base import (
     adopt_pins,
     check_adoption,
     covering_marker,
-    signal_back,
     signal_key_type,
+    signals_taken,
     taken_signals,
     version_id,
 )
@@ -229,12 +229,7 @@ class MemoryStore:
     def _put_back(self, seq: int, task_id: str, records: list[CallRecord]) -> dict[int, SignalRow]:
         markers = self._markers(seq, task_id)
         back = {}
-        for r in records:
-            mark = covering_marker(markers, r.idx)
-            taken = taken_signals(markers[mark]).get(r.idx) if mark is not None else None
-            row = signal_back(r, taken) if taken is not None else None
-            if row is None:
-                continue
+        for r, row in signals_taken(markers, records):
             sid = row[0]
             if sid in self.signals:
                 sid = self.next_signal_id

@@ -39,7 +39,7 @@ from ratchet.store._base import (
     check_adoption,
     covering_marker,
     ltm_key_scope,
-    signal_back,
+    signals_taken,
     taken_signals,
     version_id,
 )
@@ -1246,12 +1246,7 @@ class SqliteStore:
         Returns them by the index of the record that had taken them."""
         markers = self._markers(c, seq, task_id)
         back = {}
-        for r in records:
-            mark = covering_marker(markers, r.idx)
-            taken = taken_signals(markers[mark]).get(r.idx) if mark is not None else None
-            row = signal_back(r, taken) if taken is not None else None
-            if row is None:
-                continue
+        for r, row in signals_taken(markers, records):
             sid, key_text, name, value, sent_at, key_type = row
             # Its own id (AUTOINCREMENT never gives one twice), else (not expected) a new one.
             used = c.execute("SELECT 1 FROM signals WHERE id = ?", (sid,)).fetchone()

@@ -26,7 +26,7 @@ test: $(STAMP)
 	RATCHET_TEST_FINISHED=$(FINISHED) $(BIN)/python -m pytest -q -m "not slow"
 	@test -f $(FINISHED) || { echo "pytest ended before its session did: a test ended the process"; exit 1; }
 
-# The longest generated and kill tests (marked `slow`, about a minute): kept out of make test
+# The longest generated and kill tests (marked `slow`, two or three minutes): kept out of make test
 # so it stays well under its 10 minutes; CI runs them right after it.
 test-slow: $(STAMP)
 	@rm -f $(FINISHED)

@@ -267,6 +267,7 @@ def test_an_unreachable_server_or_a_subject_outside_the_stream_is_one_line_and_e
         assert message in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_server_going_away_and_back_is_a_line_each_not_tracebacks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

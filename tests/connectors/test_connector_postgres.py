@@ -434,6 +434,7 @@ def test_a_row_with_a_null_key_is_named_as_such(postgres: Postgres, tmp_path: Pa
     )
 
 
+@pytest.mark.slow
 def test_a_stop_is_honoured_while_the_output_database_does_not_answer(
     postgres: Postgres, tmp_path: Path
 ) -> None:

@@ -101,6 +101,7 @@ def test_base_features_survive_sigkills(case: Case) -> None:
 
 
 @pytest.mark.kill
+@pytest.mark.slow  # the agent with every base feature, below, stays in make test
 @pytest.mark.timeout(900)
 @KILL_SETTINGS
 @given(case=cases(FEATURES))

@@ -164,6 +164,7 @@ SHARDED = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=SHARDED)], ids=["1", "2-workers"])
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("seed", "interval_ms", "min_kills"),
     [(20261201, 20, 12), (7, 0, 10)],

@@ -21,7 +21,7 @@ import pytest
 from ratchet._errors import StateError
 from ratchet.store._sqlite import StateLock
 
-pytestmark = pytest.mark.kill
+pytestmark = [pytest.mark.kill, pytest.mark.slow]  # about 17 s: make test-slow
 
 AGENT_SRC = """
 from ratchet import Agent, InputEvent, OutputEvent, action

@@ -222,6 +222,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.kill
+@pytest.mark.slow
 def test_a_sigkill_during_a_savepoint_leaves_no_file_or_a_whole_one(
     big: dict[str, Any], tmp_path: Path
 ) -> None:

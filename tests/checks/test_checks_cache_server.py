@@ -419,18 +419,9 @@ def test_a_server_that_drips_its_answer_is_cut_at_the_deadline(
     assert len(fake.requests) == 1
 
 
-def test_the_deadline_grows_with_the_bytes_a_transfer_moves(
-    tmp_path: Path, fakes: list[FakeServer], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A blob that keeps arriving at a decent rate is not cut at the base deadline: each
-    byte buys time (1 s per MIN_RATE_BYTES)."""
-    from ratchet.checks._remote import MIN_RATE_BYTES, RemoteCheckCache
-
-    monkeypatch.delenv("RATCHET_CHECKS_SIGNING_KEY", raising=False)
-    log = b"L" * (3 * MIN_RATE_BYTES)
-    log_sha = hashlib.sha256(log).hexdigest()
-    key = "c" * 64
-    entry = json.dumps(
+def _sealed_entry(key: str, log_sha: str) -> bytes:
+    """A passed stage's cache entry, sealed, for `key` and a log blob `log_sha`."""
+    return json.dumps(
         seal(
             {
                 "version": 1,
@@ -446,6 +437,20 @@ def test_the_deadline_grows_with_the_bytes_a_transfer_moves(
             }
         )
     ).encode()
+
+
+def test_the_deadline_grows_with_the_bytes_a_transfer_moves(
+    tmp_path: Path, fakes: list[FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blob that keeps arriving at a decent rate is not cut at the base deadline: each
+    byte buys time (1 s per MIN_RATE_BYTES)."""
+    from ratchet.checks._remote import MIN_RATE_BYTES, RemoteCheckCache
+
+    monkeypatch.delenv("RATCHET_CHECKS_SIGNING_KEY", raising=False)
+    log = b"L" * (3 * MIN_RATE_BYTES)
+    log_sha = hashlib.sha256(log).hexdigest()
+    key = "c" * 64
+    entry = _sealed_entry(key, log_sha)
 
     def answer(fake: FakeServer, conn: socket.socket, request: bytes) -> None:
         body = entry if b"/v1/entries/" in request else log
@@ -477,22 +482,7 @@ def test_a_blob_answer_without_end_is_cut_at_the_largest_blob_the_server_takes(
     monkeypatch.delenv("RATCHET_CHECKS_SIGNING_KEY", raising=False)
     monkeypatch.setattr(_remote, "MAX_BLOB_BYTES", 1 << 20)  # 4 GiB in use: a MiB here
     key = "d" * 64
-    entry = json.dumps(
-        seal(
-            {
-                "version": 1,
-                "cache_key": key,
-                "stage_id": "s",
-                "checkpoint_id": "0" * 64,
-                "exit_code": 0,
-                "log_sha256": "e" * 64,
-                "outputs": None,
-                "outputs_digest": None,
-                "origin_run_id": "r",
-                "stored_at": 1.0,
-            }
-        )
-    ).encode()
+    entry = _sealed_entry(key, "e" * 64)
     sent = [0]
 
     def answer(fake: FakeServer, conn: socket.socket, request: bytes) -> None:

@@ -5,11 +5,9 @@ Each refusal is one line and exit 2, and none of them writes a state where there
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ import pytest
 
 from ratchet._errors import StateError
 from ratchet.store._sqlite import StateLock
+from support.rest import free_port, get
 
 pytestmark = [pytest.mark.kill, pytest.mark.slow]  # about 17 s: make test-slow
 
@@ -38,24 +37,6 @@ STOPPED_COMMANDS = [
     ["runs", "abandon", "--key", "k1"],
     ["runs", "restart", "--key", "k1"],
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str) -> Any:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        body = resp.read()
-    finally:
-        conn.close()
-    assert resp.status == 200, (path, resp.status, body)
-    return json.loads(body)
 
 
 def ratchet(*args: str) -> subprocess.CompletedProcess[str]:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +13,7 @@ from typing import Any
 import pytest
 
 from ratchet.store._sqlite import SqliteStore
+from support.rest import free_port, get
 
 AGENT_SRC = """
 import os
@@ -27,24 +26,6 @@ class Echo(Agent):
             os._exit(9)  # the worker dies on this input, every time
         ctx.send_event(OutputEvent(output=event.input))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str) -> Any:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        body = resp.read()
-    finally:
-        conn.close()
-    assert resp.status == 200, (path, resp.status, body)
-    return json.loads(body)
 
 
 def supervised(tmp: Path, lines: list[dict[str, Any]], *extra: str) -> subprocess.Popen[bytes]:

@@ -292,7 +292,8 @@ def _refuse_lost_shard_history(layout: Layout, sdir: Path, sink: Sink, job: JobI
     while the sink holds outputs of keys it holds lost its history (its write-ahead log
     removed after a kill). A shard that had no work yet, or was killed before its first
     checkpoint, released none of its keys' outputs; every shard is made with a seed
-    position, at input 0 unless re-sharding moved keys into it. The key of an output is read from its id, of either type its text can be."""
+    position, at input 0 unless re-sharding moved keys into it. The key of an output is read
+    from its id, of either type its text can be."""
     shards = len(layout.dirs)
     for index, shard in enumerate(layout.dirs):
         if not (shard / JOB_FILE).exists() or not (shard / DB_NAME).exists():

@@ -683,13 +683,15 @@ def restore_or_resume(
                 f"{exc}; or, to resume the state in {target} as it is, run without --from-savepoint"
             ) from exc
         raise
-    record = _described(sp, stored, counts)
     if not _is_used(target):
         return dict(_restore(sp, target, stored, counts, clock), resumed=False)
     held = _restored_record(target)
     if held is not None and held["record"] == stored:
         return dict(
-            record, state_dir=str(target.resolve()), savepoint=str(sp.resolve()), resumed=True
+            _described(sp, stored, counts),
+            state_dir=str(target.resolve()),
+            savepoint=str(sp.resolve()),
+            resumed=True,
         )
     raise _used_error(target, sp, stored, held)
 
@@ -856,8 +858,9 @@ def _keep_only(
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Delete, in one transaction, every row that belongs to a key not in `selected` (keys by
     their text, as `ratchet inspect` shows them, and `key_type`: which of the two keys of a
-    text like "1" each is); the rows removed per table, and each text's type kept. ConfigError naming the keys the state
-    does not hold, or a text whose two keys it holds when `key_type` is "auto"."""
+    text like "1" each is); the rows removed per table, and each text's type kept.
+    ConfigError naming the keys the state does not hold, or a text whose two keys it holds
+    when `key_type` is "auto"."""
     tables = _tables(conn)
     unknown_tables = sorted(
         name

@@ -26,6 +26,7 @@ from typing import Any
 from ratchet._errors import ConfigError, InvalidArgumentError, StateError
 from ratchet.store import codec
 from ratchet.store._base import CheckpointRows, signal_key_type
+from ratchet.store._base import int_text as int_text  # where the runtime has read it from
 from ratchet.store._files import atomic_json
 from ratchet.store._sqlite import DB_NAME, SqliteStore
 
@@ -491,11 +492,6 @@ def sharded_summary(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
 # -- acting on one key of a sharded state from another process -----------------------------------
 
 KEY_TYPES = ("auto", "str", "int")
-
-
-def int_text(text: str) -> bool:
-    """Whether `text` is how an integer key reads (so "1" may be the integer key 1)."""
-    return text.lstrip("-").isdigit() and str(int(text)) == text
 
 
 def chosen_key_type(

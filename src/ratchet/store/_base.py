@@ -140,6 +140,11 @@ def ltm_key_scope(key: Any) -> str:
     return f"key#{type(key).__name__}:{key}"
 
 
+def int_text(text: str) -> bool:
+    """Whether `text` is how an integer key reads (so "1" may be the integer key 1)."""
+    return text.lstrip("-").isdigit() and str(int(text)) == text
+
+
 def signal_key_type(key: Any) -> str:
     """A key's type as the signals and traces tables record it (`key_type`): the integer key
     1 and the string key "1" share a text, and a signal is for (a trace is of) one of them."""

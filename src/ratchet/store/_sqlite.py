@@ -38,6 +38,7 @@ from ratchet.store._base import (
     adopt_pins,
     check_adoption,
     covering_marker,
+    int_text,
     ltm_key_scope,
     signals_taken,
     taken_signals,
@@ -1393,8 +1394,7 @@ class SqliteStore:
         keys, its runs or its typed traces. Two for a text like "1" whose string and integer
         keys both ran."""
         forms: dict[str, Any] = {"str": key_text}
-        # How an integer key reads (runtime's int_text; the store imports nothing above it).
-        if key_text.lstrip("-").isdigit() and str(int(key_text)) == key_text:
+        if int_text(key_text):
             forms["int"] = int(key_text)
         held = {
             kind

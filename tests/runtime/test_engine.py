@@ -6,7 +6,9 @@ import asyncio
 import json
 import re
 import sqlite3
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from ratchet.runtime._engine import Engine, EngineResult
 from ratchet.runtime._io import CallbackSink, IterableSource, JsonlSink
 from ratchet.runtime._memops import from_wire
 from ratchet.store import codec
-from ratchet.store._base import CheckpointRows
+from ratchet.store._base import CallRecord, CheckpointRows
 from ratchet.store._faulty import FaultyStore
 from ratchet.store._sqlite import SqliteStore
 
@@ -267,6 +269,76 @@ def test_outputs_reach_the_sink_only_after_their_checkpoint(tmp_path: Path) -> N
     assert len(written) == 20, job.why()
     for oid in written:
         assert order.index(f"checkpoint:{oid}") < order.index(f"sink:{oid}"), job.why()
+
+
+class Counting(Agent):
+    """Inline: its runs are pure Python in the loop's thread, as a busy job's are."""
+
+    @action(InputEvent, inline=True)
+    def one(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("i", event.input["i"])
+        ctx.send_event(OutputEvent(output={"i": event.input["i"]}))
+
+
+@pytest.mark.parametrize("slow", ["write_checkpoint", "put_calls"])
+def test_no_input_is_admitted_while_the_writer_works(tmp_path: Path, slow: str) -> None:
+    """The writer's thread needs the GIL between every row it writes; a source loop admitting
+    inline runs meanwhile starved it (a checkpoint due every 0.2 s took 12 s under load, and
+    every output waited as long). Admission waits for it: at most one batch of inputs (64)
+    is taken while a write is in progress, however long the write takes."""
+    writing = threading.Event()
+    taken_during: list[int] = []  # inputs read while each slow write was in progress
+
+    class Slow(FaultyStore):
+        def _slowly(self, method: str, *args: Any) -> Any:
+            taken_during.append(0)
+            writing.set()
+            try:
+                time.sleep(0.03)  # a slow disk: the GIL is free meanwhile
+                return getattr(super(), method)(*args)
+            finally:
+                writing.clear()
+
+        def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
+            if slow == "write_checkpoint":
+                return self._slowly("write_checkpoint", rows, triggered_at)  # type: ignore[no-any-return]
+            return super().write_checkpoint(rows, triggered_at)
+
+        def put_calls(self, records: list[CallRecord]) -> None:
+            if slow == "put_calls":
+                self._slowly("put_calls", records)
+            else:
+                super().put_calls(records)
+
+    def inputs() -> Iterator[dict[str, Any]]:
+        for i in range(3000):
+            if writing.is_set():
+                taken_during[-1] += 1
+            yield {"key": f"k{i % 10}", "i": i}
+
+    class Calling(Agent):
+        """A durable call every 50th input, so call records are written meanwhile."""
+
+        @action(InputEvent)
+        async def one(self, event: InputEvent, ctx: Any) -> None:
+            i = event.input["i"]
+            if i % 50 == 0:
+                await ctx.durable_execute_async(double, i)
+            ctx.send_event(OutputEvent(output={"i": i}))
+
+    agent = Counting() if slow == "write_checkpoint" else Calling()
+    job = FaultyJob(
+        agent,
+        state_dir=tmp_path / "s",
+        seed=1,
+        config=EngineConfig(checkpoint_interval=0.005),
+        store_type=Slow,
+    )
+    out = tmp_path / "out.jsonl"
+    job.run(inputs(), out)
+    assert len(read_jsonl(out)) == 3000
+    assert max(taken_during) <= 64, f"inputs read during each slow {slow}: {taken_during}"
+    assert len(taken_during) >= 3, f"only {len(taken_during)} slow write(s): nothing measured"
 
 
 def double(i: int) -> int:

@@ -310,6 +310,10 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+def _nothing() -> None:
+    """A writer job that only waits for the jobs queued before it."""
+
+
 def _done(value: Any) -> concurrent.futures.Future[Any]:
     fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
     fut.set_result(value)
@@ -329,6 +333,11 @@ class _Writer(threading.Thread):
         self._q: queue.SimpleQueue[tuple[str, Any, concurrent.futures.Future[Any]]] = (
             queue.SimpleQueue()
         )
+        self._writing = False  # a batch taken from the queue is being written
+
+    def busy(self) -> bool:
+        """Whether anything is queued or being written (racy by a batch: a hint)."""
+        return self._writing or not self._q.empty()
 
     def put_call(self, record: CallRecord) -> concurrent.futures.Future[None]:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -365,6 +374,7 @@ class _Writer(threading.Thread):
     def run(self) -> None:
         while True:
             items = take_all(self._q)
+            self._writing = True
             calls = [(rec, fut) for kind, rec, fut in items if kind == "call"]
             if calls:
                 error = self._put_calls([rec for rec, _ in calls])
@@ -380,6 +390,7 @@ class _Writer(threading.Thread):
                 elif kind == "stop":
                     _resolve(fut)
                     return
+            self._writing = False
 
     def _put_calls(self, records: list[CallRecord]) -> CheckpointError | None:
         """Write a group of call records, retrying as a checkpoint would; None once durable.
@@ -990,6 +1001,8 @@ class Engine:
         self._checkpoint_lock: asyncio.Lock | None = None
         self._cp_idle = False  # the checkpoint loop waits for an output (see _checkpoint_loop)
         self._outputs_waiting = False  # outputs emitted since the loop's last checkpoint
+        self._cp_free = asyncio.Event()  # the loop's checkpoint is not being taken
+        self._cp_free.set()
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -1251,7 +1264,20 @@ class Engine:
             self._pump()
             admitted += 1
             if admitted % 64 == 0:
-                await asyncio.sleep(0)
+                await self._yield_to_threads()
+
+    async def _yield_to_threads(self) -> None:
+        """Let the loop's other tasks run and, when the writer has work or a checkpoint is
+        being taken, wait for them: the writer and the sink's threads need the GIL between
+        every row and line they write, and a source loop admitting inline runs (pure Python)
+        meanwhile starved them: under load a checkpoint due every 0.2 s took 12 s, holding
+        back every output, and a durable call's record as long."""
+        if not self._cp_free.is_set():
+            await self._cp_free.wait()
+        elif self._writer.busy():
+            await asyncio.wrap_future(self._writer.submit(_nothing))
+        else:
+            await asyncio.sleep(0)
 
     def _bad_input(self, rec: Any) -> None:
         # Rewind so the bad line is read again after it is fixed; nothing before it is lost.
@@ -1410,11 +1436,15 @@ class Engine:
             try:
                 before = self.stats.completed
                 self._outputs_waiting = False
-                info = await self.checkpoint()
-                # Nothing written (an idle job): wait for the next output. A failed one waits
-                # out its interval like a written one, so a failing store is not hammered.
-                idle = interval > 0 and info is not None and self.stats.completed == before
-                await self._waits.poll_signals()
+                self._cp_free.clear()  # no input is admitted meanwhile (`_yield_to_threads`)
+                try:
+                    info = await self.checkpoint()
+                    # Nothing written (an idle job): wait for the next output. A failed one
+                    # waits out its interval like a written one: a failing store is not hammered.
+                    idle = interval > 0 and info is not None and self.stats.completed == before
+                    await self._waits.poll_signals()
+                finally:
+                    self._cp_free.set()
             except CheckpointError as exc:
                 self._fail(exc)
                 return

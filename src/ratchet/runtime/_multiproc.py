@@ -434,6 +434,7 @@ class Coordinator:
         self._all_done: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._places: dict[Any, int] = {}
+        self._writing: set[asyncio.Future[Any]] = set()  # outputs the sink thread writes
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -567,7 +568,12 @@ class Coordinator:
                         shard.room.set()
                 elif kind in ("lines", "out"):
                     write = self._append if kind == "lines" else self._deliver
-                    why = await loop.run_in_executor(self._sink_thread, write, msg[2])
+                    writing = loop.run_in_executor(self._sink_thread, write, msg[2])
+                    self._writing.add(writing)
+                    try:
+                        why = await writing
+                    finally:
+                        self._writing.discard(writing)
                     self._send(
                         shard,
                         ["ack", msg[1], why] if isinstance(why, int) else ["nack", msg[1], why],
@@ -773,6 +779,11 @@ class Coordinator:
                         if s.inflight >= WINDOW:
                             s.room.clear()
                 await self._drain()
+                if self._writing:
+                    # The sink thread needs the GIL between every line it writes, and reading
+                    # on (pure Python) starved it: the workers wait for these outputs' answer
+                    # to finish their checkpoints.
+                    await asyncio.wait(set(self._writing))
             if exhausted:
                 self._eof_sent = True
                 for s in self.shards:

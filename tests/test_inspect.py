@@ -176,7 +176,8 @@ def test_inspect_registers_every_type_ratchet_defines_without_provider_sdks(
 
 def test_the_integer_key_1_and_the_string_key_1_are_both_shown_and_read(tmp_path: Path) -> None:
     """They are two keys (the engine keeps both); inspect showed one of them, and
-    `open_state(...).memory(1)` gave the string key's memory."""
+    `open_state(...).memory(1)` gave the string key's memory. `--key 1` shows one of them
+    (it showed both as the one asked for): --key-type says which."""
     from ratchet import open_state
 
     (tmp_path / "typed.py").write_text(
@@ -193,7 +194,9 @@ def test_the_integer_key_1_and_the_string_key_1_are_both_shown_and_read(tmp_path
             "--output", str(tmp_path / "o.jsonl"), "--state", state)  # fmt: skip
     shown = json.loads(ratchet("inspect", "--state", state, "--json").stdout)
     assert shown == {"1": {"t": "str"}, "1 (int)": {"t": "int"}, "2": {"t": "int"}}
-    one = json.loads(ratchet("inspect", "--state", state, "--json", "--key", "1").stdout)
-    assert one == {"1": {"t": "str"}, "1 (int)": {"t": "int"}}
+    both = ratchet("inspect", "--state", state, "--json", "--key", "1", check=False)
+    assert both.returncode == 2 and "--key-type str or --key-type int" in both.stderr
+    one = ratchet("inspect", "--state", state, "--json", "--key", "1", "--key-type", "int")
+    assert json.loads(one.stdout) == {"1 (int)": {"t": "int"}}
     s = open_state(state)
     assert (s.memory(1), s.memory("1"), s.memory(2)) == ({"t": "int"}, {"t": "str"}, {"t": "int"})

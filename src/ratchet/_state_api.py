@@ -32,7 +32,13 @@ from ratchet._errors import (
     StateError,
 )
 from ratchet.store import codec
-from ratchet.store._sqlite import DB_NAME, SqliteStore, signals_typed, traces_typed
+from ratchet.store._sqlite import (
+    _KEY_IS_STR,
+    DB_NAME,
+    SqliteStore,
+    signals_typed,
+    traces_typed,
+)
 from ratchet.store._traces import unpack_trace
 
 __all__ = ["State", "open_state"]
@@ -105,6 +111,25 @@ def trace_key_type(
         where,
         "say whose traces to show (--key-type str or --key-type int; REST: ?key_type=str or "
         "int; from Python: state.traces(key, key_type='str') or pass the key as an int)",
+    )
+
+
+def memory_key_type(
+    text: str, key_type: str, held: Callable[[], set[str]], where: Path | str
+) -> str | None:
+    """Which of the two keys of a text like "1" to show the memory of: 'str' or 'int' as
+    asked; for "auto", the one the state holds (`held()` gives the types it holds), None when
+    it holds neither. A state holding both is refused, as `trace_key_type` refuses it:
+    `ratchet inspect --key 1` showed both keys' memories as the one key asked for."""
+    from ratchet.runtime._shards import chosen_key_type
+
+    return chosen_key_type(
+        text,
+        key_type,
+        held,
+        where,
+        "say whose memory to show (--key-type str or --key-type int; REST: ?key_type=str or "
+        "int; from Python: state.memory(key, key_type='str') or pass the key as an int)",
     )
 
 
@@ -226,11 +251,22 @@ class State:
     def keys(self, contains: str | None = None, limit: int | None = None) -> list[str]:
         """The keys that have committed memory, as text (as `ratchet inspect` shows them), in
         order; only those whose text contains `contains` (case-insensitive), at most `limit`."""
+        return [text for text, _type in self._typed_keys(contains, limit)]
+
+    def _typed_keys(
+        self, contains: str | None = None, limit: int | None = None
+    ) -> list[tuple[str, str]]:
+        """`keys()` with each key's type, 'str' or 'int' (the string key "1" and the integer
+        key 1 are two keys of one text), ordered by text and then type: what the REST API's
+        /v1/keys lists, so the dashboard can ask for each of the two."""
         where, params = _key_search(contains)
-        sql = f"SELECT key_text FROM keys{where} ORDER BY key_text"
+        kind = f"CASE WHEN {_KEY_IS_STR} THEN 'str' ELSE 'int' END"
+        sql = f"SELECT key_text, {kind} AS kind FROM keys{where} ORDER BY key_text, kind"
         if limit is not None:
             sql += f" LIMIT {max(0, int(limit))}"
-        return self._read(lambda s: [str(row[0]) for row in s.conn.execute(sql, params)])
+        return self._read(
+            lambda s: [(str(text), str(kind)) for text, kind in s.conn.execute(sql, params)]
+        )
 
     def count_keys(self, contains: str | None = None) -> int:
         """How many keys `keys(contains)` would list with no limit."""
@@ -238,9 +274,16 @@ class State:
         sql = f"SELECT COUNT(*) FROM keys{where}"
         return self._read(lambda s: int(s.conn.execute(sql, params).fetchone()[0]))
 
-    def memory(self, key: str | int, *, as_json: bool = False) -> dict[str, Any] | None:
+    def memory(
+        self, key: str | int, *, as_json: bool = False, key_type: str | None = None
+    ) -> dict[str, Any] | None:
         """The committed short-term memory of `key` as a nested dict; None for a key with no
         committed memory.
+
+        The string key "1" and the integer key 1 are two keys: without `key_type`, the one of
+        `key`'s own type, else the only one of its text there is. `key_type` 'str' or 'int'
+        reads that one only; 'auto' the one of the text the state holds, and a state holding
+        both raises `ratchet.InvalidArgumentError` until you say which (as `traces`).
 
         Values of types this process registered (`ratchet.register_type`, ratchet's own chat
         types, pydantic models and dataclasses the codec knows) come back as those objects;
@@ -253,14 +296,24 @@ class State:
         from ratchet.agents._memory import nested
         from ratchet.runtime._memops import from_wire
 
-        rows = self._read(lambda s: s.memories(str(key)))
+        text = str(key)
+
+        def read(s: SqliteStore) -> tuple[Any, list[tuple[bytes, bytes]]]:
+            if key_type is None:
+                return key, s.memories(text)
+            typed = memory_key_type(text, key_type, lambda: s.held_key_types(text), self._dir)
+            if typed is None:  # the state holds neither key of the text
+                return None, []
+            return (int(text) if typed == "int" else text), s.memories(text)
+
+        want, rows = self._read(read)
         if not rows:
             return None
         try:
             # Every key that reads as `key` (the string "1" and the integer 1 are two keys):
-            # the one of `key`'s own type, else the only one there is.
-            exact = [m for k, m in rows if _same_key(codec.decode(k, unknown="generic"), key)]
-            if not exact and len(rows) > 1:
+            # the one of `key`'s own type, else (no `key_type` given) the only one there is.
+            exact = [m for k, m in rows if _same_key(codec.decode(k, unknown="generic"), want)]
+            if not exact and (len(rows) > 1 or key_type is not None):
                 return None
             raw = exact[0] if exact else rows[0][1]
             memory = nested(from_wire(codec.decode(raw, unknown="generic")))
@@ -269,13 +322,16 @@ class State:
         shown: dict[str, Any] = _shown(memory, as_json)
         return shown
 
-    def memory_fields(self, key: str | int) -> list[dict[str, Any]] | None:
+    def memory_fields(
+        self, key: str | int, *, key_type: str | None = None
+    ) -> list[dict[str, Any]] | None:
         """The committed memory of `key` flattened to its leaves, in path order: `path`
         (dotted, as `ctx.short_term_memory.get` takes it), `type` (the stored type's name:
         `int`, `str`, `dict`, `ChatMessage`, `myapp.Ticket`, ...; an unregistered type by its
         stored name) and `value` (as `memory(key, as_json=True)` shows it). None for a key
-        with no committed memory. What the dashboard shows beside a key."""
-        memory = self.memory(key)
+        with no committed memory. What the dashboard shows beside a key. `key_type` as for
+        `memory`."""
+        memory = self.memory(key, key_type=key_type)
         if memory is None:
             return None
         out: list[dict[str, Any]] = []
@@ -482,16 +538,41 @@ class ShardedState(State):
         except sqlite3.Error as exc:
             raise StateError(f"{self._dir} could not be read ({exc})") from exc
 
-    def keys(self, contains: str | None = None, limit: int | None = None) -> list[str]:
-        found = sorted(k for s in self._each() for k in s.keys(contains, limit))
+    def _typed_keys(
+        self, contains: str | None = None, limit: int | None = None
+    ) -> list[tuple[str, str]]:
+        found = sorted(k for s in self._each() for k in s._typed_keys(contains, limit))
         return found if limit is None else found[: max(0, int(limit))]
 
     def count_keys(self, contains: str | None = None) -> int:
         return sum(s.count_keys(contains) for s in self._each())
 
-    def memory(self, key: str | int, *, as_json: bool = False) -> dict[str, Any] | None:
-        for s in self._each():
-            found = s.memory(key, as_json=as_json)
+    def memory(
+        self, key: str | int, *, as_json: bool = False, key_type: str | None = None
+    ) -> dict[str, Any] | None:
+        shards = self._each()
+        if key_type is not None:
+            # The two keys of a text may live in two shards: which one is meant is found
+            # over all, then read where it lives.
+            text = str(key)
+
+            def held() -> set[str]:
+                return set().union(*(s._held_key_types(text) for s in shards))
+
+            typed = memory_key_type(text, key_type, held, self._dir)
+            if typed is None:
+                return None
+            key_type = typed
+        else:
+            # The key of `key`'s own type first, over every shard: one shard's "only key of
+            # the text" may be the other key, whose twin lives in another shard.
+            own = "int" if isinstance(key, int) and not isinstance(key, bool) else "str"
+            for s in shards:
+                found = s.memory(key, as_json=as_json, key_type=own)
+                if found is not None:
+                    return found
+        for s in shards:
+            found = s.memory(key, as_json=as_json, key_type=key_type)
             if found is not None:
                 return found
         return None

@@ -79,11 +79,13 @@ def job(tmp_path: Path) -> Iterator[Job]:
 
 
 def test_keys_search_and_memory_with_types(job: Job) -> None:
-    assert job.get("/v1/keys") == {"total": 3, "keys": ["alice", "bob", "carol"]}
+    assert job.get("/v1/keys") == {
+        "total": 3, "keys": ["alice", "bob", "carol"], "key_types": ["str", "str", "str"],
+    }  # fmt: skip
     # Case-insensitive, and % is a plain character (not a LIKE wildcard).
-    assert job.get("/v1/keys?contains=AL") == {"total": 1, "keys": ["alice"]}
-    assert job.get("/v1/keys?contains=%25") == {"total": 0, "keys": []}
-    assert job.get("/v1/keys?limit=1") == {"total": 3, "keys": ["alice"]}
+    assert job.get("/v1/keys?contains=AL") == {"total": 1, "keys": ["alice"], "key_types": ["str"]}
+    assert job.get("/v1/keys?contains=%25") == {"total": 0, "keys": [], "key_types": []}
+    assert job.get("/v1/keys?limit=1") == {"total": 3, "keys": ["alice"], "key_types": ["str"]}
     mem = job.get("/v1/keys/alice/memory")
     assert mem["memory"] == {
         "count": 2,

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from ratchet._argtypes import whole_number
+from ratchet._argtypes import add_key_type, refuse_key_type_without_key, whole_number
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import (
     EXIT_BAD_INPUT,
@@ -211,7 +211,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="the memory output of a Flink job (`ratchet flink run --memory-output DIR`)",
     )
-    inspect.add_argument("--key", default=None, help="only this key")
+    inspect.add_argument("--key", default=None, help="only this key (see --key-type)")
+    add_key_type(inspect, when="with --key: ")
     inspect.add_argument(
         "--agent",
         default=None,
@@ -770,6 +771,18 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
+def _key_forms(text: str) -> dict[str, bytes]:
+    """The stored (encoded) keys a key's text names: the string key, and the integer key of
+    a text like "1"."""
+    from ratchet.runtime._shards import int_text
+    from ratchet.store import codec
+
+    forms = {"str": codec.encode(text)}
+    if int_text(text):
+        forms["int"] = codec.encode(int(text))
+    return forms
+
+
 def _flink_memory_rows(directory: str, only: str | None) -> list[tuple[bytes, bytes]]:
     """A Flink job's memory output as the (key, memory) rows a state's `memories` gives."""
     import os
@@ -808,12 +821,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     import ratchet.agents.chat  # noqa: F401 - registers ratchet's chat types; no provider SDK
     from ratchet._errors import StateError
-    from ratchet._state_api import DAMAGED_FIX, _shown, undecodable_memory
+    from ratchet._state_api import DAMAGED_FIX, _shown, memory_key_type, undecodable_memory
     from ratchet.agents._memory import nested
     from ratchet.runtime._memops import from_wire
     from ratchet.store import codec
     from ratchet.store._sqlite import DB_NAME, SqliteStore
 
+    refuse_key_type_without_key(args.key_type, args.key)
     loaded_agent = None
     if args.agent is not None:
         from ratchet.agents._run import load_agent
@@ -824,17 +838,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     rows: list[tuple[bytes, bytes, Path]] = []  # key, memory, and the file they are from
     owner = None
+    held: set[str] = set()  # with --key: the types of the keys of its text the state holds
+    forms = {} if args.key is None else _key_forms(args.key)
     if args.flink_memory is not None:
         where = Path(args.flink_memory)
         rows = [(k, m, where) for k, m in _flink_memory_rows(args.flink_memory, args.key)]
+        held = {kind for kind, blob in forms.items() if any(k == blob for k, _m, _w in rows)}
     for sdir in state_dirs(args.state) if args.state is not None else []:
-        # every shard of a sharded job: a key is in one
+        # every shard of a sharded job: a key is in one (the string key "1" and the
+        # integer key 1 may be in two)
         store = SqliteStore.open_readonly(sdir)
         try:
             rows += [(k, m, Path(sdir) / DB_NAME) for k, m in store.memories(args.key)]
             owner = store.meta("agent_name") if loaded_agent is not None else None
+            if args.key is not None:
+                held |= store.held_key_types(args.key)
         finally:
             store.close()
+    what = f"key {args.key!r}"
+    others = 0  # rows of the other key of --key's text, not shown
+    if args.key is not None:
+        # One key: the integer key 1 and the string key "1" are two (both were shown as the
+        # one asked for); a state holding both is refused until --key-type says which.
+        typed = memory_key_type(
+            args.key, args.key_type, lambda: held, args.state or args.flink_memory
+        )
+        if typed is not None:
+            kept = [r for r in rows if r[0] == forms[typed]]
+            others, rows, what = len(rows) - len(kept), kept, f"the {typed} {what}"
     if owner is not None and owner != loaded_agent:
         print(
             f"ratchet: note: --agent {args.agent} is {loaded_agent}, but {args.state} was "
@@ -849,7 +880,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             else f"--flink-memory {args.flink_memory}"
         )
         raise ConfigError(
-            f"no committed memory for key {args.key!r} in {source.split(' ', 1)[1]} (a key whose "
+            f"no committed memory for {what} in {source.split(' ', 1)[1]} (a key whose "
             f"first run is still in flight has none yet); `ratchet inspect {source}` lists the "
             f"keys that have"
         )
@@ -868,7 +899,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         except (RatchetError, TypeError, KeyError, ValueError) as exc:
             damaged.append((str(key), where, exc))
     decoded.sort(key=lambda r: str(r[0]))
-    texts: dict[str, int] = {}
+    # A key left out by --key-type still counts: each key is labelled as the whole list
+    # labels it ("1 (int)" beside the string key "1").
+    texts: dict[str, int] = {args.key: others} if others else {}
     for k, _m in decoded:
         texts[str(k)] = texts.get(str(k), 0) + 1
 

@@ -224,6 +224,10 @@ class JobHistory(BaseModel):
 class KeyList(BaseModel):
     total: int = Field(description="keys matching the search")
     keys: list[str] = Field(description="their text forms, in order, at most `limit`")
+    key_types: list[Literal["str", "int"]] = Field(
+        description='the type of each of `keys`, in the same order: the string key "1" and '
+        "the integer key 1 are two keys of one text (pass it as ?key_type= to read one)"
+    )
 
 
 class MemoryField(BaseModel):
@@ -675,20 +679,41 @@ def _state_endpoints(
         contains: str | None = Query(None, max_length=200, description="case-insensitive"),
         limit: int = Query(100, ge=0, le=10_000),
     ) -> Any:
-        return read(lambda s: {"total": s.count_keys(contains), "keys": s.keys(contains, limit)})
+        def fn(s: Any) -> Any:
+            typed = s._typed_keys(contains, limit)
+            return {
+                "total": s.count_keys(contains),
+                "keys": [text for text, _kind in typed],
+                "key_types": [kind for _text, kind in typed],
+            }
+
+        return read(fn)
 
     @app.get(
         "/v1/keys/{key:path}/memory",
         response_model=KeyMemory,
-        responses=not_found,
+        responses={**which_key, **not_found},
         summary="a key's committed memory: each field with its type, and the whole as JSON",
     )
-    def get_memory(key: str) -> Any:
+    def get_memory(
+        key: str,
+        key_type: Literal["auto", "str", "int"] = Query(
+            "auto", description=key_type_doc + " a state holding both refuses auto)"
+        ),
+    ) -> Any:
+        from ratchet.runtime._shards import int_text
+
         def fn(s: Any) -> Any:
-            fields = s.memory_fields(key)
+            fields = (
+                s.memory_fields(key, key_type=key_type)
+                if key_type != "int" or int_text(key)
+                else None
+            )
             if fields is None:
-                return missing(f"key {key!r} has no committed memory")
-            return {"key": key, "fields": fields, "memory": s.memory(key, as_json=True)}
+                what = f"key {key!r}" if key_type == "auto" else f"{key_type} key {key!r}"
+                return missing(f"{what} has no committed memory")
+            memory = s.memory(key, as_json=True, key_type=key_type)
+            return {"key": key, "fields": fields, "memory": memory}
 
         return read(fn)
 

@@ -44,14 +44,20 @@ class Job:
         out = self.tmp / "out.jsonl"
         return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
 
-    def settled(self) -> bool:
-        """All five inputs in, four runs completed, dave's refund waiting for approval."""
+    def settled(self, completed: int = 4, approvals: int = 1) -> bool:
+        """All inputs in: (of INPUTS) four runs completed, dave's refund waiting for approval."""
         runs = self.get("/v1/runs")
-        return len(runs["recent"]) == 4 and len(self.get("/v1/approvals")) == 1
+        return len(runs["recent"]) == completed and len(self.get("/v1/approvals")) == approvals
 
 
-def start_job(tmp: Path, token: str | None = None, workers: int = 1) -> Job:
-    (tmp / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in INPUTS))
+def start_job(
+    tmp: Path,
+    token: str | None = None,
+    workers: int = 1,
+    inputs: list[dict[str, Any]] = INPUTS,
+    settled: tuple[int, int] = (4, 1),
+) -> Job:
+    (tmp / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in inputs))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RATCHET_REST_TOKEN"}
     if token is not None:
@@ -64,7 +70,7 @@ def start_job(tmp: Path, token: str | None = None, workers: int = 1) -> Job:
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     job = Job(tmp, port, proc, token)
-    poll("the job to settle", job.settled, timeout=60)
+    poll("the job to settle", lambda: job.settled(*settled), timeout=60)
     return job
 
 
@@ -294,3 +300,57 @@ def test_dashboard_asks_for_the_token(tmp_path: Path, browser: Any) -> None:
         assert page.text_content("#fig-inputs") == "5"
     finally:
         stop(j.proc)
+
+
+# The string key "7" and the integer key 7: two keys of one text, each with its own memory,
+# runs and approval. The key view answered 400 (the API would not guess which key "7" was),
+# and an approval could not be sent to either.
+TWINS = [
+    {"key": "7", "text": "as text"},
+    {"key": 7, "text": "as number"},
+    {"key": "7", "ask": True},
+    {"key": 7, "ask": True},
+]
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-worker", "two-workers"])
+def test_dashboard_shows_each_of_two_keys_of_one_text(
+    browser: Any, tmp_path: Path, workers: int
+) -> None:
+    job = start_job(tmp_path, workers=workers, inputs=TWINS, settled=(2, 2))
+    try:
+        keys = job.get("/v1/keys")
+        assert (keys["keys"], keys["key_types"]) == (["7", "7"], ["int", "str"])
+        page, errors = open_page(browser, f"http://127.0.0.1:{job.port}/#/keys")
+        page.wait_for_function("document.querySelectorAll('#key-list li').length === 2")
+        assert page.locator("#key-list li").all_text_contents() == ["7 (int)", "7 (str)"]
+        for kind, text, seq in (("int", "as number", 1), ("str", "as text", 0)):
+            page.click(f"#key-list a[href='#/keys/7?key_type={kind}']")
+            # showKey fills the runs last: this run's link means the memory is this key's too.
+            page.wait_for_selector(f"#key-runs a[href='#/trace/7/{seq}?key_type={kind}']")
+            assert page.text_content("#key-title") == f"Key 7 ({kind})"
+            rows = page.locator("#memory-table tbody tr").all_text_contents()
+            assert any("last" in r and f'"{text}"' in r for r in rows), rows
+            runs = page.text_content("#key-runs")
+            assert f"input {seq} ok" in runs and page.locator("#key-runs li").count() == 1, runs
+        page.click("#key-runs a")
+        page.wait_for_selector("#trace-tree li.task")
+        assert page.text_content("#trace-title") == "Run of key 7 (str), input 0"
+        assert "update failed" not in page.text_content("#refreshed")
+
+        # Each approval goes to its own key's run: the integer key's here.
+        page.click("nav a[data-view=approvals]")
+        page.wait_for_function(
+            "document.querySelectorAll('#approvals button.approve').length === 2"
+        )
+        row = page.locator("#approvals tbody tr", has_text="7 (int)")
+        row.locator("button.approve").click()
+        page.wait_for_function(
+            "document.querySelector('#approval-result').textContent.includes('for key 7 (int)')"
+        )
+        poll("the integer key's reply", lambda: len(job.get("/v1/approvals")) == 1)
+        [left] = job.get("/v1/approvals")
+        assert left["key"] == "7", left  # the string key's run still waits
+        assert errors == [], errors
+    finally:
+        stop(job.proc)

@@ -4,7 +4,7 @@
 
 const REFRESH_MS = 2000;
 const TOKEN_KEY = "ratchet.rest-token";
-const state = { view: "overview", key: null, trace: null, lastRefresh: 0, needsToken: false };
+const state = { view: "overview", key: null, keyType: null, trace: null, lastRefresh: 0, needsToken: false };
 
 // -- the API ---------------------------------------------------------------------------------
 
@@ -88,12 +88,34 @@ function keyText(k) {
   return typeof k === "string" ? k : JSON.stringify(k);
 }
 
-function traceLink(key, seq) {
-  return el("a", { href: "#/trace/" + encodeURIComponent(key) + "/" + seq }, String(seq));
+// The string key "1" and the integer key 1 are two keys of one text: a text that reads as an
+// integer (as ratchet's int_text) names either, and the API is told which with ?key_type=.
+const INT_TEXT = /^(0|-?[1-9][0-9]*)$/;
+
+function typeOf(k) {
+  return typeof k === "number" ? "int" : "str";
 }
 
-function keyLink(key) {
-  return el("a", { href: "#/keys/" + encodeURIComponent(key) }, key);
+function typed(key, keyType) {
+  return keyType === "str" || keyType === "int" ? (INT_TEXT.test(key) ? keyType : null) : null;
+}
+
+function typeQuery(key, keyType) {
+  const t = typed(key, keyType);
+  return t ? "?key_type=" + t : "";
+}
+
+function keyLabel(key, keyType) {
+  const t = typed(key, keyType);
+  return t ? key + " (" + t + ")" : key;
+}
+
+function traceLink(key, seq, keyType) {
+  return el("a", { href: "#/trace/" + encodeURIComponent(key) + "/" + seq + typeQuery(key, keyType) }, String(seq));
+}
+
+function keyLink(key, keyType) {
+  return el("a", { href: "#/keys/" + encodeURIComponent(key) + typeQuery(key, keyType) }, keyLabel(key, keyType));
 }
 
 // -- charts (inline SVG) ---------------------------------------------------------------------
@@ -198,18 +220,23 @@ async function refreshKeys() {
   $("key-count").textContent =
     data.total + (data.total === 1 ? " key" : " keys") + (data.total > data.keys.length ? ", first " + data.keys.length + " shown" : "");
   const list = $("key-list");
+  const types = data.key_types || [];
   list.replaceChildren(
-    ...data.keys.map((k) => el("li", { class: k === state.key ? "selected" : "", "data-key": k }, keyLink(k)))
+    ...data.keys.map((k, i) => {
+      const selected = k === state.key && (state.keyType === null || types[i] === state.keyType);
+      return el("li", { class: selected ? "selected" : "", "data-key": k, "data-key-type": types[i] }, keyLink(k, types[i]));
+    })
   );
-  if (state.key !== null) await showKey(state.key);
+  if (state.key !== null) await showKey(state.key, state.keyType);
 }
 
-async function showKey(key) {
-  $("key-title").textContent = "Key " + key;
+async function showKey(key, keyType) {
+  $("key-title").textContent = "Key " + keyLabel(key, keyType);
   const table = $("memory-table");
   const empty = $("memory-empty");
+  const which = typeQuery(key, keyType);
   try {
-    const mem = await api("/v1/keys/" + encodeURIComponent(key) + "/memory");
+    const mem = await api("/v1/keys/" + encodeURIComponent(key) + "/memory" + which);
     fill(
       table.querySelector("tbody"),
       mem.fields.map((f) => [f.path, f.type, el("span", { class: "value-cell" }, json(f.value))]),
@@ -224,12 +251,19 @@ async function showKey(key) {
     empty.hidden = false;
     empty.textContent = err.message;
   }
-  const runs = await api("/v1/keys/" + encodeURIComponent(key) + "/runs");
   $("key-runs-title").hidden = false;
+  let runs;
+  try {
+    runs = await api("/v1/keys/" + encodeURIComponent(key) + "/runs" + which);
+  } catch (err) {
+    if (err instanceof Unauthorized) throw err;
+    $("key-runs").replaceChildren(el("li", { class: "muted" }, err.message));
+    return;
+  }
   $("key-runs").replaceChildren(
     ...(runs.length
       ? runs.map((r) =>
-          el("li", {}, "input ", traceLink(key, r.seq), " ", el("span", { class: "status-" + r.status }, r.status),
+          el("li", {}, "input ", traceLink(key, r.seq, r.key_type || keyType), " ", el("span", { class: "status-" + r.status }, r.status),
              " · " + fmtTime(r.completed_at) + " · " + r.tasks + " task(s)")
         )
       : [el("li", { class: "muted" }, "no kept traces")])
@@ -240,18 +274,18 @@ async function refreshRuns() {
   const runs = await api("/v1/runs?recent=50");
   fill(
     $("runs-in-flight").querySelector("tbody"),
-    runs.in_flight.map((r) => [keyText(r.key), String(r.seq), fmtNumber(r.journaled_tasks),
+    runs.in_flight.map((r) => [keyLabel(keyText(r.key), typeOf(r.key)), String(r.seq), fmtNumber(r.journaled_tasks),
       fmtNumber(r.call_records) + " (" + fmtNumber(r.calls_returned) + ")", r.agent_version || "current"]),
     "no run in flight", 5
   );
   fill(
     $("runs-waiting").querySelector("tbody"),
-    runs.waiting.map((w) => [keyText(w.key), String(w.seq), w.task || "", w.on, fmtTime(w.since), w.until ? fmtTime(w.until) : "no deadline"]),
+    runs.waiting.map((w) => [keyLabel(keyText(w.key), typeOf(w.key)), String(w.seq), w.task || "", w.on, fmtTime(w.since), w.until ? fmtTime(w.until) : "no deadline"]),
     "no run waiting", 6
   );
   fill(
     $("runs-recent").querySelector("tbody"),
-    runs.recent.map((r) => [keyLink(r.key), traceLink(r.key, r.seq), fmtTime(r.completed_at),
+    runs.recent.map((r) => [keyLink(r.key, r.key_type), traceLink(r.key, r.seq, r.key_type), fmtTime(r.completed_at),
       el("span", { class: "status-" + r.status }, r.status), fmtNumber(r.tasks)]),
     "no completed run with a kept trace", 5
   );
@@ -264,13 +298,13 @@ function fieldsText(obj, skip) {
     .join(" ");
 }
 
-async function showTrace(key, seq) {
-  $("trace-title").textContent = "Run of key " + key + ", input " + seq;
+async function showTrace(key, seq, keyType) {
+  $("trace-title").textContent = "Run of key " + keyLabel(key, keyType) + ", input " + seq;
   const tree = $("trace-tree");
   tree.replaceChildren();
   let t;
   try {
-    t = await api("/v1/keys/" + encodeURIComponent(key) + "/runs/" + seq + "/trace");
+    t = await api("/v1/keys/" + encodeURIComponent(key) + "/runs/" + seq + "/trace" + typeQuery(key, keyType));
   } catch (err) {
     if (err instanceof Unauthorized) throw err;
     $("trace-summary").textContent = err.message;
@@ -307,7 +341,7 @@ async function refreshDeadLetters() {
   if (state.view !== "dead-letters") return;
   fill(
     $("dead-letters").querySelector("tbody"),
-    letters.map((d) => [String(d.id), d.kind, keyText(d.key), d.seq === null ? "" : String(d.seq), d.reason, fmtTime(d.at),
+    letters.map((d) => [String(d.id), d.kind, keyLabel(keyText(d.key), d.key_type), d.seq === null ? "" : String(d.seq), d.reason, fmtTime(d.at),
       d.redriven_as !== null && d.redriven_as !== undefined ? "redriven as input " + d.redriven_as
         : d.redrive_requested ? "requested"
         : el("button", { type: "button", class: "redrive", onclick: () => redrive({ id: d.id }) }, "redrive")]),
@@ -331,7 +365,7 @@ async function refreshApprovals() {
   if (state.view !== "approvals") return;
   fill(
     $("approvals").querySelector("tbody"),
-    approvals.map((a) => [keyText(a.key), String(a.seq), a.tool || "?",
+    approvals.map((a) => [keyLabel(keyText(a.key), typeOf(a.key)), String(a.seq), a.tool || "?",
       el("span", { class: "value-cell" }, json(a.arguments)), fmtTime(a.since),
       el("span", {},
         el("button", { type: "button", class: "approve", onclick: () => decide(a, true) }, "approve"), " ",
@@ -343,11 +377,14 @@ async function refreshApprovals() {
 async function decide(a, approved) {
   const value = approved ? { approved: true } : { approved: false, reason: "rejected in the dashboard" };
   try {
-    await api("/v1/keys/" + encodeURIComponent(keyText(a.key)) + "/signals/" + encodeURIComponent(a.signal), {
+    // The approval is for its own key: of the string key "7" and the integer key 7 waiting
+    // alike, the other one's run must not take it (and the API refuses to guess).
+    const path = "/v1/keys/" + encodeURIComponent(keyText(a.key)) + "/signals/" + encodeURIComponent(a.signal);
+    await api(path + "?key_type=" + typeOf(a.key), {
       method: "POST",
       body: { value },
     });
-    $("approval-result").textContent = (approved ? "approved " : "rejected ") + (a.tool || "call") + " for key " + keyText(a.key);
+    $("approval-result").textContent = (approved ? "approved " : "rejected ") + (a.tool || "call") + " for key " + keyLabel(keyText(a.key), typeOf(a.key));
   } catch (err) {
     $("approval-result").textContent = err.message;
   }
@@ -357,13 +394,19 @@ async function decide(a, approved) {
 // -- routing and the refresh loop ------------------------------------------------------------
 
 function route() {
-  const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  // #/keys/KEY or #/trace/KEY/SEQ, each part encoded; then ?key_type=str|int for a key whose
+  // text is also the other key's (a "?" in the key itself is encoded, so the first is ours).
+  const hash = location.hash.replace(/^#\/?/, "");
+  const q = hash.indexOf("?");
+  const parts = (q < 0 ? hash : hash.slice(0, q)).split("/").map(decodeURIComponent);
+  const keyType = new URLSearchParams(q < 0 ? "" : hash.slice(q + 1)).get("key_type");
   let view = parts[0] || "overview";
   state.key = null;
+  state.keyType = keyType === "str" || keyType === "int" ? keyType : null;
   state.trace = null;
   if (view === "keys" && parts.length > 1) state.key = parts.slice(1).join("/");
   if (view === "trace") {
-    state.trace = { key: parts.slice(1, -1).join("/"), seq: Number(parts[parts.length - 1]) };
+    state.trace = { key: parts.slice(1, -1).join("/"), seq: Number(parts[parts.length - 1]), keyType: state.keyType };
   }
   if (!["overview", "keys", "runs", "trace", "dead-letters", "approvals"].includes(view)) view = "overview";
   state.view = view;
@@ -383,7 +426,7 @@ async function refresh(all = false) {
     await refreshApprovals();
     if (state.view === "runs") await refreshRuns();
     if (state.view === "keys" && all) await refreshKeys();
-    if (state.view === "trace" && all) await showTrace(state.trace.key, state.trace.seq);
+    if (state.view === "trace" && all) await showTrace(state.trace.key, state.trace.seq, state.trace.keyType);
     $("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.loaded = "true";
   } catch (err) {

@@ -93,7 +93,7 @@ def request_redrive(
     for target, local in targets:
         if not (target / DB_NAME).exists():
             continue
-        ensure_schema(target, DEAD_LETTERS_SCHEMA, "dead letters")
+        ensure_schema(target, DEAD_LETTERS_SCHEMA, "dead letters", sdir)
         try:
             m, b = write_in_force(sdir, target, _marker(key, typed_key, local, clock.now()))
         except Moved:

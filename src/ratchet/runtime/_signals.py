@@ -28,7 +28,7 @@ from ratchet.runtime._shards import (
 )
 from ratchet.store import codec
 from ratchet.store._base import signal_key_type
-from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock
+from ratchet.store._sqlite import DB_NAME, SqliteStore, StateLock, state_dir_error
 
 SIGNALS_SCHEMA = 11  # the state schema whose signals table records the key's type
 
@@ -138,7 +138,7 @@ def send_signal(
                 f"no ratchet state in {target} ({path} does not exist); a signal goes to the "
                 f"--state directory of the job whose run waits for it"
             )
-        ensure_schema(target, SIGNALS_SCHEMA, "signals")
+        ensure_schema(target, SIGNALS_SCHEMA, "signals", sdir)
         try:
             sid = write_in_force(sdir, target, insert)
         except Moved:
@@ -177,8 +177,9 @@ def _held_type(conn: sqlite3.Connection, text: str, sdir: Path) -> str | None:
     )
 
 
-def ensure_schema(sdir: Path, needed: int, what: str) -> None:
-    """A state from before `what` (schema `needed`) is brought up to date, if no job holds it."""
+def ensure_schema(sdir: Path, needed: int, what: str, given: Path | None = None) -> None:
+    """A state from before `what` (schema `needed`) is brought up to date, if no job holds it.
+    `given`: the --state directory `sdir` is a shard of (what a refusal names)."""
     store = SqliteStore.open_readonly(sdir)
     try:
         version = store.meta("schema_version")
@@ -195,6 +196,11 @@ def ensure_schema(sdir: Path, needed: int, what: str) -> None:
             f"that job runs an older ratchet: stop it and try again (this ratchet upgrades the "
             f"state first)"
         ) from None
+    except OSError as exc:  # a lock file that cannot be opened: a read-only directory, say
+        raise StateError(
+            f"{state_dir_error(given or sdir, exc)}; it is at state schema {version}, before "
+            f"{what}, and this ratchet upgrades it first, under that lock"
+        ) from exc
     try:
         SqliteStore.open(sdir, "", "", []).close()  # migrates the schema, nothing else
     finally:

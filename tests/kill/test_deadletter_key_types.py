@@ -105,6 +105,37 @@ def test_redrive_of_a_text_the_state_holds_once_needs_no_type_and_is_admitted(
     assert (tmp_path / "charges.txt").read_text().split() == ["1"]
 
 
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["one-worker", "two-workers"])
+def test_redrive_of_a_key_without_dead_letters_waiting_says_so(
+    tmp_path: Path, workers: str
+) -> None:
+    """It printed "0 dead letter(s) marked for redrive ..." and nothing of why. Exit 0, as
+    docs/runtime.md says: nothing is wrong, and a redrive run again must not fail."""
+    state, env = job(tmp_path, BOTH, "--workers", workers)
+    lists = f"(`ratchet dead-letters --state {state}` lists them)"
+    none = cli(env, "redrive", "--state", str(state), "--key", "2")
+    assert none.returncode == 0 and "Traceback" not in none.stderr, none.stderr
+    assert none.stdout.strip() == (
+        f"key '2' has no dead letters in {state}: nothing marked; dead letters wait for a "
+        f"redrive for 2 key(s): 1, '1' {lists}"
+    )
+    marked = cli(env, "redrive", "--state", str(state), "--key", "1", "--key-type", "int")
+    assert marked.returncode == 0 and marked.stdout.startswith("1 dead letter(s) marked")
+    again = cli(env, "redrive", "--state", str(state), "--key", "1", "--key-type", "int")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == (
+        f"the int key '1' has no dead letter waiting for a redrive in {state}: its 1 dead "
+        f"letter(s) were redriven or asked for already; nothing marked"
+    )
+    typo = cli(env, "redrive", "--state", str(state), "--key", "nokey")
+    assert typo.returncode == 0, typo.stderr
+    assert f"key 'nokey' has no dead letters in {state}" in typo.stdout
+    assert f"dead letters wait for a redrive for 1 key(s): '1' {lists}" in typo.stdout
+    # --json says it as it did: what was marked.
+    quiet = cli(env, "redrive", "--state", str(state), "--key", "2", "--json")
+    assert json.loads(quiet.stdout)["marked"] == 0 and quiet.returncode == 0
+
+
 def test_the_dead_letters_table_shows_each_key_type(tmp_path: Path) -> None:
     state, env = job(tmp_path, BOTH)
     table = cli(env, "dead-letters", "--state", str(state))

@@ -91,6 +91,12 @@ def cmd_redrive(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(done))
         return EXIT_OK
+    if args.key is not None and not done["marked"] and not done["bad_lines_skipped"]:
+        # "0 dead letter(s) marked" said nothing of why: say what the key has, and which keys
+        # have dead letters waiting. Exit 0: nothing is wrong with the state, and a redrive run
+        # again (marking twice is harmless) must not fail.
+        print(_nothing_marked(args.state, args.key, args.key_type))
+        return EXIT_OK
     print(
         f"{done['marked']} dead letter(s) marked for redrive in {done['state']}; the job admits "
         f"each once, at its next checkpoint tick if it runs, or when it next starts"
@@ -102,3 +108,46 @@ def cmd_redrive(args: argparse.Namespace) -> int:
         )
     )
     return EXIT_OK
+
+
+def _nothing_marked(state: str, text: str, key_type: str) -> str:
+    """Why `redrive --key` marked nothing: the key's dead letters were all redriven (or asked
+    for) already, or it has none; and which keys have dead letters waiting."""
+    from ratchet.runtime._deadletters import list_dead_letters
+
+    letters = list_dead_letters(state)
+    what = f"key {text!r}" if key_type == "auto" else f"the {key_type} key {text!r}"
+    # The one of the two keys of a text like "1" that redrive chose (a state holding both was
+    # refused unless --key-type said which).
+    own = [
+        d
+        for d in letters
+        if d["kind"] != "bad-input"
+        and str(d["key"]) == text
+        and key_type in ("auto", d.get("key_type"))
+    ]
+    if own:
+        return (
+            f"{what} has no dead letter waiting for a redrive in {state}: its {len(own)} dead "
+            f"letter(s) were redriven or asked for already; nothing marked"
+        )
+    waiting = sorted(
+        {
+            (str(d["key"]), d.get("key_type") or "str")
+            for d in letters
+            if d["kind"] != "bad-input"
+            and d.get("redriven_as") is None
+            and not d.get("redrive_requested")
+        }
+    )
+    shown = ", ".join(repr(int(k) if t == "int" else k) for k, t in waiting[:10])
+    more = f" and {len(waiting) - 10} more" if len(waiting) > 10 else ""
+    others = (
+        f"dead letters wait for a redrive for {len(waiting)} key(s): {shown}{more}"
+        if waiting
+        else "no dead letter waits for a redrive there"
+    )
+    return (
+        f"{what} has no dead letters in {state}: nothing marked; {others} "
+        f"(`ratchet dead-letters --state {state}` lists them)"
+    )

@@ -502,18 +502,29 @@ def create_app(
             status_code=202,
             response_model=RedriveAsked,
             responses={
-                404: {"model": Unavailable, "description": "no dead letter with that id waits"},
+                404: {
+                    "model": Unavailable,
+                    "description": "no dead letter with that id waits; key_type int and a key "
+                    "no integer has",
+                },
                 **bad_request,
             },
             summary="admit dead letters again (one of all, key, id), each exactly once",
         )
         def post_redrive(body: RedriveBody) -> Any:
             from ratchet._errors import ConfigError, RatchetError
+            from ratchet.runtime._shards import int_text
 
             all_letters = isinstance(body, RedriveAll)
             key = body.key if isinstance(body, RedriveKey) else None
             key_type = body.key_type if isinstance(body, RedriveKey) else "auto"
             dead_id = body.id if isinstance(body, RedriveId) else None
+            if key is not None and key_type == "int" and not int_text(key):
+                # As the key endpoints answer it: no integer key has that text (it was a 400).
+                return JSONResponse(
+                    {"detail": f"key {key!r} is not an integer: no integer key has that text"},
+                    status_code=404,
+                )
             try:
                 return ask(all_letters, key, dead_id, key_type)
             except ConfigError as exc:

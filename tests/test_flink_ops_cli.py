@@ -95,6 +95,26 @@ def test_inspect_reads_the_latest_memory_of_each_key_from_a_flink_memory_folder(
     assert "Traceback" not in proc.stderr
 
 
+def test_inspect_of_a_flink_memory_folder_shows_one_key_of_a_text_held_twice(
+    tmp_path: Path,
+) -> None:
+    """The string key "7" and the integer key 7, as `inspect --state` takes them: `--key 7`
+    showed both memories as the one key asked for."""
+    mem = tmp_path / "mem" / "2026-12-02--01"
+    mem.mkdir(parents=True)
+    (mem / "part-x-0-0").write_text(
+        _memory_line("7", {"n": "text"}, 1) + _memory_line(7, {"n": "int"}, 1)
+    )
+    both = _run("inspect", "--flink-memory", str(tmp_path / "mem"), "--key", "7", "--json")
+    assert both.returncode == 2 and not both.stdout, both.stdout
+    assert "holds both the string key '7' and the integer key 7" in both.stderr
+    assert "--key-type str or --key-type int" in both.stderr and "Traceback" not in both.stderr
+    for kind, shown in (("int", {"7 (int)": {"n": "int"}}), ("str", {"7": {"n": "text"}})):
+        one = _run("inspect", "--flink-memory", str(tmp_path / "mem"), "--key", "7",
+                   "--key-type", kind, "--json")  # fmt: skip
+        assert one.returncode == 0 and json.loads(one.stdout) == shown, one.stderr
+
+
 def test_inspect_of_a_folder_that_is_not_a_memory_output_is_one_line_exit_2(
     tmp_path: Path,
 ) -> None:

@@ -149,7 +149,7 @@ def test_traces_kept_at_schema_11_are_either_keys_and_new_ones_say_which(tmp_pat
     # The next run migrates the state: the column comes, the traces kept before stay untyped.
     run_job(tmp_path, '{"key": "1", "n": 4}\n')
     with sqlite3.connect(state / DB_NAME) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 12
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 13
         rows = db.execute("SELECT seq, key_type FROM traces ORDER BY seq").fetchall()
     db.close()
     assert rows == [(0, None), (1, None), (2, None), (3, None), (4, "str")]

@@ -1,9 +1,10 @@
 """The store backends every conformance test runs against: add a new backend to BACKENDS.
 
-A backend is three functions: `open(directory, clock)` makes a fresh, empty store (a durable
+A backend is four functions: `open(directory, clock)` makes a fresh, empty store (a durable
 one keeps its files under `directory`), `reopen(store, directory, clock)` returns what a
-restarted process would see (the old object is finished with), and `send(store, directory,
-key, name, value)` sends a signal to it as another process would. The `stores` fixture
+restarted process would see (the old object is finished with), `send(store, directory,
+key, name, value)` sends a signal to it as another process would, and `redrive(store,
+directory, dead_id)` asks for a dead letter to be redriven, as `ratchet redrive --id` would. The `stores` fixture
 (conftest.py) hands a test one backend at a time; `all_stores` hands it every backend.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import Clock
+from ratchet.runtime._deadletters import request_redrive
 from ratchet.runtime._signals import send_signal
 from ratchet.store._base import CheckpointStore
 from ratchet.store._memory import MemoryStore
@@ -51,6 +53,16 @@ def _send_sqlite(store: CheckpointStore, directory: Path, key: Any, name: str, v
     return int(send_signal(directory, key, name, value, clock=store.clock)["id"])
 
 
+def _redrive_memory(store: CheckpointStore, _directory: Path, dead_id: int) -> None:
+    assert isinstance(store, MemoryStore)
+    store.request_redrive(dead_id)
+
+
+def _redrive_sqlite(store: CheckpointStore, directory: Path, dead_id: int) -> None:
+    assert isinstance(store, SqliteStore)
+    request_redrive(directory, dead_id=dead_id, clock=store.clock)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -58,11 +70,19 @@ class Backend:
     reopen: Callable[[CheckpointStore, Path, Clock], CheckpointStore]
     # Send a signal to the store's state (as another process would): its id.
     send: Callable[[CheckpointStore, Path, Any, str, Any], int]
+    # Ask for a dead letter (by its id) to be redriven, as another process would.
+    redrive: Callable[[CheckpointStore, Path, int], None]
 
 
 BACKENDS = [
-    Backend("memory", lambda _directory, clock: MemoryStore(clock), _reopen_memory, _send_memory),
-    Backend("sqlite", _open_sqlite, _reopen_sqlite, _send_sqlite),
+    Backend(
+        "memory",
+        lambda _directory, clock: MemoryStore(clock),
+        _reopen_memory,
+        _send_memory,
+        _redrive_memory,
+    ),
+    Backend("sqlite", _open_sqlite, _reopen_sqlite, _send_sqlite, _redrive_sqlite),
 ]
 
 
@@ -101,6 +121,10 @@ class Stores:
     def send_signal(self, store: CheckpointStore, key: Any, name: str, value: Any) -> int:
         """Send a signal to `store`'s state, as `ratchet signal` would; its id."""
         return self.backend.send(store, self._dirs[id(store)], key, name, value)
+
+    def ask_redrive(self, store: CheckpointStore, dead_id: int) -> None:
+        """Ask for dead letter `dead_id` of `store`'s state to be redriven."""
+        self.backend.redrive(store, self._dirs[id(store)], dead_id)
 
     def close(self, store: CheckpointStore) -> None:
         self._dirs.pop(id(store))

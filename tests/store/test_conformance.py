@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
+    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -368,6 +369,106 @@ def test_releasing_puts_back_only_the_signals_a_replay_marker_keeps(stores: Stor
     assert store.release_signals(0, "r>a", [2]) == []
 
 
+# -- signals a discarded run took (`ratchet runs restart`, `runs abandon`) -----------------------
+
+
+def discard(store: CheckpointStore, seq: int, reason: str | None = None) -> dict[str, Any]:
+    """`discard_run`: an operation on a stopped job's state, not on the engine's protocol."""
+    found: dict[str, Any] = getattr(store, "discard_run")(seq, reason)  # noqa: B009
+    return found
+
+
+def run_that_took_two_signals(stores: Stores, clock: FakeClock) -> tuple[CheckpointStore, list]:
+    """Input 0 of key "k" in flight: task r>a took "go" (no replay marker covers its record:
+    taken for good, as far as a replay goes) and then, under a replay marker, "ok"; a second
+    "go", sent later, is pending. Returns the store and the two taken signals as sent."""
+    store = stores.open()
+    store.write_checkpoint(
+        rows(new_inputs=[(0, codec.encode("k"), b"ev")], runs=[(0, codec.encode("k"), 0, b"\x90")]),
+        1.0,
+    )
+    go = stores.send_signal(store, "k", "go", "first")
+    go_at = clock.now()
+    clock.advance(3)
+    ok = stores.send_signal(store, "k", "ok", 2)
+    ok_at = clock.now()
+    clock.advance(3)
+    stores.send_signal(store, "k", "go", "second")
+    store.put_calls([wait(0, "go")])
+    store.consume_signal(go, wait(0, "go", "ok", "first"))
+    store.put_calls([call(0, "r>a", 1), marker(-2), wait(2, "ok")])
+    store.consume_signal(ok, wait(2, "ok", "ok", 2))
+    store.write_checkpoint(rows(outbox=[("o", 0, b"out")]), 2.0)
+    taken = [
+        (go, "k", "go", codec.encode("first"), go_at, "str"),
+        (ok, "k", "ok", codec.encode(2), ok_at, "str"),
+    ]
+    return stores.reopen(store), taken
+
+
+def test_restarting_a_run_puts_back_every_signal_it_took_as_sent(
+    stores: Stores, clock: FakeClock
+) -> None:
+    store, taken = run_that_took_two_signals(stores, clock)
+    (later,) = store.signals_after(0)
+    done = discard(store, 0)
+    assert done == {
+        "journaled_tasks": 0, "call_records": 3, "calls_returned": 3, "unreleased_outputs": 1,
+        "signals_put_back": 2,
+    }  # fmt: skip
+    # In their place by id: the first "go" before the one sent after it, which the run,
+    # starting again, would otherwise take first.
+    assert store.signals_after(0) == sorted([*taken, later])
+    loaded = store.load()
+    assert loaded.calls == [] and loaded.runs == [] and loaded.outbox == []
+    assert loaded.inputs == [(0, codec.encode("k"), b"ev")]  # it starts again from it
+    store = stores.reopen(store)
+    assert store.signals_after(0) == sorted([*taken, later])
+    with pytest.raises(StateError, match="no run in flight"):
+        discard(store, 0)
+
+
+def test_abandoning_a_run_keeps_its_signals_with_the_dead_letter_until_its_redrive(
+    stores: Stores, clock: FakeClock
+) -> None:
+    store, taken = run_that_took_two_signals(stores, clock)
+    (later,) = store.signals_after(0)
+    done = discard(store, 0, "stuck")
+    assert done["signals_kept"] == 2 and "signals_put_back" not in done
+    # Not handed to another input's run of the key meanwhile: only the later "go" is pending.
+    assert store.signals_after(0) == [later]
+    assert store.load().inputs == []
+    assert store.redrive_signals([1]) == []  # not asked for: nothing goes back
+    store = stores.reopen(store)
+    stores.ask_redrive(store, 1)
+    assert store.redrives() == [(1, codec.encode("k"), b"ev")]
+    store = stores.reopen(store)
+    assert store.redrive_signals([1]) == taken  # as sent, before the redriven run starts
+    assert store.signals_after(0) == sorted([*taken, later])
+    assert store.redrive_signals([1]) == []  # once: a second admission puts back nothing
+    store = stores.reopen(store)
+    assert store.redrive_signals([1]) == []
+    assert store.signals_after(0) == sorted([*taken, later])
+
+
+def test_a_signal_taken_before_records_kept_it_comes_back_as_a_new_one(
+    stores: Stores, clock: FakeClock
+) -> None:
+    # A delivered signal's record written as a state before schema 13 holds it: no replay
+    # marker and nothing kept of the signal. Restarting the run gives it back for the run's
+    # key, as a new signal sent now (its id and time are not known).
+    store = stores.open()
+    store.write_checkpoint(
+        rows(new_inputs=[(0, codec.encode(7), b"ev")], runs=[(0, codec.encode(7), 0, b"\x90")]),
+        1.0,
+    )
+    stores.send_signal(store, "x", "other", 0)
+    store.put_calls([wait(0, "go", "ok", "v")])
+    clock.advance(10)
+    assert discard(store, 0)["signals_put_back"] == 1
+    assert store.signals_after(1) == [(2, "7", "go", codec.encode("v"), clock.now(), "int")]
+
+
 # -- every backend and a model, in lockstep ------------------------------------------------------
 
 KEYS = [b"\x00", b"a", b"b", b"k\xff"]
@@ -430,6 +531,21 @@ class Model:
         # Signals not consumed: id -> (id, key text, name, value, sent at, key type).
         self.signals: dict[int, tuple[int, str, str, bytes, float, str | None]] = {}
         self.next_signal = 1
+        # What a delivered signal's record keeps of the signal: (seq, task, idx) -> [id, key
+        # text, sent at, key type]; gone with the record (or when it is written again).
+        self.kept: dict[tuple[int, str, int], list[Any]] = {}
+        # Dead letters of abandoned runs: id -> {key, event, signals kept, asked}
+        self.dead: dict[int, dict[str, Any]] = {}
+
+    def put_calls(self, records: list[CallRecord]) -> None:
+        for r in records:
+            self.calls[(r.seq, r.task_id, r.idx)] = r
+            self.kept.pop((r.seq, r.task_id, r.idx), None)
+
+    def forget(self, keys: list[tuple[int, str, int]]) -> None:
+        for k in keys:
+            self.calls.pop(k, None)
+            self.kept.pop(k, None)
 
     def send(self, key: Any, name: str, value: Any, now: float) -> int:
         sid, self.next_signal = self.next_signal, self.next_signal + 1
@@ -449,6 +565,7 @@ class Model:
     def consume(self, sid: int, r: CallRecord) -> None:
         _sid, key_text, _name, _value, sent_at, kind = self.signals.pop(sid)
         self.calls[(r.seq, r.task_id, r.idx)] = r
+        self.kept[(r.seq, r.task_id, r.idx)] = [sid, key_text, sent_at, kind]
         mark = self._cover(r.seq, r.task_id, r.idx)
         if mark is not None:
             m = self.calls[mark]
@@ -468,10 +585,58 @@ class Model:
             if idx not in taken or r.payload is None:
                 continue
             sid, key_text, sent_at, kind = taken[idx]
-            if sid in self.signals:
-                sid, self.next_signal = self.next_signal, self.next_signal + 1
-            self.signals[sid] = back[idx] = (sid, key_text, r.digest, r.payload, sent_at, kind)
+            back[idx] = self.insert((sid, key_text, r.digest, r.payload, sent_at, kind))
         return back
+
+    def insert(self, row: tuple[Any, ...]) -> tuple[int, str, str, bytes, float, str | None]:
+        """A signal put back: its own id unless another signal holds it."""
+        sid, key_text, name, value, sent_at, kind = row
+        if sid in self.signals:
+            sid, self.next_signal = self.next_signal, self.next_signal + 1
+        self.signals[sid] = (sid, key_text, name, value, sent_at, kind)
+        return self.signals[sid]
+
+    def run_signals(self, seq: int) -> list[tuple[Any, ...]]:
+        """Every signal run `seq` took, as sent (a replay marker's copy, else the record's
+        own), in the order sent."""
+        found = []
+        for (s, task, idx), r in sorted(self.calls.items()):
+            if s != seq or r.fn != SIGNAL_FN or r.status != "ok" or r.payload is None:
+                continue
+            mark = self._cover(seq, task, idx)
+            m = self.calls[mark] if mark is not None else None
+            taken = dict(codec.decode(m.payload)) if m is not None and m.payload else {}
+            sid, key_text, sent_at, kind = taken.get(idx) or self.kept[(s, task, idx)]
+            found.append((sid, key_text, r.digest, r.payload, sent_at, kind))
+        return sorted(found)
+
+    def discard_run(self, seq: int, abandon: bool, now: float) -> dict[str, Any]:
+        key, _base, journal = self.runs.pop(seq)
+        mine = sorted(k for k in self.calls if k[0] == seq)
+        calls = [self.calls[k] for k in mine if k[2] >= 0]  # a replay marker is not a call
+        outputs = [i for i, (s, _rec) in self.outbox.items() if s == seq]
+        try:
+            tasks = len(codec.decode(journal, unknown="generic"))
+        except (codec.CorruptDataError, TypeError):
+            tasks = None
+        counts: dict[str, Any] = {
+            "journaled_tasks": tasks,
+            "call_records": len(calls),
+            "calls_returned": sum(1 for r in calls if r.status != "intent"),
+            "unreleased_outputs": len(outputs),
+        }
+        taken = self.run_signals(seq)
+        if abandon:
+            _key, event = self.inputs.pop(seq)
+            letter = {"key": key, "event": event, "signals": taken, "asked": False}
+            self.dead[max(self.dead, default=0) + 1] = letter
+            counts["signals_kept"] = len(taken)
+        else:
+            counts["signals_put_back"] = len([self.insert(row) for row in taken])
+        self.forget(mine)
+        for out_id in outputs:
+            del self.outbox[out_id]
+        return counts
 
     def write_checkpoint(self, r: CheckpointRows, triggered_at: float) -> dict[str, Any]:
         for key, _text, nd, mem, version in r.keys:
@@ -481,7 +646,7 @@ class Model:
         for seq in r.done_inputs:
             self.inputs.pop(seq, None)
             self.runs.pop(seq, None)
-        self.calls = {k: v for k, v in self.calls.items() if k[0] not in r.completed}
+        self.forget([k for k in self.calls if k[0] in r.completed])
         for seq, key, base, journal in r.runs:
             self.runs[seq] = (key, base, journal)
         for out_id, seq, rec in r.outbox:
@@ -548,8 +713,7 @@ class Lockstep(RuleBasedStateMachine):
 
     @rule(records=st.lists(call_records, max_size=4))
     def put_calls(self, records: list[CallRecord]) -> None:
-        for r in records:
-            self.model.calls[(r.seq, r.task_id, r.idx)] = r
+        self.model.put_calls(records)
         for _name, store in self.each():
             store.put_calls([dataclasses.replace(r) for r in records])
 
@@ -560,19 +724,14 @@ class Lockstep(RuleBasedStateMachine):
         m = self.model
         dropped = sorted(i for s, t, i in m.calls if s == seq and t == task and i >= from_idx)
         expected = list(m.put_back(seq, task, dropped).values())
-        m.calls = {
-            (s, t, i): r
-            for (s, t, i), r in m.calls.items()
-            if not (s == seq and t == task and (i >= from_idx or i == -from_idx))
-        }
+        m.forget([(seq, task, i) for i in [*dropped, -from_idx]])
         for name, store in self.each():
             assert sorted(store.drop_calls(seq, task, from_idx)) == sorted(expected), name
 
     @rule(seq=few_seqs, task=few_tasks, idxs=st.lists(st.integers(-1, 3), max_size=3))
     def release_signals(self, seq: int, task: str, idxs: list[int]) -> None:
         back = self.model.put_back(seq, task, sorted(set(idxs)))
-        for i in back:
-            del self.model.calls[(seq, task, i)]
+        self.model.forget([(seq, task, i) for i in back])
         for name, store in self.each():
             got = store.release_signals(seq, task, sorted(set(idxs)))
             assert sorted(got) == sorted(back.values()), name
@@ -591,7 +750,9 @@ class Lockstep(RuleBasedStateMachine):
     def consume_signal(self, data: st.DataObject, seq: int, task: str, idx: int) -> None:
         if not self.model.signals:
             return
-        sid = data.draw(st.sampled_from(sorted(self.model.signals)))
+        self.take(data.draw(st.sampled_from(sorted(self.model.signals))), seq, task, idx)
+
+    def take(self, sid: int, seq: int, task: str, idx: int) -> None:
         _i, _k, name, value, _t, _kt = self.model.signals[sid]
         record = CallRecord(seq, task, idx, SIGNAL_FN, name, "ok", value)
         self.model.consume(sid, record)
@@ -599,6 +760,74 @@ class Lockstep(RuleBasedStateMachine):
             store.consume_signal(sid, dataclasses.replace(record))
             with pytest.raises(StateError):  # once only
                 store.consume_signal(sid, dataclasses.replace(record))
+
+    def some_seq(self, data: st.DataObject) -> int:
+        """Mostly the input of a run in flight (if there is one)."""
+        runs = sorted(self.model.runs)
+        return data.draw(st.sampled_from(runs) if runs else few_seqs | seqs)
+
+    # A signal sent and taken at once by a run in flight: runs often hold signals when they
+    # are discarded.
+    @rule(data=st.data(), task=few_tasks, idx=st.integers(0, 3), key=st.sampled_from(["k", 7]))
+    def send_and_take(self, data: st.DataObject, task: str, idx: int, key: Any) -> None:
+        self.send_signal(key, "go", idx)
+        self.take(max(self.model.signals), self.some_seq(data), task, idx)
+
+    @rule(seq=few_seqs, key=st.sampled_from(KEYS), journal=blobs, takes=st.integers(0, 2))
+    def start_run(self, seq: int, key: bytes, journal: bytes, takes: int) -> None:
+        """An input and its run in flight, which takes `takes` signals."""
+        r = rows(new_inputs=[(seq, key, b"ev%d" % seq)], runs=[(seq, key, 0, journal)])
+        self.write_checkpoint(r, self.clock.now())
+        for idx in range(takes):
+            self.send_signal("k", "go", idx)
+            self.take(max(self.model.signals), seq, TASKS[0], idx)
+
+    # `ratchet runs restart` (abandon False) and `runs abandon` of the run of input `seq`.
+    @rule(data=st.data(), abandon=st.booleans())
+    def discard_run(self, data: st.DataObject, abandon: bool) -> None:
+        m = self.model
+        seq = self.some_seq(data)
+        if seq not in m.runs or (abandon and seq not in m.inputs):
+            for name, store in self.each():
+                with pytest.raises(StateError):
+                    discard(store, seq, "abandoned" if abandon else None)
+                assert store.load() == m.loaded(), name  # nothing of it was done
+            return
+        if abandon:
+            try:  # the dead letter names the key by its text
+                codec.decode(m.runs[seq][0])
+            except codec.CorruptDataError:
+                return
+        expected = m.discard_run(seq, abandon, self.clock.now())
+        for name, store in self.each():
+            assert discard(store, seq, "abandoned" if abandon else None) == expected, name
+
+    # A redrive admits an abandoned run's dead letter: asked for (`ratchet redrive`), then its
+    # signals go back, once, before the engine starts the new run.
+    @precondition(lambda self: self.model.dead)
+    @rule(data=st.data(), ask=st.integers(0, 3).map(bool))  # mostly asked for
+    def redrive(self, data: st.DataObject, ask: bool) -> None:
+        m = self.model
+        dead_id = data.draw(st.sampled_from(sorted(m.dead)))
+        letter = m.dead[dead_id]
+        if ask and not letter["asked"]:
+            letter["asked"] = True
+            for b, store in zip(self.backends, self.stores):
+                b.ask_redrive(store, dead_id)
+        expected = []
+        if letter["asked"]:
+            expected = [m.insert(row) for row in letter["signals"]]
+            letter["signals"] = []
+        for name, store in self.each():
+            assert store.redrive_signals([dead_id]) == expected, name
+
+    @invariant()
+    def every_backend_lists_the_redrives_the_model_asked_for(self) -> None:
+        asked = [
+            (i, d["key"], d["event"]) for i, d in sorted(self.model.dead.items()) if d["asked"]
+        ]
+        for name, store in self.each():
+            assert [tuple(r) for r in store.redrives()] == asked, name
 
     @invariant()
     def every_backend_holds_the_signals_the_model_holds(self) -> None:

@@ -223,9 +223,9 @@ def test_a_schema_11_state_gets_the_traces_key_type_and_keeps_its_traces_for_eit
 ) -> None:
     state = tmp_path / "s"
     _schema_11_state(state, traced_table)
-    store = SqliteStore.open(state, *OWNER)  # migrates to 12
+    store = SqliteStore.open(state, *OWNER)  # migrates to 12 (and on)
     try:
-        assert store.meta("schema_version") == SCHEMA_VERSION == 12
+        assert store.meta("schema_version") == SCHEMA_VERSION == 13
         store.ensure_tables()
         cols = [r[1] for r in store.conn.execute("PRAGMA table_info(traces)")]
         assert cols[-1] == "key_type"
@@ -241,3 +241,41 @@ def test_a_schema_11_state_gets_the_traces_key_type_and_keeps_its_traces_for_eit
     fresh.ensure_tables()
     fresh.close()
     assert raw(state)["schema"] == raw(tmp_path / "new")["schema"]
+
+
+def test_a_schema_12_state_keeps_signals_with_their_records_and_restarts_give_old_ones_back(
+    tmp_path: Path,
+) -> None:
+    # Schema 12: a run in flight (of the integer key 7) whose record of a signal it took
+    # keeps nothing of the signal. Migrated to 13, `runs restart` (discard_run) gives that
+    # signal back for the run's key, as a new one: its id and time were not kept.
+    state = tmp_path / "s"
+    state.mkdir()
+    conn = sqlite3.connect(state / DB_NAME, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        SqliteStore._apply(conn, 0, 12)
+        meta = SqliteStore._initial_meta(*OWNER, _sqlite.SYSTEM_CLOCK)
+        conn.executemany(
+            "INSERT INTO meta(name, value) VALUES (?, ?)",
+            [(k, codec.encode(12 if k == "schema_version" else v)) for k, v in meta.items()],
+        )
+        key = codec.encode(7)
+        conn.execute("INSERT INTO inputs(seq, key, event) VALUES (0, ?, x'00')", (key,))
+        conn.execute("INSERT INTO runs VALUES (0, ?, 0, ?)", (key, codec.encode([])))
+        conn.execute(
+            "INSERT INTO calls VALUES (0, 'r>a', 0, 'ratchet.signal', 'go', 'ok', ?)",
+            (codec.encode("v"),),
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    store = SqliteStore.open(state, *OWNER)
+    try:
+        assert store.meta("schema_version") == SCHEMA_VERSION == 13
+        assert [r[1] for r in store.conn.execute("PRAGMA table_info(calls)")][-1] == "taken"
+        assert store.discard_run(0, None)["signals_put_back"] == 1
+        ((_id, text, name, value, _at, key_type),) = store.signals_after(0)
+        assert (text, name, codec.decode(value), key_type) == ("7", "go", "v", "int")
+    finally:
+        store.close()

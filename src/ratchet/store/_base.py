@@ -8,7 +8,7 @@ default; `tests/store/` is the conformance suite both pass, and any later backen
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -189,16 +189,91 @@ def signal_back(record: CallRecord, taken: list[Any]) -> SignalRow | None:
 
 
 def signals_taken(
-    markers: dict[int, bytes | None], records: Iterable[CallRecord]
+    markers: dict[int, bytes | None],
+    records: Iterable[CallRecord],
+    kept: Mapping[int, list[Any]] | None = None,
 ) -> Iterator[tuple[CallRecord, SignalRow]]:
     """The signals `records` took under their replay markers (`markers`: index -> payload),
-    each with the record that took it: what dropping or releasing those records puts back."""
+    each with the record that took it: what dropping or releasing those records puts back.
+    With `kept` (record index -> the signal as its own row keeps it, `taken_signal`), every
+    record that took a signal counts, under a marker or not: what discarding the whole run
+    (`discard_run`) puts back."""
     for r in records:
         mark = covering_marker(markers, r.idx)
         taken = taken_signals(markers[mark]).get(r.idx) if mark is not None else None
+        if taken is None and kept is not None:
+            taken = kept.get(r.idx)
         row = signal_back(r, taken) if taken is not None else None
         if row is not None:
             yield r, row
+
+
+def taken_signal(signal_id: int, key_text: str, sent_at: float, key_type: str | None) -> bytes:
+    """What a delivered signal's record keeps of the signal it took (schema 13 on, for every
+    delivery, not only one a replay marker covers), so that discarding its run puts it back
+    as it was sent: [signal id, key text, sent at, key type], encoded."""
+    return codec.encode([signal_id, key_text, sent_at, key_type])
+
+
+def run_signals(
+    calls: Iterable[CallRecord],
+    kept: Mapping[tuple[str, int], bytes | None],
+    key: Callable[[], Any],
+    now: float,
+) -> list[tuple[int | None, str, str, bytes, float, str | None]]:
+    """Every signal a run took (its `calls`, of every task; `kept`: (task id, index) -> what
+    the record's row keeps, `taken_signal`), in the order sent: what `discard_run` puts back
+    or keeps with the dead letter. A record that took a signal and keeps nothing of it (taken
+    before schema 13, where no replay marker covers it) gives it back as a new signal (id
+    None) for the run's key (`key()`, called only then), sent `now`: its id and time were
+    not kept."""
+    by_task: dict[str, list[CallRecord]] = {}
+    for r in calls:
+        by_task.setdefault(r.task_id, []).append(r)
+    found: list[tuple[int | None, str, str, bytes, float, str | None]] = []
+    for task_id, records in sorted(by_task.items()):
+        markers = {r.idx: r.payload for r in records if r.idx < 0 and r.fn == REPLAY_FN}
+        own = {
+            i: list(codec.decode(blob))
+            for (t, i), blob in kept.items()
+            if t == task_id and blob is not None
+        }
+        seen: set[int] = set()
+        for r, row in signals_taken(markers, records, own):
+            seen.add(r.idx)
+            found.append(row)
+        for r in records:
+            if r.idx not in seen and r.fn == SIGNAL_FN and r.status == "ok" and r.payload:
+                k = key()
+                found.append((None, str(k), r.digest, r.payload, now, signal_key_type(k)))
+    return sorted(found, key=lambda row: (row[0] is None, row[0] or 0))
+
+
+def signal_entry(row: tuple[int | None, str, str, bytes, float, str | None]) -> dict[str, Any]:
+    """A signal as an abandoned run's dead letter keeps it (its detail's "signals")."""
+    sid, key_text, name, value, sent_at, key_type = row
+    return {
+        "id": sid, "key": key_text, "name": name, "value": value, "sent_at": sent_at,
+        "key_type": key_type,
+    }  # fmt: skip
+
+
+def entry_signal(entry: Any) -> tuple[int | None, str, str, bytes, float, str | None]:
+    """The signal a dead letter's entry (`signal_entry`) keeps, as the signals table holds it
+    (id None: give it a new one)."""
+    sid = entry["id"]
+    return (
+        None if sid is None else int(sid), str(entry["key"]), str(entry["name"]),
+        bytes(entry["value"]), float(entry["sent_at"]), entry["key_type"],
+    )  # fmt: skip
+
+
+def journal_tasks(journal: bytes) -> int | None:
+    """How many tasks a run's encoded journal holds (None: it does not decode as one)."""
+    try:
+        return len(codec.decode(journal, unknown="generic"))
+    except (codec.CorruptDataError, TypeError, ValueError):
+        return None
 
 
 def version_id(fingerprint: str, memory_version: int) -> str:
@@ -300,6 +375,15 @@ class CheckpointStore(Protocol):
         (id, encoded key, encoded event), oldest first. A checkpoint's `redriven` marks them."""
         ...
 
+    def redrive_signals(self, dead_ids: list[int]) -> list[SignalRow]:
+        """Put back the signals that the abandoned runs of these dead letters (asked to be
+        redriven, not redriven yet) took, as they were sent, each once: `discard_run` with a reason keeps them in
+        the dead letter's detail ("signals"), and this moves them to the signals table and
+        records them in the detail as put back ("signals_put_back"), in one transaction.
+        Called when a redrive admits the dead letters, before their new runs start, so those
+        take them again. Returns the signals put back."""
+        ...
+
     def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:
         """Signals not consumed with an id above `signal_id`, in the order sent:
         (id, key as text, name, encoded value, sent at, key type: 'str', 'int' or None for
@@ -308,9 +392,10 @@ class CheckpointStore(Protocol):
 
     def consume_signal(self, signal_id: int, record: CallRecord) -> None:
         """Deliver a signal: write `record` (the waiting task's call record, holding the value)
-        and remove the signal, in one transaction, so it is delivered exactly once. When a
-        replay marker covers the record (`covering_marker`), the marker's payload keeps the
-        signal as it was sent (`taken_signals`), for `drop_calls` and `release_signals`."""
+        and remove the signal, in one transaction, so it is delivered exactly once. The
+        record keeps the signal as it was sent (`taken_signal`), for `discard_run`; when a
+        replay marker covers the record (`covering_marker`), the marker's payload keeps it
+        too (`taken_signals`), for `drop_calls` and `release_signals`."""
         ...
 
     def drop_calls(self, seq: int, task_id: str, from_idx: int) -> list[SignalRow]:

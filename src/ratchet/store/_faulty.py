@@ -61,6 +61,7 @@ METHODS = (
     "drop_calls",
     "release_signals",
     "redrives",
+    "redrive_signals",
 )
 
 
@@ -229,6 +230,9 @@ class FaultyStore:
 
     def redrives(self) -> list[tuple[int, bytes, bytes]]:
         return self._call("redrives", self.inner.redrives)
+
+    def redrive_signals(self, dead_ids: list[int]) -> list[SignalRow]:
+        return self._call("redrive_signals", lambda: self.inner.redrive_signals(list(dead_ids)))
 
     def signals_after(self, signal_id: int) -> list[tuple[int, str, str, bytes, float, str | None]]:
         return self._call("signals_after", lambda: self.inner.signals_after(signal_id))

@@ -28,8 +28,13 @@ from ratchet.store._base import (
     adopt_pins,
     check_adoption,
     covering_marker,
+    entry_signal,
+    journal_tasks,
+    run_signals,
+    signal_entry,
     signal_key_type,
     signals_taken,
+    taken_signal,
     taken_signals,
     version_id,
 )
@@ -47,6 +52,8 @@ class MemoryStore:
         self.runs: dict[int, tuple[bytes, int, bytes]] = {}
         self.outbox: dict[str, tuple[int, bytes]] = {}
         self.calls: dict[tuple[int, str, int], CallRecord] = {}
+        # What a delivered signal's record keeps of the signal it took (SQLite: calls.taken)
+        self.taken: dict[tuple[int, str, int], bytes] = {}
         self.source: dict[str, Any] = {}
         self.counts = {"completed": 0, "failed": 0, "restored": 0}
         self.checkpoints: list[dict[str, Any]] = []
@@ -121,10 +128,12 @@ class MemoryStore:
         for seq in rows.done_inputs:
             inputs.pop(seq, None)
             runs.pop(seq, None)
+        taken = self.taken
         if rows.completed:
             done = set(rows.completed)
             for k in [k for k in calls if k[0] in done]:
                 del calls[k]
+            taken = {k: v for k, v in taken.items() if k in calls}
         for seq, key, base, journal in rows.runs:
             runs[seq] = (key, base, journal)
         for out_id, seq, record in rows.outbox:
@@ -144,6 +153,7 @@ class MemoryStore:
         size = rows.size()
         self.keys, self.inputs, self.runs = keys, inputs, runs
         self.outbox, self.calls, self.source = outbox, calls, source
+        self.taken = taken
         self.dead = dead
         self.report.update(copy.deepcopy(rows.report))
         for scope, ltm_id, text, meta, vector, at in rows.ltm_add:
@@ -181,6 +191,8 @@ class MemoryStore:
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         new = {(r.seq, r.task_id, r.idx): copy.copy(r) for r in records}  # all or none
         self.calls.update(new)
+        for k in new:
+            self.taken.pop(k, None)  # a record written again keeps no signal
 
     def redrives(self) -> list[tuple[int, bytes, bytes]]:
         return [
@@ -210,6 +222,7 @@ class MemoryStore:
         key_text, _name, _value, sent_at, key_type = self.signals.pop(signal_id)
         r = record
         self.calls[(r.seq, r.task_id, r.idx)] = copy.copy(r)
+        self.taken[(r.seq, r.task_id, r.idx)] = taken_signal(signal_id, key_text, sent_at, key_type)
         # Taken by an attempt replay has not accepted: its marker keeps the signal as sent.
         markers = self._markers(r.seq, r.task_id)
         mark = covering_marker(markers, r.idx)
@@ -227,33 +240,98 @@ class MemoryStore:
         }
 
     def _put_back(self, seq: int, task_id: str, records: list[CallRecord]) -> dict[int, SignalRow]:
-        markers = self._markers(seq, task_id)
-        back = {}
-        for r, row in signals_taken(markers, records):
-            sid = row[0]
-            if sid in self.signals:
+        taken = list(signals_taken(self._markers(seq, task_id), records))
+        back = self._insert_signals([row for _r, row in taken])
+        return {r.idx: row for (r, _row), row in zip(taken, back, strict=True)}
+
+    def _insert_signals(
+        self, rows: Iterable[tuple[int | None, str, str, bytes, float, str | None]]
+    ) -> list[SignalRow]:
+        back = []
+        for sid, key_text, name, value, sent_at, key_type in rows:
+            if sid is None or sid in self.signals:
                 sid = self.next_signal_id
                 self.next_signal_id += 1
-            self.signals[sid] = row[1:]
-            back[r.idx] = (sid, *row[1:])
+            self.signals[sid] = (key_text, name, value, sent_at, key_type)
+            back.append((sid, key_text, name, value, sent_at, key_type))
         return back
+
+    def _forget_calls(self, keys: Iterable[tuple[int, str, int]]) -> None:
+        for k in list(keys):
+            self.calls.pop(k, None)
+            self.taken.pop(k, None)
 
     def drop_calls(self, seq: int, task_id: str, from_idx: int) -> list[SignalRow]:
         dropped = [
             r for (s, t, i), r in self.calls.items() if s == seq and t == task_id and i >= from_idx
         ]
         back = self._put_back(seq, task_id, dropped)
-        for r in dropped:
-            del self.calls[(seq, task_id, r.idx)]
-        self.calls.pop((seq, task_id, -from_idx), None)
+        self._forget_calls([(seq, task_id, r.idx) for r in dropped] + [(seq, task_id, -from_idx)])
         return list(back.values())
 
     def release_signals(self, seq: int, task_id: str, idxs: list[int]) -> list[SignalRow]:
         records = [self.calls[(seq, task_id, i)] for i in idxs if (seq, task_id, i) in self.calls]
         back = self._put_back(seq, task_id, records)
-        for i in back:
-            del self.calls[(seq, task_id, i)]
+        self._forget_calls((seq, task_id, i) for i in back)
         return list(back.values())
+
+    def discard_run(self, seq: int, dead_letter_reason: str | None) -> dict[str, int | None]:
+        """What `SqliteStore.discard_run` does (`ratchet runs restart`, `runs abandon`)."""
+        if seq not in self.runs:
+            raise StateError(f"the state has no run in flight for input {seq}")
+        if dead_letter_reason is not None and seq not in self.inputs:
+            raise StateError(f"the run of input {seq} has no input row")
+        key, _base, journal = self.runs[seq]
+        mine = sorted(k for k in self.calls if k[0] == seq)
+        records = [self.calls[k] for k in mine]
+        calls = [r for r in records if r.idx >= 0]  # a replay marker is not a call
+        outputs = [i for i, (s, _rec) in self.outbox.items() if s == seq]
+        counts: dict[str, int | None] = {
+            "journaled_tasks": journal_tasks(journal),
+            "call_records": len(calls),
+            "calls_returned": sum(1 for r in calls if r.status != "intent"),
+            "unreleased_outputs": len(outputs),
+        }
+        kept = {(t, i): self.taken.get((s, t, i)) for s, t, i in mine}
+
+        def decode_key() -> Any:
+            return codec.decode(key, unknown="generic")
+
+        taken = run_signals(records, kept, decode_key, self.clock.now())
+        if dead_letter_reason is not None:
+            detail = codec.encode({"signals": [signal_entry(t) for t in taken]}) if taken else None
+            text = str(decode_key())
+            _key, event = self.inputs.pop(seq)
+            row = [key, text, seq, event, dead_letter_reason, self.clock.now(), "abandoned", detail]
+            self.dead[max(self.dead, default=0) + 1] = [*row, None, None]
+            counts["signals_kept"] = len(taken)
+        else:
+            counts["signals_put_back"] = len(self._insert_signals(taken))
+        del self.runs[seq]
+        self._forget_calls(mine)
+        for out_id in outputs:
+            del self.outbox[out_id]
+        self.pins.pop(seq, None)
+        return counts
+
+    def redrive_signals(self, dead_ids: list[int]) -> list[SignalRow]:
+        """What `SqliteStore.redrive_signals` does: an abandoned run's signals go back when a
+        redrive admits its dead letter, once."""
+        back: list[SignalRow] = []
+        for dead_id in dead_ids:
+            letter = self.dead.get(dead_id)
+            if letter is None or letter[6] != "abandoned":
+                continue
+            if letter[8] is None or letter[9] is not None:  # not asked for, or redriven
+                continue
+            detail = codec.decode(letter[7]) if letter[7] is not None else None
+            if not isinstance(detail, dict) or not detail.get("signals"):
+                continue
+            put = self._insert_signals([entry_signal(e) for e in detail.pop("signals")])
+            detail["signals_put_back"] = [signal_entry(r) for r in put]
+            letter[7] = codec.encode(detail)
+            back += put
+        return back
 
     def forget_outputs(self, ids: list[str]) -> None:
         for out_id in ids:

@@ -38,9 +38,14 @@ from ratchet.store._base import (
     adopt_pins,
     check_adoption,
     covering_marker,
+    entry_signal,
     int_text,
+    journal_tasks,
     ltm_key_scope,
+    run_signals,
+    signal_entry,
     signals_taken,
+    taken_signal,
     taken_signals,
     version_id,
 )
@@ -143,6 +148,7 @@ _MIGRATIONS: list[tuple[str, ...]] = [
     (),  # 10: long-term memory of a key that is not a string: its own scope (_typed_ltm_scopes)
     (),  # 11: the type of the key a signal is for (_typed_signals)
     (),  # 12: the type of the key a trace is of (_typed_traces)
+    (),  # 13: the signal a delivered signal's record took, kept with it (_kept_signals)
 ]
 
 
@@ -163,6 +169,17 @@ def _dead_key_type(blob: bytes) -> str | None:
 
 
 _KEY_IS_STR = "(key >= x'a0' AND key < x'c0' OR key >= x'd9' AND key < x'dc')"
+
+
+def _readable_detail(detail: Any) -> Any:
+    """A dead letter's detail as listings show it: the signals an abandoned run took (kept,
+    or put back by its redrive) with their values decoded, not as the bytes kept."""
+    if isinstance(detail, dict):
+        for name in ("signals", "signals_put_back"):
+            for entry in detail.get(name) or []:
+                if isinstance(entry, dict) and isinstance(entry.get("value"), bytes):
+                    entry["value"] = codec.decode(entry["value"], unknown="generic")
+    return detail
 
 
 def _typed_ltm_scopes(c: sqlite3.Connection) -> None:
@@ -217,8 +234,22 @@ def _typed_traces(c: sqlite3.Connection) -> None:
         c.execute(_ADD_TRACE_KEY_TYPE)
 
 
+def _kept_signals(c: sqlite3.Connection) -> None:
+    """Migration 13: a delivered signal's call record keeps the signal it took as it was sent
+    (`calls.taken`, `taken_signal`), so that `ratchet runs restart` and `runs abandon`, which
+    delete the run's records, can put it back. NULL: any other record, or one delivered
+    before (`run_signals` gives that signal back as a new one). Added only where missing."""
+    if not any(row[1] == "taken" for row in c.execute("PRAGMA table_info(calls)")):
+        c.execute("ALTER TABLE calls ADD COLUMN taken BLOB")
+
+
 # Python steps of migrations whose work SQL alone cannot do, by the version they reach.
-_PY_MIGRATIONS = {10: _typed_ltm_scopes, 11: _typed_signals, 12: _typed_traces}
+_PY_MIGRATIONS = {
+    10: _typed_ltm_scopes,
+    11: _typed_signals,
+    12: _typed_traces,
+    13: _kept_signals,
+}
 # Tables a new database creates when first written (an empty table still takes a page), with
 # the statements that created them in older databases (and added to them since: a table made
 # on first use has the same schema as one migrated).
@@ -1084,7 +1115,7 @@ class SqliteStore:
                 letter["key_type"] = typed
             if detail is not None:
                 try:
-                    letter["detail"] = codec.decode(detail, unknown="generic")
+                    letter["detail"] = _readable_detail(codec.decode(detail, unknown="generic"))
                 except (codec.CorruptDataError, TypeError):
                     letter["detail"] = None
             letter["redrive_requested"] = requested
@@ -1109,38 +1140,48 @@ class SqliteStore:
             "redriven_as IS NULL AND kind != 'bad-input' ORDER BY id"
         ).fetchall()
 
-    def discard_run(self, seq: int, dead_letter_reason: str | None) -> dict[str, int]:
+    def discard_run(self, seq: int, dead_letter_reason: str | None) -> dict[str, int | None]:
         """Forget the in-flight run of input `seq`: its journal, call records and unreleased
-        outputs. Without a reason its input stays queued (the run starts again from it); with
-        one the input moves to the dead letters. One transaction."""
+        outputs. Without a reason its input stays queued (the run starts again from it) and
+        the signals the run took go back to the signals table as they were sent
+        (`run_signals`), so that the run takes them again; with one the input moves to the
+        dead letters, and those signals go with it (its detail) until a redrive admits it
+        (`redrive_signals`). One transaction. Counts what was discarded, and the signals put
+        back (`signals_put_back`) or kept with the dead letter (`signals_kept`)."""
         with self._transaction() as c:
             row = c.execute("SELECT key, journal FROM runs WHERE seq = ?", (seq,)).fetchone()
             if row is None:
                 raise StateError(f"{self.path} has no run in flight for input {seq}")
             key, journal = row
-            counts = {
-                "journaled_tasks": len(codec.decode(journal, unknown="generic")),
-                # A replay marker (a negative index) is not a call.
-                "call_records": c.execute(
-                    "SELECT COUNT(*) FROM calls WHERE seq = ? AND idx >= 0", (seq,)
-                ).fetchone()[0],
-                "calls_returned": c.execute(
-                    "SELECT COUNT(*) FROM calls WHERE seq = ? AND status != 'intent' AND idx >= 0",
-                    (seq,),
-                ).fetchone()[0],
+            found = c.execute(
+                "SELECT seq, task_id, idx, fn, digest, status, payload, taken FROM calls "
+                "WHERE seq = ? ORDER BY task_id, idx",
+                (seq,),
+            ).fetchall()
+            records = [CallRecord(*r[:7]) for r in found]
+            kept = {(r[1], r[2]): r[7] for r in found}
+            calls = [r for r in records if r.idx >= 0]  # a replay marker is not a call
+            counts: dict[str, int | None] = {
+                "journaled_tasks": journal_tasks(journal),
+                "call_records": len(calls),
+                "calls_returned": sum(1 for r in calls if r.status != "intent"),
                 "unreleased_outputs": c.execute(
                     "DELETE FROM outbox WHERE seq = ?", (seq,)
                 ).rowcount,
             }
+            taken = run_signals(
+                records, kept, lambda: codec.decode(key, unknown="generic"), self.clock.now()
+            )
             c.execute("DELETE FROM runs WHERE seq = ?", (seq,))
             c.execute("DELETE FROM calls WHERE seq = ?", (seq,))
             if dead_letter_reason is not None:
                 event = c.execute("SELECT event FROM inputs WHERE seq = ?", (seq,)).fetchone()
                 if event is None:
                     raise StateError(f"{self.path}: the run of input {seq} has no input row")
+                detail = codec.encode({"signals": [signal_entry(t) for t in taken]})
                 c.execute(
-                    "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind) "
-                    "VALUES (?, ?, ?, ?, ?, ?, 'abandoned')",
+                    "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind, "
+                    "detail) VALUES (?, ?, ?, ?, ?, ?, 'abandoned', ?)",
                     (
                         key,
                         str(codec.decode(key, unknown="generic")),
@@ -1148,13 +1189,45 @@ class SqliteStore:
                         event[0],
                         dead_letter_reason,
                         self.clock.now(),
+                        detail if taken else None,
                     ),
                 )
                 c.execute("DELETE FROM inputs WHERE seq = ?", (seq,))
+                counts["signals_kept"] = len(taken)
+            else:
+                counts["signals_put_back"] = len(self._insert_signals(c, taken))
             pins = dict(self._meta_or("pinned_runs", {}))
             if pins.pop(str(seq), None) is not None:
                 self._set_meta("pinned_runs", pins)
         return counts
+
+    def redrive_signals(self, dead_ids: list[int]) -> list[SignalRow]:
+        """Put back the signals that the abandoned runs of these dead letters (asked to be
+        redriven, not redriven yet) took (their detail keeps them, `discard_run`), each once: in the same transaction the detail
+        records them as put back (`signals_put_back`, with the ids they got). The engine
+        calls it when a redrive admits a dead letter, before the new run starts, so that run
+        takes them again. Returns the signals put back."""
+        if not dead_ids:
+            return []
+        back: list[SignalRow] = []
+        with self._transaction() as c:
+            for dead_id in dead_ids:
+                row = c.execute(
+                    "SELECT detail FROM dead_letters WHERE id = ? AND kind = 'abandoned' AND "
+                    "redrive_requested IS NOT NULL AND redriven_as IS NULL AND detail IS NOT NULL",
+                    (dead_id,),
+                ).fetchone()
+                detail = codec.decode(row[0], unknown="generic") if row is not None else None
+                if not isinstance(detail, dict) or not detail.get("signals"):
+                    continue
+                put = self._insert_signals(c, [entry_signal(e) for e in detail.pop("signals")])
+                detail["signals_put_back"] = [signal_entry(r) for r in put]
+                c.execute(
+                    "UPDATE dead_letters SET detail = ? WHERE id = ?",
+                    (codec.encode(detail), dead_id),
+                )
+                back += put
+        return back
 
     def keys_to_migrate(self, below: int) -> tuple[int, set[bytes]]:
         """How many keys have memory older than `below`, and the keys with a run in flight
@@ -1210,11 +1283,13 @@ class SqliteStore:
             if sent is None:
                 raise StateError(f"{self.path}: signal {signal_id} was consumed already")
             c.execute("DELETE FROM signals WHERE id = ?", (signal_id,))
+            # The record keeps the signal as sent (`discard_run` puts it back from there).
             c.execute(
-                "INSERT OR REPLACE INTO calls(seq, task_id, idx, fn, digest, status, payload) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload),
-            )
+                "INSERT OR REPLACE INTO calls(seq, task_id, idx, fn, digest, status, payload, "
+                "taken) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (r.seq, r.task_id, r.idx, r.fn, r.digest, r.status, r.payload,
+                 taken_signal(signal_id, *sent)),
+            )  # fmt: skip
             # Taken by an attempt that replay has not accepted (its replay marker covers the
             # record): the marker keeps the signal as sent, so that dropping the record puts
             # it back (drop_calls, release_signals) instead of losing it.
@@ -1242,21 +1317,29 @@ class SqliteStore:
     def _put_back(
         self, c: sqlite3.Connection, seq: int, task_id: str, records: list[CallRecord]
     ) -> dict[int, SignalRow]:
-        """Put back the signals that `records` (about to be deleted) took, with the id and
-        time they were sent: they are delivered again, in their place among the others.
-        Returns them by the index of the record that had taken them."""
-        markers = self._markers(c, seq, task_id)
-        back = {}
-        for r, row in signals_taken(markers, records):
-            sid, key_text, name, value, sent_at, key_type = row
-            # Its own id (AUTOINCREMENT never gives one twice), else (not expected) a new one.
-            used = c.execute("SELECT 1 FROM signals WHERE id = ?", (sid,)).fetchone()
+        """Put back the signals that `records` (about to be deleted) took, as `_insert_signals`
+        does. Returns them by the index of the record that had taken them."""
+        taken = list(signals_taken(self._markers(c, seq, task_id), records))
+        back = self._insert_signals(c, [row for _r, row in taken])
+        return {r.idx: row for (r, _row), row in zip(taken, back, strict=True)}
+
+    @staticmethod
+    def _insert_signals(
+        c: sqlite3.Connection, rows: Iterable[tuple[int | None, str, str, bytes, float, str | None]]
+    ) -> list[SignalRow]:
+        """Put signals back with the id and time they were sent: they are delivered again, in
+        their place among the others. Returns them as put back."""
+        back = []
+        for sid, key_text, name, value, sent_at, key_type in rows:
+            # Its own id (AUTOINCREMENT never gives one twice), else (not expected; or one
+            # whose id was not kept: None) a new one.
+            used = sid is None or c.execute("SELECT 1 FROM signals WHERE id = ?", (sid,)).fetchone()
             cur = c.execute(
                 "INSERT INTO signals(id, key_text, name, value, sent_at, key_type) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 (None if used else sid, key_text, name, value, sent_at, key_type),
             )
-            back[r.idx] = (int(cur.lastrowid or 0), key_text, name, value, sent_at, key_type)
+            back.append((int(cur.lastrowid or 0), key_text, name, value, sent_at, key_type))
         return back
 
     def _task_calls(

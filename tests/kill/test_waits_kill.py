@@ -7,7 +7,11 @@
   `ratchet signal` while the job is down, the restarted job completes the run exactly once
   (the refund is charged once); a malformed value is refused with exit 3;
 - the same through REST on a supervised job whose worker is killed while waiting;
-- memory with a ttl is gone for a run that starts after it expired, across a restart.
+- memory with a ttl is gone for a run that starts after it expired, across a restart;
+- runs killed while they wait for a second signal, after taking a first: `ratchet runs
+  restart` puts the first back for the run to take again, and `runs abandon` keeps it with
+  the dead letter until `ratchet redrive` admits it (one worker, redriven when the job
+  starts; two, redriven while it runs, each signal staying in its key's shard).
 """
 
 from __future__ import annotations
@@ -174,6 +178,84 @@ def test_a_bounded_job_leaves_a_waiting_run_parked_and_says_so(tmp_path: Path) -
     )
     finish(job.start())
     assert job.outputs() == [{"approval_requested": 5}, {"refused": 5}]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_runs_restart_and_abandon_give_a_killed_run_back_the_signal_it_had_taken(
+    tmp_path: Path, workers: int
+) -> None:
+    from support.shard_state import workers_gone
+
+    job = Job(tmp_path, "TwoSignals")  # waits for "go" twice, outputs both values
+    job.write({"key": "k"}, {"key": "j"})  # two shards among 2: "k" is in 1, "j" in 0
+    state, sharded = str(job.state), ("--workers", str(workers))
+
+    def cli(*args: str) -> Any:
+        done = job.cli(*args)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout) if "--json" in args else done.stdout
+
+    def send(key: str, value: int) -> None:
+        cli("signal", "--state", state, "--key", key, "go", "--value", str(value))
+
+    def in_flight() -> dict[str, Any]:
+        return {r["key"]: r for r in cli("runs", "list", "--state", state, "--json")["in_flight"]}
+
+    def pending() -> list[dict[str, Any]]:
+        return list(cli("status", "--state", state, "--json")["pending_signals"])
+
+    first = job.start("--follow", *sharded)
+    until("both runs waiting", lambda: len(job.waiting()) == 2, first)
+    send("k", 1)
+    send("j", 1)
+    # Each run took its first "go" (a returned record) and waits for the second (an intent).
+    until(
+        "the first signals taken",
+        lambda: (
+            all((r["call_records"], r["calls_returned"]) == (2, 1) for r in in_flight().values())
+            and len(in_flight()) == 2
+        ),
+        first,
+    )
+    runs = in_flight()
+    kill(first)
+    if workers > 1:
+        workers_gone(job.state)
+    assert pending() == [] and job.outputs() == []
+
+    restarted = cli("runs", "restart", "--state", state, "--key", "k", "--json")
+    assert restarted["signals_put_back"] == 1, restarted
+    said = cli("runs", "abandon", "--state", state, "--key", "j")
+    assert "the 1 signal(s) the run had taken are kept with the dead letter" in said, said
+    # k's signal is pending again, in k's shard; j's is with its dead letter, not pending for
+    # another run of j to take.
+    (back,) = pending()
+    assert (back["key"], back["name"]) == ("k", "go"), back
+    assert back.get("shard") == runs["k"].get("shard"), (back, runs)
+    (letter,) = cli("dead-letters", "--state", state, "--json")
+    assert letter["key"] == "j" and letter["kind"] == "abandoned", letter
+    assert [(g["name"], g["value"]) for g in letter["detail"]["signals"]] == [("go", 1)]
+
+    # Sent before the redrive: the redriven run must still take the first signal first.
+    send("k", 2)
+    send("j", 2)
+    if workers == 1:  # asked while the job is stopped: admitted when it starts
+        cli("redrive", "--state", state, "--key", "j")
+        finish(job.start(*sharded))
+    else:  # asked while it runs: admitted at a look for redrives, by j's shard's worker
+        again = job.start("--follow", *sharded)
+        until("k's run done", lambda: [o["key"] for o in job.outputs()] == ["k"], again)
+        cli("redrive", "--state", state, "--key", "j")
+        until("j's redriven run done", lambda: len(job.outputs()) == 2, again)
+        again.send_signal(signal.SIGTERM)
+        finish(again)
+    got = {o["key"]: o["got"] for o in job.outputs()}
+    assert got == {"k": [1, 2], "j": [1, 2]}, got  # each took its first signal again, first
+    status = cli("status", "--state", state, "--json")
+    assert status["waiting"] == [] and status["pending_signals"] == [], status
+    (letter,) = cli("dead-letters", "--state", state, "--json")
+    assert [g["value"] for g in letter["detail"]["signals_put_back"]] == [1], letter
+    assert letter["redriven_as"] is not None and "signals" not in letter["detail"], letter
 
 
 def free_port() -> int:

@@ -39,9 +39,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         (
             "restart",
             "discard a run's journal so it starts again from its input at the next `ratchet "
-            "run` (its durable calls may be made again)",
+            "run` (its durable calls may be made again; the signals it took are pending again, "
+            "for it to take again)",
         ),
-        ("abandon", "move a run's input to the dead letters and discard the run"),
+        (
+            "abandon",
+            "move a run's input to the dead letters and discard the run (the signals it took "
+            "stay with the dead letter, and are pending again when it is redriven)",
+        ),
     ):
         p = runs_sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--state", required=True, help="the stopped job's state directory")
@@ -141,20 +146,37 @@ def cmd_runs_discard(args: argparse.Namespace) -> int:
         print(json.dumps(dict(done, action=args.runs_action), indent=2, default=str))
         return EXIT_OK
     head = f"key {done['key']} input {done['seq']}"
+    tasks = done["journaled_tasks"]
     lost = (
-        f"discarded its journal of {done['journaled_tasks']} task(s), "
+        f"discarded its journal of {'?' if tasks is None else tasks} task(s), "
         f"{done['call_records']} durable-call record(s) ({done['calls_returned']} had returned) "
         f"and {done['unreleased_outputs']} unreleased output(s)"
     )
     if abandon:
+        kept = done["signals_kept"]
+        signals = (
+            f"the {kept} signal(s) the run had taken are kept with the dead letter, and go "
+            f"back to the key's pending signals when it is redriven (`ratchet redrive`), for "
+            f"the redriven run to take again"
+            if kept
+            else "the run had taken no signal"
+        )
         print(
-            f"{head}: abandoned; its input is in the dead letters (`ratchet runs list`); {lost}. "
-            f"The key's memory is as before the run; its later inputs run as usual"
+            f"{head}: abandoned; its input is in the dead letters (`ratchet runs list`); {lost}; "
+            f"{signals}. The key's memory is as before the run; its later inputs run as usual"
         )
     else:
+        back = done["signals_put_back"]
+        signals = (
+            f"put back the {back} signal(s) the run had taken, pending again as they were "
+            f"sent, for the restarted run to take again"
+            if back
+            else "the run had taken no signal"
+        )
         print(
-            f"{head}: {lost}. The run starts again from its input at the next `ratchet run`: "
-            f"its actions run again, and durable calls that had returned may be made again "
-            f"(outputs it already wrote keep their ids, so the output file does not repeat them)"
+            f"{head}: {lost}; {signals}. The run starts again from its input at the next "
+            f"`ratchet run`: its actions run again, and durable calls that had returned may be "
+            f"made again (outputs it already wrote keep their ids, so the output file does not "
+            f"repeat them)"
         )
     return EXIT_OK

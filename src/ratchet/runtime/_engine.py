@@ -811,12 +811,16 @@ class _EngineWaits:
         """Read signals sent, and redrives asked for, since the last look (other processes
         write both)."""
         engine = self.engine
-        rows, redrives = await asyncio.wrap_future(
-            engine._writer.submit(
-                lambda: (engine.store.signals_after(self.cursor), engine.store.redrives())
-            )
-        )
+
+        def look() -> tuple[list[SignalRow], list[tuple[int, bytes, bytes]], list[SignalRow]]:
+            rows = engine.store.signals_after(self.cursor)
+            redrives = engine.store.redrives()
+            return rows, redrives, engine._redrive_signals(redrives)
+
+        rows, redrives, back = await asyncio.wrap_future(engine._writer.submit(look))
         self.add_signals(rows)
+        if back:
+            self._back(back)  # before the redriven runs start: theirs to take again
         if redrives:
             engine._redrive(redrives)
 
@@ -1063,6 +1067,7 @@ class Engine:
         self._next_seq = int(src.get("next_seq", 0))
         redrives = self.store.redrives()  # numbered after the restored inputs, not from 0
         if redrives:
+            self._waits.signals_back(self._redrive_signals(redrives))
             self._redrive(redrives, pump=False)  # on the writer thread: run() pumps next
         self.source.restore(src.get("position", {}))
         restored = self.store.record_restore()
@@ -1335,6 +1340,16 @@ class Engine:
     def _make_calls(self, task: Task) -> TaskCalls:
         """A fused task's call journal, made when its action makes a call."""
         return self._calls.calls_for(task, self._writer, self._waits, self._ltm)
+
+    def _redrive_signals(self, rows: list[tuple[int, bytes, bytes]]) -> list[SignalRow]:
+        """On the writer thread, before `_redrive` admits these dead letters: the signals
+        their abandoned runs took go back to the store (`redrive_signals`, once per dead
+        letter), so that the new runs take them again. Returns them (for `signals_back`)."""
+        put_back = getattr(self.store, "redrive_signals", None)
+        fresh = [dead_id for dead_id, _k, _e in rows if dead_id not in self._redriving]
+        if put_back is None or not fresh:
+            return []
+        return list(put_back(fresh))
 
     def _redrive(self, rows: list[tuple[int, bytes, bytes]], pump: bool = True) -> None:
         """Admit dead letters asked to be redriven, each once: the checkpoint that holds the

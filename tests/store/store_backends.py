@@ -1,10 +1,11 @@
 """The store backends every conformance test runs against: add a new backend to BACKENDS.
 
-A backend is four functions: `open(directory, clock)` makes a fresh, empty store (a durable
+A backend is five functions: `open(directory, clock)` makes a fresh, empty store (a durable
 one keeps its files under `directory`), `reopen(store, directory, clock)` returns what a
 restarted process would see (the old object is finished with), `send(store, directory,
-key, name, value)` sends a signal to it as another process would, and `redrive(store,
-directory, dead_id)` asks for a dead letter to be redriven, as `ratchet redrive --id` would. The `stores` fixture
+key, name, value)` sends a signal to it as another process would, `redrive(store,
+directory, dead_id)` asks for a dead letter to be redriven, as `ratchet redrive --id` would,
+and `detail(store, dead_id)` reads a dead letter's encoded detail. The `stores` fixture
 (conftest.py) hands a test one backend at a time; `all_stores` hands it every backend.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 from ratchet._clock import Clock
 from ratchet.runtime._deadletters import request_redrive
 from ratchet.runtime._signals import send_signal
+from ratchet.store import codec
 from ratchet.store._base import CheckpointStore
 from ratchet.store._memory import MemoryStore
 from ratchet.store._sqlite import SqliteStore
@@ -63,6 +65,20 @@ def _redrive_sqlite(store: CheckpointStore, directory: Path, dead_id: int) -> No
     request_redrive(directory, dead_id=dead_id, clock=store.clock)
 
 
+def _detail_memory(store: CheckpointStore, dead_id: int) -> bytes | None:
+    assert isinstance(store, MemoryStore)
+    detail: bytes | None = store.dead[dead_id][7]
+    return detail
+
+
+def _detail_sqlite(store: CheckpointStore, dead_id: int) -> bytes | None:
+    assert isinstance(store, SqliteStore)
+    (detail,) = store.conn.execute(
+        "SELECT detail FROM dead_letters WHERE id = ?", (dead_id,)
+    ).fetchone()
+    return None if detail is None else bytes(detail)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -72,6 +88,8 @@ class Backend:
     send: Callable[[CheckpointStore, Path, Any, str, Any], int]
     # Ask for a dead letter (by its id) to be redriven, as another process would.
     redrive: Callable[[CheckpointStore, Path, int], None]
+    # A dead letter's detail (by its id), encoded, as the store keeps it.
+    detail: Callable[[CheckpointStore, int], bytes | None]
 
 
 BACKENDS = [
@@ -81,8 +99,9 @@ BACKENDS = [
         _reopen_memory,
         _send_memory,
         _redrive_memory,
+        _detail_memory,
     ),
-    Backend("sqlite", _open_sqlite, _reopen_sqlite, _send_sqlite, _redrive_sqlite),
+    Backend("sqlite", _open_sqlite, _reopen_sqlite, _send_sqlite, _redrive_sqlite, _detail_sqlite),
 ]
 
 
@@ -125,6 +144,11 @@ class Stores:
     def ask_redrive(self, store: CheckpointStore, dead_id: int) -> None:
         """Ask for dead letter `dead_id` of `store`'s state to be redriven."""
         self.backend.redrive(store, self._dirs[id(store)], dead_id)
+
+    def dead_detail(self, store: CheckpointStore, dead_id: int) -> Any:
+        """Dead letter `dead_id`'s detail, decoded (None: it has none)."""
+        blob = self.backend.detail(store, dead_id)
+        return None if blob is None else codec.decode(blob)
 
     def close(self, store: CheckpointStore) -> None:
         self._dirs.pop(id(store))

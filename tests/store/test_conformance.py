@@ -35,6 +35,7 @@ from ratchet.store._base import (
     CheckpointStore,
     Loaded,
     Pinned,
+    entry_signal,
 )
 from ratchet.testing import FakeClock
 
@@ -451,6 +452,64 @@ def test_abandoning_a_run_keeps_its_signals_with_the_dead_letter_until_its_redri
     assert store.signals_after(0) == sorted([*taken, later])
 
 
+def failed(key: Any, seq: int, detail: dict[str, Any]) -> CheckpointRows:
+    """The checkpoint that completes run `seq` in error, as the engine writes it: its input
+    and call records go, and a `failed-run` dead letter holds the input and `detail`."""
+    letter = (
+        codec.encode(key), str(key), seq, b"ev", "ValueError: boom", 5.0, "failed-run",
+        codec.encode(detail),
+    )  # fmt: skip
+    return rows(done_inputs=[seq], completed=[seq], dead_letters=[letter])
+
+
+ERRORS = {"errors": [{"action": "a", "type": "ValueError", "message": "boom"}], "trace": ["r>a"]}
+
+
+def test_a_failed_run_keeps_its_signals_with_the_dead_letter_until_its_redrive(
+    stores: Stores, clock: FakeClock
+) -> None:
+    # An action took two signals and then raised: the run ended in error. The checkpoint that
+    # writes its dead letter deletes its records, the only place the signals were.
+    store, taken = run_that_took_two_signals(stores, clock)
+    (later,) = store.signals_after(0)
+    store.write_checkpoint(failed("k", 0, ERRORS), 3.0)
+    loaded = store.load()
+    assert loaded.calls == [] and loaded.runs == [] and loaded.inputs == []
+    assert store.signals_after(0) == [later]  # not another run's to take meanwhile
+    detail = stores.dead_detail(store, 1)
+    assert {k: v for k, v in detail.items() if k != "signals"} == ERRORS  # kept as written
+    assert [entry_signal(e) for e in detail["signals"]] == taken  # as abandon keeps them
+    assert store.redrive_signals([1]) == []  # not asked for: nothing goes back
+    store = stores.reopen(store)
+    stores.ask_redrive(store, 1)
+    assert store.redrives() == [(1, codec.encode("k"), b"ev")]
+    assert store.redrive_signals([1]) == taken  # as sent, before the redriven run starts
+    # In their place by id: the first "go" before the one sent after it.
+    assert store.signals_after(0) == sorted([*taken, later])
+    assert store.redrive_signals([1]) == []  # once
+    store = stores.reopen(store)
+    assert store.redrive_signals([1]) == []
+    assert store.signals_after(0) == sorted([*taken, later])
+    detail = stores.dead_detail(store, 1)
+    assert "signals" not in detail
+    assert [entry_signal(e) for e in detail["signals_put_back"]] == taken
+
+
+def test_a_failed_run_that_took_no_signal_keeps_its_detail_as_written(stores: Stores) -> None:
+    store = stores.open()
+    store.write_checkpoint(
+        rows(new_inputs=[(0, codec.encode("k"), b"ev")], runs=[(0, codec.encode("k"), 0, b"\x90")]),
+        1.0,
+    )
+    stores.send_signal(store, "k", "go", 1)  # sent, never taken
+    store.put_calls([call(0, "r>a", 0)])
+    store.write_checkpoint(failed("k", 0, ERRORS), 2.0)
+    assert stores.dead_detail(store, 1) == ERRORS
+    stores.ask_redrive(store, 1)
+    assert store.redrive_signals([1]) == []
+    assert [s[2] for s in store.signals_after(0)] == ["go"]
+
+
 def test_a_signal_taken_before_records_kept_it_comes_back_as_a_new_one(
     stores: Stores, clock: FakeClock
 ) -> None:
@@ -534,7 +593,7 @@ class Model:
         # What a delivered signal's record keeps of the signal: (seq, task, idx) -> [id, key
         # text, sent at, key type]; gone with the record (or when it is written again).
         self.kept: dict[tuple[int, str, int], list[Any]] = {}
-        # Dead letters of abandoned runs: id -> {key, event, signals kept, asked}
+        # Dead letters of failed and abandoned runs: id -> {key, event, signals kept, asked}
         self.dead: dict[int, dict[str, Any]] = {}
 
     def put_calls(self, records: list[CallRecord]) -> None:
@@ -646,6 +705,11 @@ class Model:
         for seq in r.done_inputs:
             self.inputs.pop(seq, None)
             self.runs.pop(seq, None)
+        for key, _text, seq, event, _reason, _at, kind, _detail in r.dead_letters:
+            # A failed run's letter keeps the signals its run took: its records go now.
+            taken = self.run_signals(seq) if kind == "failed-run" and seq in r.completed else []
+            letter = {"key": key, "event": event, "signals": taken, "asked": False}
+            self.dead[max(self.dead, default=0) + 1] = letter
         self.forget([k for k in self.calls if k[0] in r.completed])
         for seq, key, base, journal in r.runs:
             self.runs[seq] = (key, base, journal)
@@ -802,8 +866,26 @@ class Lockstep(RuleBasedStateMachine):
         for name, store in self.each():
             assert discard(store, seq, "abandoned" if abandon else None) == expected, name
 
-    # A redrive admits an abandoned run's dead letter: asked for (`ratchet redrive`), then its
-    # signals go back, once, before the engine starts the new run.
+    # A run in flight ends in error: the checkpoint that completes it writes its dead letter
+    # (the engine's detail: errors and trace) and deletes its records. `took_none`: a run
+    # that took no signal (or a letter for no run of that seq) keeps its detail as written.
+    @rule(data=st.data(), took_none=st.integers(0, 3).map(lambda n: n == 0))
+    def fail_run(self, data: st.DataObject, took_none: bool) -> None:
+        seq = self.some_seq(data)
+        key = self.model.runs[seq][0] if seq in self.model.runs else KEYS[1]
+        try:  # the dead letter names the key by its text
+            text = str(codec.decode(key))
+        except codec.CorruptDataError:
+            return
+        if took_none:
+            self.write_checkpoint(rows(completed=[seq]), self.clock.now())
+        detail = codec.encode(ERRORS)
+        letter = (key, text, seq, b"ev%d" % seq, "E: x", self.clock.now(), "failed-run", detail)
+        r = rows(done_inputs=[seq], completed=[seq], dead_letters=[letter])
+        self.write_checkpoint(r, self.clock.now())
+
+    # A redrive admits a failed or abandoned run's dead letter: asked for (`ratchet redrive`),
+    # then its signals go back, once, before the engine starts the new run.
     @precondition(lambda self: self.model.dead)
     @rule(data=st.data(), ask=st.integers(0, 3).map(bool))  # mostly asked for
     def redrive(self, data: st.DataObject, ask: bool) -> None:
@@ -828,6 +910,14 @@ class Lockstep(RuleBasedStateMachine):
         ]
         for name, store in self.each():
             assert [tuple(r) for r in store.redrives()] == asked, name
+
+    @invariant()
+    def every_backend_keeps_with_dead_letters_the_signals_the_model_keeps(self) -> None:
+        for i, letter in self.model.dead.items():
+            for b, store in zip(self.backends, self.stores):
+                detail = b.dead_detail(store, i) or {}
+                kept = [entry_signal(e) for e in detail.get("signals", [])]
+                assert kept == letter["signals"], (b.name, i)
 
     @invariant()
     def every_backend_holds_the_signals_the_model_holds(self) -> None:

@@ -249,8 +249,15 @@ def run_signals(
     return sorted(found, key=lambda row: (row[0] is None, row[0] or 0))
 
 
+# Dead letters of runs that took signals: a failed run's (written by the checkpoint that
+# completes it) and an abandoned run's (`discard_run`). Their detail keeps those signals
+# ("signals", `with_run_signals`) until a redrive admits them (`redrive_signals`).
+FAILED_RUN = "failed-run"
+KEEPS_SIGNALS = (FAILED_RUN, "abandoned")
+
+
 def signal_entry(row: tuple[int | None, str, str, bytes, float, str | None]) -> dict[str, Any]:
-    """A signal as an abandoned run's dead letter keeps it (its detail's "signals")."""
+    """A signal as a failed or abandoned run's dead letter keeps it (its detail's "signals")."""
     sid, key_text, name, value, sent_at, key_type = row
     return {
         "id": sid, "key": key_text, "name": name, "value": value, "sent_at": sent_at,
@@ -266,6 +273,21 @@ def entry_signal(entry: Any) -> tuple[int | None, str, str, bytes, float, str | 
         None if sid is None else int(sid), str(entry["key"]), str(entry["name"]),
         bytes(entry["value"]), float(entry["sent_at"]), entry["key_type"],
     )  # fmt: skip
+
+
+def with_run_signals(
+    detail: bytes | None, taken: list[tuple[int | None, str, str, bytes, float, str | None]]
+) -> bytes | None:
+    """A dead letter's encoded detail (a dict, or None) with the signals its run took
+    (`run_signals`), as "signals" (`signal_entry` each), for its redrive to put back
+    (`redrive_signals`); unchanged when the run took none."""
+    if not taken:
+        return detail
+    held = codec.decode(detail, unknown="generic") if detail is not None else {}
+    if not isinstance(held, dict):  # not a detail any ratchet writes: kept, beside them
+        held = {"detail": held}
+    held["signals"] = [signal_entry(t) for t in taken]
+    return codec.encode(held)
 
 
 def journal_tasks(journal: bytes) -> int | None:
@@ -363,7 +385,10 @@ class CheckpointStore(Protocol):
 
     def write_checkpoint(self, rows: CheckpointRows, triggered_at: float) -> dict[str, Any]:
         """Apply one checkpoint atomically; returns its stats (id, trigger_timestamp,
-        duration_ms, size_bytes). On any error nothing of it is applied."""
+        duration_ms, size_bytes). On any error nothing of it is applied. A failed run's dead
+        letter (kind `FAILED_RUN`, its seq among `completed`) gets the signals its run took
+        in its detail (`run_signals`, `with_run_signals`), read from the call records the
+        checkpoint deletes: its redrive puts them back (`redrive_signals`)."""
         ...
 
     def put_calls(self, records: Iterable[CallRecord]) -> None:
@@ -376,10 +401,12 @@ class CheckpointStore(Protocol):
         ...
 
     def redrive_signals(self, dead_ids: list[int]) -> list[SignalRow]:
-        """Put back the signals that the abandoned runs of these dead letters (asked to be
-        redriven, not redriven yet) took, as they were sent, each once: `discard_run` with a reason keeps them in
-        the dead letter's detail ("signals"), and this moves them to the signals table and
-        records them in the detail as put back ("signals_put_back"), in one transaction.
+        """Put back the signals that the failed or abandoned runs of these dead letters
+        (asked to be redriven, not redriven yet) took, as they were sent, each once: the
+        checkpoint that completes a failed run (`write_checkpoint`) and `discard_run` with a
+        reason keep them in the dead letter's detail ("signals", `with_run_signals`), and
+        this moves them to the signals table and records them in the detail as put back
+        ("signals_put_back"), in one transaction.
         Called when a redrive admits the dead letters, before their new runs start, so those
         take them again. Returns the signals put back."""
         ...

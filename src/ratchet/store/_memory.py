@@ -16,6 +16,8 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import StateError
 from ratchet.store import codec
 from ratchet.store._base import (
+    FAILED_RUN,
+    KEEPS_SIGNALS,
     REPLAY_FN,
     Adopted,
     AgentVersion,
@@ -37,6 +39,7 @@ from ratchet.store._base import (
     taken_signal,
     taken_signals,
     version_id,
+    with_run_signals,
 )
 
 _KEEP_CHECKPOINT_STATS = 100
@@ -128,6 +131,7 @@ class MemoryStore:
         for seq in rows.done_inputs:
             inputs.pop(seq, None)
             runs.pop(seq, None)
+        letters = [self._keep_signals(row, rows.completed) for row in rows.dead_letters]
         taken = self.taken
         if rows.completed:
             done = set(rows.completed)
@@ -141,7 +145,7 @@ class MemoryStore:
         for out_id in rows.released:
             outbox.pop(out_id, None)
         dead = copy.deepcopy(self.dead)
-        for row in rows.dead_letters:
+        for row in letters:
             dead[max(dead, default=0) + 1] = [*row, None, None]
         for i, seq in rows.redriven:
             if i in dead and dead[i][9] is None:
@@ -187,6 +191,25 @@ class MemoryStore:
         self.next_checkpoint_id += 1
         self.counts["completed"] += 1
         return dict(info)
+
+    def _keep_signals(self, row: tuple[Any, ...], completed: list[int]) -> tuple[Any, ...]:
+        """A dead letter the checkpoint writes; a failed run's (whose records it deletes) with
+        the signals the run took in its detail, as `SqliteStore` keeps them."""
+        key, _text, seq, _event, _reason, _at, kind, detail = row
+        if kind != FAILED_RUN or seq not in completed:
+            return row
+        taken = self._run_signals(seq, key)
+        return (*row[:7], with_run_signals(detail, taken)) if taken else row
+
+    def _run_signals(
+        self, seq: int, key: bytes
+    ) -> list[tuple[int | None, str, str, bytes, float, str | None]]:
+        mine = sorted(k for k in self.calls if k[0] == seq)
+        kept = {(t, i): self.taken.get((s, t, i)) for s, t, i in mine}
+        records = [self.calls[k] for k in mine]
+        return run_signals(
+            records, kept, lambda: codec.decode(key, unknown="generic"), self.clock.now()
+        )
 
     def put_calls(self, records: Iterable[CallRecord]) -> None:
         new = {(r.seq, r.task_id, r.idx): copy.copy(r) for r in records}  # all or none
@@ -251,7 +274,8 @@ class MemoryStore:
         for sid, key_text, name, value, sent_at, key_type in rows:
             if sid is None or sid in self.signals:
                 sid = self.next_signal_id
-                self.next_signal_id += 1
+            # As SQLite's AUTOINCREMENT: no later signal gets an id one put back holds.
+            self.next_signal_id = max(self.next_signal_id, sid + 1)
             self.signals[sid] = (key_text, name, value, sent_at, key_type)
             back.append((sid, key_text, name, value, sent_at, key_type))
         return back
@@ -292,15 +316,10 @@ class MemoryStore:
             "calls_returned": sum(1 for r in calls if r.status != "intent"),
             "unreleased_outputs": len(outputs),
         }
-        kept = {(t, i): self.taken.get((s, t, i)) for s, t, i in mine}
-
-        def decode_key() -> Any:
-            return codec.decode(key, unknown="generic")
-
-        taken = run_signals(records, kept, decode_key, self.clock.now())
+        taken = self._run_signals(seq, key)
         if dead_letter_reason is not None:
-            detail = codec.encode({"signals": [signal_entry(t) for t in taken]}) if taken else None
-            text = str(decode_key())
+            detail = with_run_signals(None, taken)
+            text = str(codec.decode(key, unknown="generic"))
             _key, event = self.inputs.pop(seq)
             row = [key, text, seq, event, dead_letter_reason, self.clock.now(), "abandoned", detail]
             self.dead[max(self.dead, default=0) + 1] = [*row, None, None]
@@ -315,12 +334,12 @@ class MemoryStore:
         return counts
 
     def redrive_signals(self, dead_ids: list[int]) -> list[SignalRow]:
-        """What `SqliteStore.redrive_signals` does: an abandoned run's signals go back when a
-        redrive admits its dead letter, once."""
+        """What `SqliteStore.redrive_signals` does: a failed or abandoned run's signals go
+        back when a redrive admits its dead letter, once."""
         back: list[SignalRow] = []
         for dead_id in dead_ids:
             letter = self.dead.get(dead_id)
-            if letter is None or letter[6] != "abandoned":
+            if letter is None or letter[6] not in KEEPS_SIGNALS:
                 continue
             if letter[8] is None or letter[9] is not None:  # not asked for, or redriven
                 continue

@@ -26,6 +26,8 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import RatchetError, StateError, StateInUseError
 from ratchet.store import codec
 from ratchet.store._base import (
+    FAILED_RUN,
+    KEEPS_SIGNALS,
     REPLAY_FN,
     Adopted,
     AgentVersion,
@@ -48,6 +50,7 @@ from ratchet.store._base import (
     taken_signal,
     taken_signals,
     version_id,
+    with_run_signals,
 )
 from ratchet.store._files import fsync_dir
 from ratchet.store._traces import unpack_trace
@@ -172,8 +175,8 @@ _KEY_IS_STR = "(key >= x'a0' AND key < x'c0' OR key >= x'd9' AND key < x'dc')"
 
 
 def _readable_detail(detail: Any) -> Any:
-    """A dead letter's detail as listings show it: the signals an abandoned run took (kept,
-    or put back by its redrive) with their values decoded, not as the bytes kept."""
+    """A dead letter's detail as listings show it: the signals a failed or abandoned run took
+    (kept, or put back by its redrive) with their values decoded, not as the bytes kept."""
     if isinstance(detail, dict):
         for name in ("signals", "signals_put_back"):
             for entry in detail.get(name) or []:
@@ -918,6 +921,8 @@ class SqliteStore:
                 done = [(s,) for s in rows.done_inputs]
                 c.executemany("DELETE FROM inputs WHERE seq = ?", done)
                 c.executemany("DELETE FROM runs WHERE seq = ?", done)
+            # Before the records go: the signals a failed run took stay with its dead letter.
+            dead_letters = self._failed_runs_keep_signals(c, rows)
             if rows.completed:
                 c.executemany("DELETE FROM calls WHERE seq = ?", [(s,) for s in rows.completed])
             if rows.runs:
@@ -934,11 +939,11 @@ class SqliteStore:
                 )
             if rows.released:
                 c.executemany("DELETE FROM outbox WHERE id = ?", [(i,) for i in rows.released])
-            if rows.dead_letters:
+            if dead_letters:
                 c.executemany(
                     "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind, detail) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    rows.dead_letters,
+                    dead_letters,
                 )
             if rows.redriven:
                 c.executemany(
@@ -998,6 +1003,44 @@ class SqliteStore:
             "duration_ms": (self.clock.monotonic() - started) * 1000.0,
             "size_bytes": size,
         }
+
+    def _failed_runs_keep_signals(
+        self, c: sqlite3.Connection, rows: CheckpointRows
+    ) -> list[tuple[bytes, str, int, bytes, str, float, str, bytes | None]]:
+        """The checkpoint's dead letters, a failed run's (its records deleted by this
+        checkpoint) with the signals the run took in its detail, as `discard_run` keeps an
+        abandoned run's: a redrive puts them back (`redrive_signals`)."""
+        done = set(rows.completed)
+        letters: list[tuple[bytes, str, int, bytes, str, float, str, bytes | None]] = []
+        for row in rows.dead_letters:
+            key, _text, seq, _event, _reason, _at, kind, detail = row
+            if kind == FAILED_RUN and seq in done:
+                taken = self._run_signals(self._run_calls(c, seq), key)
+                if taken:
+                    letters.append((*row[:7], with_run_signals(detail, taken)))
+                    continue
+            letters.append(row)
+        return letters
+
+    @staticmethod
+    def _run_calls(c: sqlite3.Connection, seq: int) -> list[tuple[Any, ...]]:
+        """A run's call records as rows: the record's fields, then what it keeps of a signal
+        it took (`calls.taken`)."""
+        return c.execute(
+            "SELECT seq, task_id, idx, fn, digest, status, payload, taken FROM calls "
+            "WHERE seq = ? ORDER BY task_id, idx",
+            (seq,),
+        ).fetchall()
+
+    def _run_signals(
+        self, found: list[tuple[Any, ...]], key: bytes
+    ) -> list[tuple[int | None, str, str, bytes, float, str | None]]:
+        """Every signal the run whose records are `found` (`_run_calls`) took (`run_signals`)."""
+        records = [CallRecord(*r[:7]) for r in found]
+        kept = {(r[1], r[2]): r[7] for r in found}
+        return run_signals(
+            records, kept, lambda: codec.decode(key, unknown="generic"), self.clock.now()
+        )
 
     def _maybe_vacuum(self) -> None:
         """Return free pages to the file system once there are enough of them to matter.
@@ -1153,14 +1196,8 @@ class SqliteStore:
             if row is None:
                 raise StateError(f"{self.path} has no run in flight for input {seq}")
             key, journal = row
-            found = c.execute(
-                "SELECT seq, task_id, idx, fn, digest, status, payload, taken FROM calls "
-                "WHERE seq = ? ORDER BY task_id, idx",
-                (seq,),
-            ).fetchall()
-            records = [CallRecord(*r[:7]) for r in found]
-            kept = {(r[1], r[2]): r[7] for r in found}
-            calls = [r for r in records if r.idx >= 0]  # a replay marker is not a call
+            found = self._run_calls(c, seq)
+            calls = [CallRecord(*r[:7]) for r in found if r[2] >= 0]  # a marker is not a call
             counts: dict[str, int | None] = {
                 "journaled_tasks": journal_tasks(journal),
                 "call_records": len(calls),
@@ -1169,16 +1206,13 @@ class SqliteStore:
                     "DELETE FROM outbox WHERE seq = ?", (seq,)
                 ).rowcount,
             }
-            taken = run_signals(
-                records, kept, lambda: codec.decode(key, unknown="generic"), self.clock.now()
-            )
+            taken = self._run_signals(found, key)
             c.execute("DELETE FROM runs WHERE seq = ?", (seq,))
             c.execute("DELETE FROM calls WHERE seq = ?", (seq,))
             if dead_letter_reason is not None:
                 event = c.execute("SELECT event FROM inputs WHERE seq = ?", (seq,)).fetchone()
                 if event is None:
                     raise StateError(f"{self.path}: the run of input {seq} has no input row")
-                detail = codec.encode({"signals": [signal_entry(t) for t in taken]})
                 c.execute(
                     "INSERT INTO dead_letters(key, key_text, seq, event, reason, at, kind, "
                     "detail) VALUES (?, ?, ?, ?, ?, ?, 'abandoned', ?)",
@@ -1189,7 +1223,7 @@ class SqliteStore:
                         event[0],
                         dead_letter_reason,
                         self.clock.now(),
-                        detail if taken else None,
+                        with_run_signals(None, taken),
                     ),
                 )
                 c.execute("DELETE FROM inputs WHERE seq = ?", (seq,))
@@ -1202,20 +1236,21 @@ class SqliteStore:
         return counts
 
     def redrive_signals(self, dead_ids: list[int]) -> list[SignalRow]:
-        """Put back the signals that the abandoned runs of these dead letters (asked to be
-        redriven, not redriven yet) took (their detail keeps them, `discard_run`), each once: in the same transaction the detail
-        records them as put back (`signals_put_back`, with the ids they got). The engine
-        calls it when a redrive admits a dead letter, before the new run starts, so that run
-        takes them again. Returns the signals put back."""
+        """Put back the signals that the failed or abandoned runs of these dead letters (asked
+        to be redriven, not redriven yet) took (their detail keeps them: `write_checkpoint`,
+        `discard_run`), each once: in the same transaction the detail records them as put
+        back (`signals_put_back`, with the ids they got). The engine calls it when a redrive
+        admits a dead letter, before the new run starts, so that run takes them again.
+        Returns the signals put back."""
         if not dead_ids:
             return []
         back: list[SignalRow] = []
         with self._transaction() as c:
             for dead_id in dead_ids:
                 row = c.execute(
-                    "SELECT detail FROM dead_letters WHERE id = ? AND kind = 'abandoned' AND "
+                    "SELECT detail FROM dead_letters WHERE id = ? AND kind IN (?, ?) AND "
                     "redrive_requested IS NOT NULL AND redriven_as IS NULL AND detail IS NOT NULL",
-                    (dead_id,),
+                    (dead_id, *KEEPS_SIGNALS),
                 ).fetchone()
                 detail = codec.decode(row[0], unknown="generic") if row is not None else None
                 if not isinstance(detail, dict) or not detail.get("signals"):

@@ -11,7 +11,9 @@
 - runs killed while they wait for a second signal, after taking a first: `ratchet runs
   restart` puts the first back for the run to take again, and `runs abandon` keeps it with
   the dead letter until `ratchet redrive` admits it (one worker, redriven when the job
-  starts; two, redriven while it runs, each signal staying in its key's shard).
+  starts; two, redriven while it runs, each signal staying in its key's shard);
+- a run that fails after taking its first signal: its dead letter keeps the signal, and the
+  redrive after the fix gives it back, first, without it being sent again (one worker; two).
 """
 
 from __future__ import annotations
@@ -249,7 +251,7 @@ def test_runs_restart_and_abandon_give_a_killed_run_back_the_signal_it_had_taken
         until("j's redriven run done", lambda: len(job.outputs()) == 2, again)
         again.send_signal(signal.SIGTERM)
         finish(again)
-    got = {o["key"]: o["got"] for o in job.outputs()}
+    got = {o["key"]: o["got"] for o in job.outputs() if o is not None}
     assert got == {"k": [1, 2], "j": [1, 2]}, got  # each took its first signal again, first
     status = cli("status", "--state", state, "--json")
     assert status["waiting"] == [] and status["pending_signals"] == [], status
@@ -331,3 +333,74 @@ def test_memory_with_a_ttl_is_gone_for_runs_after_it_expired_across_a_restart(
     assert job.outputs() == [{"n": 1, "v": "secret"}, {"n": 2, "v": None}]
     memory = json.loads(job.cli("inspect", "--state", str(job.state), "--json").stdout)
     assert memory == {"k": {}}
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_failed_run_gets_back_the_signal_it_had_taken_when_it_is_redriven(
+    tmp_path: Path, workers: str
+) -> None:
+    """A run takes its first "go" and then fails (a bug): its dead letter keeps the signal,
+    and once the bug is fixed its redrive puts it back for the new run to take, first, before
+    a "go" sent after the failure; it is never sent again. With two workers the dead letter
+    and the redriven run are in the key's shard, and the redrive is admitted while the job
+    runs."""
+    from ratchet.runtime._shards import shard_of
+
+    job = Job(tmp_path, "TwoSignals")  # waits for "go" twice, outputs both values
+    job.env["WAITS_BROKEN"] = "1"  # the bug: it fails after taking its first "go"
+    job.write({"key": "k"})
+    state = str(job.state)
+    before, after = ("--workers", workers[0]), ("--workers", workers[-1])
+
+    def cli(*args: str) -> Any:
+        done = job.cli(*args)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout) if "--json" in args else done.stdout
+
+    def send(value: int, key: str = "k") -> None:
+        cli("signal", "--state", state, "--key", key, "go", "--value", str(value))
+
+    def status() -> dict[str, Any]:
+        return dict(cli("status", "--state", state, "--json"))
+
+    finish(job.start(*before))  # the run waits for its first "go", parked
+    assert [(w["key"], w["on"]) for w in status()["waiting"]] == [("k", "signal go")]
+    send(1)
+    failed = job.start(*before)
+    out, err = failed.communicate(timeout=120)
+    assert failed.returncode == 4, err  # EXIT_ERRORS: the run ended in error
+    assert [e["first"] for e in job.lines(job.log) if e["what"] == "broken"] == [1]
+    (letter,) = cli("dead-letters", "--state", state, "--json")
+    assert (letter["key"], letter["kind"]) == ("k", "failed-run"), letter
+    assert letter["detail"]["errors"][0]["type"].endswith("ValueError"), letter
+    # The signal is with the dead letter, as an abandoned run's is, not pending.
+    assert [(g["name"], g["value"]) for g in letter["detail"]["signals"]] == [("go", 1)]
+    assert status()["pending_signals"] == []
+    (error,) = job.lines(job.output)  # the run's error record, and no output
+    assert error["output"] is None and error["error"]["type"].endswith("ValueError"), error
+
+    send(2)  # sent after the failure: the redriven run must still take 1 first
+    del job.env["WAITS_BROKEN"]  # the fix
+    if workers != "1":  # asked while the job runs: admitted at a look, by k's shard's worker
+        job.write({"key": "j"})  # in the other shard: its run waiting says the job runs
+        again = job.start("--follow", *after)
+        until("j's run waiting", lambda: [w["key"] for w in job.waiting()] == ["j"], again)
+        cli("redrive", "--state", state, "--key", "k")
+        until("the redriven run done", lambda: len(job.outputs()) == 2, again)
+        send(5, "j")
+        send(6, "j")
+        until("j's run done", lambda: len(job.outputs()) == 3, again)
+        again.send_signal(signal.SIGTERM)
+        finish(again)
+    else:  # asked while the job is stopped: admitted when it starts
+        cli("redrive", "--state", state, "--key", "k")
+        finish(job.start(*after))
+    got = {o["key"]: o["got"] for o in job.outputs() if o is not None}
+    assert got == ({"k": [1, 2]} if workers == "1" else {"k": [1, 2], "j": [5, 6]}), got
+    s = status()
+    assert s["waiting"] == [] and s["pending_signals"] == [], s
+    (letter,) = cli("dead-letters", "--state", state, "--json")
+    assert [g["value"] for g in letter["detail"]["signals_put_back"]] == [1], letter
+    assert letter["redriven_as"] is not None and "signals" not in letter["detail"], letter
+    if workers != "1":
+        assert letter.get("shard") == f"{shard_of('k', 2)}-of-2", letter

@@ -1343,7 +1343,7 @@ class Engine:
 
     def _redrive_signals(self, rows: list[tuple[int, bytes, bytes]]) -> list[SignalRow]:
         """On the writer thread, before `_redrive` admits these dead letters: the signals
-        their abandoned runs took go back to the store (`redrive_signals`, once per dead
+        their failed or abandoned runs took go back to the store (`redrive_signals`, once per dead
         letter), so that the new runs take them again. Returns them (for `signals_back`)."""
         put_back = getattr(self.store, "redrive_signals", None)
         fresh = [dead_id for dead_id, _k, _e in rows if dead_id not in self._redriving]
@@ -1591,6 +1591,7 @@ class Engine:
         b = self.binding
         rows = CheckpointRows(source=position, released=released, dead_letters=list(dead))
         for seq, (key, event, errors, trace) in delta.failed.items():
+            # The store adds the signals the run took (`write_checkpoint`), for the redrive.
             records = [b.error_record(e) for e in errors]
             rows.dead_letters.append(
                 (

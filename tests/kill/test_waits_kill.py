@@ -13,7 +13,8 @@
   the dead letter until `ratchet redrive` admits it (one worker, redriven when the job
   starts; two, redriven while it runs, each signal staying in its key's shard);
 - a run that fails after taking its first signal: its dead letter keeps the signal, and the
-  redrive after the fix gives it back, first, without it being sent again (one worker; two).
+  redrive after the fix gives it back, first, without it being sent again (one worker; two;
+  one, then two after re-sharding).
 """
 
 from __future__ import annotations
@@ -335,7 +336,7 @@ def test_memory_with_a_ttl_is_gone_for_runs_after_it_expired_across_a_restart(
     assert memory == {"k": {}}
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", ["1", "2", "1 then 2"])
 def test_a_failed_run_gets_back_the_signal_it_had_taken_when_it_is_redriven(
     tmp_path: Path, workers: str
 ) -> None:
@@ -343,7 +344,10 @@ def test_a_failed_run_gets_back_the_signal_it_had_taken_when_it_is_redriven(
     and once the bug is fixed its redrive puts it back for the new run to take, first, before
     a "go" sent after the failure; it is never sent again. With two workers the dead letter
     and the redriven run are in the key's shard, and the redrive is admitted while the job
-    runs."""
+    runs. "1 then 2": the dead letter moves to the key's shard when the workers change, and
+    the signal it keeps with it, given an id there in the order sent (kept with its old id,
+    it was put back under the id re-sharding gave the later signal, so after it), is put back
+    before the later one."""
     from ratchet.runtime._shards import shard_of
 
     job = Job(tmp_path, "TwoSignals")  # waits for "go" twice, outputs both values
@@ -385,6 +389,10 @@ def test_a_failed_run_gets_back_the_signal_it_had_taken_when_it_is_redriven(
         job.write({"key": "j"})  # in the other shard: its run waiting says the job runs
         again = job.start("--follow", *after)
         until("j's run waiting", lambda: [w["key"] for w in job.waiting()] == ["j"], again)
+        if workers == "1 then 2":  # re-sharded: numbered here in the order sent
+            (later,) = status()["pending_signals"]
+            (moved,) = cli("dead-letters", "--state", state, "--json")
+            assert moved["detail"]["signals"][0]["id"] < later["id"], (moved, later)
         cli("redrive", "--state", state, "--key", "k")
         until("the redriven run done", lambda: len(job.outputs()) == 2, again)
         send(5, "j")

@@ -25,7 +25,7 @@ from typing import Any
 
 from ratchet._errors import ConfigError, InvalidArgumentError, StateError
 from ratchet.store import codec
-from ratchet.store._base import CheckpointRows, signal_key_type
+from ratchet.store._base import KEEPS_SIGNALS, CheckpointRows, signal_key_type
 from ratchet.store._base import int_text as int_text  # where the runtime has read it from
 from ratchet.store._files import atomic_json
 from ratchet.store._sqlite import DB_NAME, SqliteStore
@@ -381,9 +381,19 @@ def _copy_per_key_text(
     mine: Callable[[str, str | None], bool],
 ) -> None:
     """Traces, dead letters and signals not taken yet of this shard's keys, from every old
-    shard (in their order there: a key's signals keep the order they were sent in)."""
+    shard (in their order there: a key's signals keep the order they were sent in).
+
+    A signal gets an id of this shard. So does one a failed or abandoned run took, which its
+    dead letter keeps until its redrive puts it back (`redrive_signals`, with the id kept):
+    the ids are given in one sequence, in the old shard's order, to the signals copied and to
+    those kept (an id no signal of this shard has or will get). Kept with its old id, it could
+    be put back under the id of another signal here, or after a signal of its key and name
+    sent after it, and the redriven run would take that one first."""
     conn.create_function("ratchet_mine", 1, lambda t: 1 if mine(str(t), None) else 0)
     conn.create_function("ratchet_mine_typed", 2, lambda t, k: 1 if mine(str(t), k) else 0)
+    # (old dead letter id, index in its detail's "signals") -> the id it has here
+    renumbered: dict[tuple[int, int], int] = {}
+    conn.create_function("ratchet_renumbered", 2, lambda i, d: _renumbered(renumbered, i, d))
 
     def mine_by_key(blob: bytes, text: str) -> int:
         """A dead letter by its exact key (its `key` column): the text "1" names two keys."""
@@ -404,7 +414,8 @@ def _copy_per_key_text(
             # Deferred: it writes only main; IMMEDIATE would also ask for the write lock of the
             # attached old shard, which `frozen` holds for the whole change.
             conn.execute("BEGIN")
-            for table in ("traces", "dead_letters", "signals"):
+            renumbered.clear()
+            for table in ("traces", "signals", "dead_letters"):
                 cols = [r[1] for r in conn.execute(f"PRAGMA old.table_info({table})")]
                 ours = {r[1] for r in conn.execute(f"PRAGMA main.table_info({table})")}
                 cols = [c for c in cols if c in ours and c != "id"]
@@ -417,8 +428,16 @@ def _copy_per_key_text(
                     where = "ratchet_mine_key(key, key_text)"
                 else:
                     where = "ratchet_mine(key_text)"
+                if table == "signals":
+                    _copy_signals(conn, names, where, renumbered)
+                    continue
+                picked = names
+                if table == "dead_letters" and "detail" in cols:
+                    picked = ", ".join(
+                        "ratchet_renumbered(id, detail)" if c == "detail" else c for c in cols
+                    )
                 conn.execute(
-                    f"INSERT OR IGNORE INTO main.{table}({names}) SELECT {names} FROM "
+                    f"INSERT OR IGNORE INTO main.{table}({names}) SELECT {picked} FROM "
                     f"old.{table} WHERE {where} ORDER BY rowid"
                 )
             conn.execute("COMMIT")
@@ -426,6 +445,88 @@ def _copy_per_key_text(
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             conn.execute("DETACH DATABASE old")
+
+
+def _kept_signals(conn: sqlite3.Connection) -> list[tuple[int, int, int]]:
+    """The signals that the dead letters of this shard's keys in the attached old shard keep
+    for their redrive (failed and abandoned runs'): (old id, dead letter id, index in its
+    detail's "signals"). One kept without its id (taken before schema 13) is put back as a
+    new signal anyway: not listed."""
+    cols = {r[1] for r in conn.execute("PRAGMA old.table_info(dead_letters)")}
+    if not {"id", "key", "key_text", "kind", "detail", "redriven_as"} <= cols:
+        return []  # dead letters from before any kept a signal
+    found = []
+    for dead_id, blob in conn.execute(
+        "SELECT id, detail FROM old.dead_letters WHERE ratchet_mine_key(key, key_text) AND "
+        f"kind IN ({', '.join('?' * len(KEEPS_SIGNALS))}) AND detail IS NOT NULL AND "
+        "redriven_as IS NULL",
+        KEEPS_SIGNALS,
+    ):
+        detail = _decoded(blob)
+        entries = detail.get("signals") if isinstance(detail, dict) else None
+        for i, entry in enumerate(entries if isinstance(entries, list) else []):
+            sid = entry.get("id") if isinstance(entry, dict) else None
+            if type(sid) is int:
+                found.append((sid, int(dead_id), i))
+    return found
+
+
+def _copy_signals(
+    conn: sqlite3.Connection, names: str, where: str, renumbered: dict[tuple[int, int], int]
+) -> None:
+    """The attached old shard's signals of this shard's keys, and those its dead letters keep
+    (`_kept_signals`), numbered here in one sequence in their old order: a kept one is given
+    the id its redrive puts it back with (`renumbered`), which no signal here holds or will."""
+    pending = conn.execute(
+        f"SELECT rowid, {names} FROM old.signals WHERE {where} ORDER BY rowid"
+    ).fetchall()
+    kept = _kept_signals(conn)
+    (last,) = conn.execute(
+        "SELECT max(coalesce((SELECT seq FROM main.sqlite_sequence WHERE name = 'signals'), 0), "
+        "coalesce((SELECT max(id) FROM main.signals), 0))"
+    ).fetchone()
+    ordered = sorted(
+        [(int(row[0]), 0, tuple(row[1:])) for row in pending]
+        + [(sid, 1, (dead_id, i)) for sid, dead_id, i in kept],
+        key=lambda item: (item[0], item[1]),
+    )
+    marks = ", ".join("?" * (names.count(",") + 2))
+    for _old_id, is_kept, what in ordered:
+        last += 1
+        if is_kept:
+            renumbered[(int(what[0]), int(what[1]))] = last
+        else:
+            conn.execute(
+                f"INSERT OR IGNORE INTO main.signals(id, {names}) VALUES ({marks})", (last, *what)
+            )
+    # AUTOINCREMENT gives no later signal an id at or below `last`: a kept one's stays its own.
+    raised = conn.execute(
+        "UPDATE main.sqlite_sequence SET seq = max(seq, ?) WHERE name = 'signals'", (last,)
+    )
+    if raised.rowcount == 0 and last:
+        conn.execute("INSERT INTO main.sqlite_sequence(name, seq) VALUES ('signals', ?)", (last,))
+
+
+def _decoded(blob: Any) -> Any:
+    try:
+        return codec.decode(bytes(blob), unknown="generic")
+    except Exception:  # noqa: BLE001 - a detail that cannot be read is copied as it is
+        return None
+
+
+def _renumbered(renumbered: dict[tuple[int, int], int], dead_id: int, blob: Any) -> Any:
+    """A dead letter's detail as copied into the new shard: the signals it keeps with the ids
+    `_copy_signals` gave them here (`renumbered`); any other detail as it was."""
+    if blob is None or not any(k[0] == dead_id for k in renumbered):
+        return blob
+    detail = _decoded(blob)
+    if not isinstance(detail, dict):
+        return blob
+    for i, entry in enumerate(detail.get("signals") or []):
+        sid = renumbered.get((dead_id, i))
+        if sid is not None:
+            entry["id"] = sid
+    return codec.encode(detail)
 
 
 # -- reading a sharded state ---------------------------------------------------------------------

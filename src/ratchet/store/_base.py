@@ -284,7 +284,7 @@ def with_run_signals(
     if not taken:
         return detail
     held = codec.decode(detail, unknown="generic") if detail is not None else {}
-    if not isinstance(held, dict):  # not a detail any ratchet writes: kept, beside them
+    if not isinstance(held, dict):  # no ratchet writes one: kept as "detail", beside them
         held = {"detail": held}
     held["signals"] = [signal_entry(t) for t in taken]
     return codec.encode(held)

@@ -5,7 +5,8 @@
     │   ├── InvalidArgumentError      (also ValueError) an API argument whose value is unusable
     │   ├── InvalidTypeError          (also TypeError) an API argument of the wrong type
     │   ├── PromptArgumentError       (also ChatError) a prompt formatted without an argument
-    │   └── ProjectError              (also ValueError) a checks project file or plan is invalid
+    │   ├── ProjectError              (also ValueError) a checks project file or plan is invalid
+    │   └── ServerUnreachableError    a connector's server cannot be reached at start
     ├── StateError                    a state directory cannot be used as it is; exit 2
     │   ├── StateInUseError           another process holds the state directory's lock
     │   ├── ReceiptError              (also ValueError) a checks receipt cannot be trusted
@@ -80,6 +81,23 @@ class RatchetError(Exception):
 
 class ConfigError(RatchetError):
     """A user-supplied setting, agent or file is wrong; the message names it and the fix."""
+
+
+class ServerUnreachableError(ConfigError):
+    """A connector's server cannot be reached at start: nothing listens at its address, its
+    name does not resolve, it does not answer in time, or it is starting up or shutting down.
+    It did not say no (a wrong password, a missing table or stream is a plain ConfigError), so
+    trying again later may succeed: `ratchet run --supervise` restarts its worker, within the
+    restart policy, until it can be reached. `server` is what it is ("PostgreSQL", "NATS"),
+    `address` where ("HOST:PORT"); the message says both, and that a supervised job waits."""
+
+    def __init__(self, message: str, *, server: str, address: str) -> None:
+        super().__init__(
+            f"{message}; a supervised job (ratchet run --supervise) waits for {server} at "
+            f"{address} and retries"
+        )
+        self.server = server
+        self.address = address
 
 
 class InvalidArgumentError(ConfigError, ValueError):

@@ -91,6 +91,7 @@ def test_public_names_are_pinned() -> None:
         "RetryPolicy",
         "RunnerContext",
         "ScriptedChatModel",
+        "ServerUnreachableError",
         "SignalTimeout",
         "SinkError",
         "StageTimeoutError",

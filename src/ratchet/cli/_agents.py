@@ -18,6 +18,7 @@ from ratchet._errors import (
     BadInputError,
     ConfigError,
     RatchetError,
+    ServerUnreachableError,
     StateInUseError,
 )
 from ratchet.runtime._io import to_json_line
@@ -480,22 +481,32 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
     try:
         return _run_here(args)
-    except StateInUseError as exc:
+    except (StateInUseError, ServerUnreachableError) as exc:
         _tell_supervisor(exc)
         raise
 
 
-def _tell_supervisor(exc: StateInUseError) -> None:
-    """A supervised worker refused the state's lock says so on its status pipe before it exits
-    2: the holder is another process's for a moment, so its supervisor restarts it (within the
-    restart policy) instead of giving up as on a state that is wrong."""
+def _tell_supervisor(exc: StateInUseError | ServerUnreachableError) -> None:
+    """A supervised worker refused for a reason that passes says so on its status pipe before
+    it exits 2, so its supervisor restarts it (within the restart policy) instead of giving up
+    as on a state or a setting that is wrong: the state's lock held by another process for a
+    moment, or a connector's server that cannot be reached yet (down, restarting)."""
     import os
 
-    from ratchet.runtime._supervisor_env import REFUSED_STATE_IN_USE, STATUS_FD_ENV
+    from ratchet.runtime._supervisor_env import (
+        REFUSED_STATE_IN_USE,
+        REFUSED_UNREACHABLE,
+        STATUS_FD_ENV,
+    )
 
     fd = os.environ.get(STATUS_FD_ENV)
     if fd:
-        line = json.dumps({REFUSED_STATE_IN_USE: exc.holder}) + "\n"
+        said = (
+            {REFUSED_STATE_IN_USE: exc.holder}
+            if isinstance(exc, StateInUseError)
+            else {REFUSED_UNREACHABLE: f"{exc.server} at {exc.address}"}
+        )
+        line = json.dumps(said) + "\n"
         try:
             os.write(int(fd), line.encode())
         except OSError:  # the supervisor is gone: nobody to tell

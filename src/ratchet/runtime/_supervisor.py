@@ -37,6 +37,7 @@ from ratchet._errors import EXIT_FAILED, EXIT_NO_RESTART, EXIT_OK, EXIT_USAGE, C
 from ratchet.runtime._say import say
 from ratchet.runtime._supervisor_env import (
     REFUSED_STATE_IN_USE,
+    REFUSED_UNREACHABLE,
     RESOURCE_ID_ENV,
     REST_TOKEN_ENV,
     STATUS_FD_ENV,
@@ -62,6 +63,9 @@ CHECKPOINT_DURATION_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 HISTORY_SAMPLES = 720
+# While a worker cannot reach a connector's server at start, the delay before the next one
+# doubles from --restart-delay up to this (or --restart-delay, if that is longer).
+UNREACHABLE_DELAY_CAP = 30.0
 _LABELLED = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<label>.*)\]$")
 
 
@@ -74,6 +78,9 @@ class _Worker:
     # What held the state's lock when this worker was refused it ("pid 123"), as it said on
     # its pipe before it exited 2; None for any other end.
     state_in_use_by: str | None = None
+    # The connector's server it could not reach at start ("PostgreSQL at db:5432"), as it said
+    # on its pipe before it exited 2; None for any other end.
+    unreachable: str | None = None
 
 
 @dataclass
@@ -450,6 +457,12 @@ class Supervisor:
                         if w is not None and w.resource_id == resource_id:
                             w.state_in_use_by = str(report[REFUSED_STATE_IN_USE])
                     continue
+                if isinstance(report, dict) and REFUSED_UNREACHABLE in report:
+                    with self._lock:
+                        w = self.s.worker
+                        if w is not None and w.resource_id == resource_id:
+                            w.unreachable = str(report[REFUSED_UNREACHABLE])
+                    continue
                 with self._lock:
                     if self.s.worker is not None and self.s.worker.resource_id == resource_id:
                         self.s.report = report
@@ -492,6 +505,7 @@ class Supervisor:
                 signal.signal(s, handler)
 
     def _supervise(self) -> int:
+        waits = 0  # workers in a row that could not reach a connector's server
         while True:
             if self._stop.is_set():  # asked to stop before a worker started: none starts
                 with self._lock:
@@ -521,11 +535,24 @@ class Supervisor:
                 with self._lock:
                     self.s.state = "failed"
                 return rc if rc > 0 else EXIT_FAILED
+            waiting = rc == EXIT_USAGE and worker.unreachable is not None
+            waits = waits + 1 if waiting else 0
+            what = f"worker died ({how})"
             if rc == EXIT_USAGE and worker.state_in_use_by is not None:
                 # Refused only because another process held the state's lock for a moment
                 # (`ratchet signal` upgrading an old schema, a command of an older ratchet):
                 # that is gone by the next attempt, so it is restarted like a death.
                 how = f"exit code {rc}: the state directory was in use by {worker.state_in_use_by}"
+                what = f"worker died ({how})"
+            elif waiting:
+                # A connector's server was down or not yet taking connections (a database
+                # restarting, a host that rebooted with ratchet first): the worker read and
+                # wrote nothing, and the next one starts from the last checkpoint as any does.
+                what = f"worker could not reach {worker.unreachable} ({how})"
+                with self._lock:
+                    self.s.last_exit = (
+                        f"pid {worker.proc.pid}: {how}: cannot reach {worker.unreachable}"
+                    )
             elif rc in EXIT_NO_RESTART:
                 with self._lock:
                     self.s.state = "failed"
@@ -536,18 +563,28 @@ class Supervisor:
                     self.s.state = "failed"
                     self._say(
                         logging.ERROR,
-                        f"worker died ({how}) and the {self.attempts} restart attempts "
-                        f"are used up; the state directory keeps the last checkpoint",
+                        f"{what} and the {self.attempts} restart attempts are used up; the "
+                        f"state directory keeps the last checkpoint",
                     )
                     return EXIT_FAILED
                 self.s.restarts += 1
                 self.s.state = "restarting"
-            self._say(
-                logging.WARNING,
-                f"worker died ({how}); restart {self.s.restarts}/{self.attempts} "
-                f"in {self.delay:g} s",
-            )
-            if self._stop.wait(self.delay):
+            delay = self.delay
+            if waiting:
+                cap = max(self.delay, UNREACHABLE_DELAY_CAP)
+                delay = min(self.delay * 2.0 ** min(waits - 1, 30), cap)
+                self._say(
+                    logging.WARNING,
+                    f"{what}: waiting for it, retrying: restart {self.s.restarts}/"
+                    f"{self.attempts} in {delay:g} s (the delay doubles while it cannot be "
+                    f"reached, up to {cap:g} s)",
+                )
+            else:
+                self._say(
+                    logging.WARNING,
+                    f"{what}; restart {self.s.restarts}/{self.attempts} in {delay:g} s",
+                )
+            if self._stop.wait(delay):
                 with self._lock:
                     self.s.state = "finished"
                 return EXIT_OK

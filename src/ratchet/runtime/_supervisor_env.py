@@ -11,6 +11,9 @@ REST_TOKEN_ENV = "RATCHET_REST_TOKEN"
 # The one line a worker writes to its status pipe instead of a report when it was refused the
 # state's lock (`{"state_in_use_by": "pid 123"}`, then exit 2): the supervisor restarts it.
 REFUSED_STATE_IN_USE = "state_in_use_by"
+# Likewise when a connector's server could not be reached at start (`{"unreachable":
+# "PostgreSQL at db:5432"}`, then exit 2): the supervisor restarts it, with a growing delay.
+REFUSED_UNREACHABLE = "unreachable"
 
 
 def check_token(token: str) -> None:

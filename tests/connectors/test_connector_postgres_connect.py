@@ -74,7 +74,8 @@ def test_a_server_that_never_answers_fails_the_start_naming_it(
         f"ratchet: error: {side} postgresql://app:***@127.0.0.1:{port}/db?table=t&"
         f"connect_timeout=2: PostgreSQL at 127.0.0.1:{port} did not answer within 2 s "
         f"(connect_timeout); check that the server is up and reachable, or give it longer with "
-        f"&connect_timeout=SECONDS"
+        f"&connect_timeout=SECONDS; a supervised job (ratchet run --supervise) waits for "
+        f"PostgreSQL at 127.0.0.1:{port} and retries"
     )
 
 
@@ -107,7 +108,10 @@ def test_a_table_locked_by_another_session_fails_the_start_naming_the_lock(
         f"within 2 s (connect_timeout) while {doing}: another session may hold a lock on the "
         f"table" in line
     )
-    assert line.endswith("give it longer with &connect_timeout=SECONDS")
+    assert line.endswith(
+        f"give it longer with &connect_timeout=SECONDS; a supervised job (ratchet run "
+        f"--supervise) waits for PostgreSQL at 127.0.0.1:{postgres.port} and retries"
+    )
     # The lock gone, the same command starts and runs the job.
     again = run_cli(tmp_path, *io_for(side, uri, tmp_path))
     assert again.returncode == 0, again.stderr

@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import ConfigError
+from ratchet._errors import ConfigError, ServerUnreachableError
 from ratchet.connectors import missing_extra, redact
 from ratchet.runtime._io import (
     JobIdentity,
@@ -134,28 +134,92 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _connect(conninfo: str, flag: str, uri: str, timeout: int) -> psycopg.Connection[Any]:
-    try:
-        return psycopg.connect(conninfo, autocommit=True, connect_timeout=timeout)
-    except psycopg.errors.ConnectionTimeout as exc:
-        raise ConfigError(
-            f"{flag} {redact(uri)}: PostgreSQL at {address_of(conninfo)} did not answer within "
-            f"{timeout} s (connect_timeout); check that the server is up and reachable, or "
-            f"give it longer with &connect_timeout=SECONDS"
-        ) from exc
-    except psycopg.Error as exc:
-        raise ConfigError(
-            f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {_one_line(exc)}"
-        ) from exc
+    """A connection, or why not: a server that cannot be reached (nothing listens, its name
+    does not resolve, no answer within `timeout`, starting up or shutting down) is a
+    ServerUnreachableError, which a supervised job waits out; one that answered no (a wrong
+    password, a role or database that does not exist) a ConfigError."""
+    address = address_of(conninfo)
+    for attempt in (1, 2):
+        try:
+            return psycopg.connect(conninfo, autocommit=True, connect_timeout=timeout)
+        except psycopg.errors.ConnectionTimeout as exc:
+            raise ServerUnreachableError(
+                f"{flag} {redact(uri)}: PostgreSQL at {address} did not answer within "
+                f"{timeout} s (connect_timeout); check that the server is up and reachable, or "
+                f"give it longer with &connect_timeout=SECONDS",
+                server="PostgreSQL",
+                address=address,
+            ) from exc
+        except psycopg.Error as exc:
+            if not _answers(conninfo, timeout):
+                raise ServerUnreachableError(
+                    f"{flag} {redact(uri)}: cannot reach PostgreSQL at {address}: {_one_line(exc)}",
+                    server="PostgreSQL",
+                    address=address,
+                ) from exc
+            if attempt == 2:
+                raise ConfigError(
+                    f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {_one_line(exc)}"
+                ) from exc
+            # It takes connections now: it may have come up since this attempt failed (its
+            # "connection refused" is not a no). Ask once more; a second refusal is its answer.
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _checks_hung(where: str, conninfo: str, timeout: int, doing: str) -> ConfigError:
+def _answers(conninfo: str, timeout: int) -> bool:
+    """Whether a server takes connections at `conninfo` (libpq's PQping): True also when it
+    would refuse these credentials or this database; False when nothing answered (refused,
+    no answer in time, a name that does not resolve) or it is starting up, shutting down or
+    recovering. Locale-proof: libpq decides by what happened, not by a message's words."""
+    from psycopg import pq
+    from psycopg.conninfo import make_conninfo
+
+    ping = pq.PGconn.ping(make_conninfo(conninfo, connect_timeout=timeout).encode())
+    return ping not in (pq.Ping.NO_RESPONSE, pq.Ping.REJECT)
+
+
+def _checks_hung(where: str, conninfo: str, timeout: int, doing: str) -> ServerUnreachableError:
     """The checks at start got no answer within connect_timeout (their connection was cut)."""
-    return ConfigError(
+    return ServerUnreachableError(
         f"{where}: PostgreSQL at {address_of(conninfo)} did not answer within {timeout} s "
         f"(connect_timeout) {doing}: another session may hold a lock on the table (an ALTER "
         f"TABLE, a LOCK TABLE; see pg_locks), or the server hangs; end that, or give it longer "
-        f"with &connect_timeout=SECONDS"
+        f"with &connect_timeout=SECONDS",
+        server="PostgreSQL",
+        address=address_of(conninfo),
     )
+
+
+def _lost(where: str, conninfo: str, exc: psycopg.Error, doing: str) -> ServerUnreachableError:
+    """The connection went away during the checks at start (the server shut down or
+    restarted): not the database's answer to them."""
+    said = str(exc).strip().splitlines()  # its first line: not the statement it cut
+    return ServerUnreachableError(
+        f"{where}: lost the connection to PostgreSQL at {address_of(conninfo)} {doing}: "
+        f"{said[0] if said else type(exc).__name__}",
+        server="PostgreSQL",
+        address=address_of(conninfo),
+    )
+
+
+def _check_failed(
+    where: str,
+    conninfo: str,
+    timeout: int,
+    exc: psycopg.Error,
+    *,
+    cut: bool,
+    broken: bool,
+    doing: str,
+    refused: str,
+) -> ConfigError:
+    """What a check at start that failed says: no answer in time or a connection lost is the
+    server's absence (a supervised job waits for it), anything else the database's refusal."""
+    if cut:
+        return _checks_hung(where, conninfo, timeout, f"while {doing}")
+    if broken:
+        return _lost(where, conninfo, exc, f"while {doing}")
+    return _refused(where, exc, refused)
 
 
 def _regclass(conn: psycopg.Connection[Any], parts: list[str]) -> str:
@@ -303,15 +367,13 @@ class PostgresSink(Sink):
             with watch:
                 self._prepare(conn)
         except psycopg.Error as exc:
+            broken = conn.broken
             conn.close()
-            if watch.cut:
-                raise _checks_hung(
-                    self.where,
-                    self.conninfo,
-                    self.connect_timeout,
-                    "while preparing the output table",
-                ) from exc
-            raise _refused(self.where, exc, "to prepare the output table") from exc
+            raise _check_failed(
+                self.where, self.conninfo, self.connect_timeout, exc, cut=watch.cut,
+                broken=broken, doing="preparing the output table",
+                refused="to prepare the output table",
+            ) from exc  # fmt: skip
         except BaseException:
             conn.close()
             raise
@@ -367,15 +429,14 @@ class PostgresSink(Sink):
                     (job.id,),
                 ).fetchone()
         except psycopg.Error as exc:
-            if watch.cut:
+            broken = self._conn.broken
+            if watch.cut or broken:
                 self._conn.close()
-                raise _checks_hung(
-                    self.where,
-                    self.conninfo,
-                    self.connect_timeout,
-                    "while reading the output table",
-                ) from exc
-            raise _refused(self.where, exc, "to read the output table") from exc
+            raise _check_failed(
+                self.where, self.conninfo, self.connect_timeout, exc, cut=watch.cut,
+                broken=broken, doing="reading the output table",
+                refused="to read the output table",
+            ) from exc  # fmt: skip
         return row is not None
 
     def describe(self) -> str:
@@ -512,12 +573,12 @@ class PostgresSource(Source):
             with watch:
                 self._check(conn)
         except psycopg.Error as exc:  # no SELECT privilege, say: found now, not at first read
+            broken = conn.broken
             conn.close()
-            if watch.cut:
-                raise _checks_hung(
-                    self.where, self.conninfo, self.connect_timeout, "while checking the table"
-                ) from exc
-            raise _refused(self.where, exc, "to read the table") from exc
+            raise _check_failed(
+                self.where, self.conninfo, self.connect_timeout, exc, cut=watch.cut,
+                broken=broken, doing="checking the table", refused="to read the table",
+            ) from exc  # fmt: skip
         except BaseException:
             conn.close()
             raise

@@ -247,10 +247,10 @@ def test_an_unreachable_server_or_a_subject_outside_the_stream_is_one_line_and_e
     src.write_text(json.dumps({"key": "a", "i": 0}) + "\n")
     cases = [
         (["--input", f"{nowhere}?stream=IN{s}&subject=in.{s}", "--output", str(tmp_path / "o")],
-         f"--input {nowhere.replace('pw', '***')}?stream=IN{s}&subject=in.{s}: cannot connect "
-         f"to NATS"),
+         f"--input {nowhere.replace('pw', '***')}?stream=IN{s}&subject=in.{s}: cannot reach "
+         f"NATS at {nowhere.rsplit('@', 1)[1]}: ConnectionRefusedError"),
         (["--input", str(src), "--output", f"{nowhere}?stream=OUT{s}&subject=out.{s}"],
-         "cannot connect to NATS"),
+         f"cannot reach NATS at {nowhere.rsplit('@', 1)[1]}"),
         (["--input", f"{nats_server.url}?stream=IN{s}&subject=elsewhere", "--output",
           str(tmp_path / "o")],
          f"JetStream refused a consumer of subject 'elsewhere' on stream IN{s}"),

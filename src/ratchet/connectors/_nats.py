@@ -30,7 +30,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from ratchet._errors import ConfigError
+from ratchet._errors import ConfigError, ServerUnreachableError
 from ratchet.connectors import missing_extra, query_of, redact
 from ratchet.runtime._io import (
     JobIdentity,
@@ -68,6 +68,18 @@ _PREFETCH = 4
 _TIMEOUT = 30.0
 # The longest ack-wait taken: a day (NATS holds it in nanoseconds; 1e12 s overflows).
 MAX_ACK_WAIT = 86_400.0
+if _IMPORT_ERROR is None:
+    # What a failed connect meets when no server is there to answer: nothing listens, the name
+    # does not resolve, no answer in time, a connection dropped (a server shutting down).
+    # Anything else is the server's answer (an authorization violation, TLS required).
+    _NOT_THERE: tuple[type[BaseException], ...] = (
+        OSError,
+        TimeoutError,
+        nats.errors.TimeoutError,
+        nats.errors.NoServersError,
+        nats.errors.StaleConnectionError,  # and UnexpectedEOF, its subclass
+        nats.errors.ConnectionClosedError,
+    )
 # A consumer name NATS takes: no whitespace, ".", "*", ">", "/" or "\\".
 _DURABLE = re.compile(r"[^\s.*>/\\]+")
 
@@ -135,13 +147,20 @@ async def _cancel_the_rest() -> None:
 
 
 async def _connect(server: str, flag: str, uri: str) -> Any:
+    """A connection, or why not: a server that cannot be reached (nothing listens, its name
+    does not resolve, no answer in time, a connection dropped as it shuts down) is a
+    ServerUnreachableError, which a supervised job waits out; one that answered no (an
+    authorization violation, a TLS requirement) a ConfigError."""
     # nats-py's defaults log a traceback for each error and each failed reconnect (some 140
     # lines for one server restart): one line each here, and only the first error of an
     # outage as a warning.
     where = f"{flag} {redact(uri)}"
     state: dict[str, Any] = {"nc": None, "down": False}
+    seen: list[BaseException] = []  # the errors of the first connect's attempts
 
     async def error(exc: Exception) -> None:
+        if state["nc"] is None:
+            seen.append(exc)
         (log.debug if state["down"] else log.warning)("%s: NATS error: %r", where, exc)
 
     async def disconnected() -> None:
@@ -169,13 +188,33 @@ async def _connect(server: str, flag: str, uri: str) -> Any:
             reconnected_cb=reconnected,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise ConfigError(
-            f"{flag} {redact(uri)}: cannot connect to NATS: {exc!r}; is nats-server running "
-            f"there (with -js)?"
+        seen.append(exc)
+        address = _address(server)
+        answers = [e for e in seen if not isinstance(e, _NOT_THERE)]
+        if answers:  # the server was there, and said no
+            raise ConfigError(
+                f"{where}: NATS at {address} refused the connection: {answers[-1]}; check the "
+                f"credentials in the URI and the server's authorization settings"
+            ) from exc
+        tried = [e for e in seen if not isinstance(e, nats.errors.NoServersError)]
+        raise ServerUnreachableError(
+            f"{where}: cannot reach NATS at {address}: {(tried or seen)[-1]!r} (is "
+            f"nats-server running there, with -js?)",
+            server="NATS",
+            address=address,
         ) from exc
     nc.options["max_reconnect_attempts"] = -1
     state["nc"] = nc
     return nc
+
+
+def _address(server: str) -> str:
+    """HOST:PORT of a server URL, for messages (NATS's port 4222 when not given)."""
+    parts = urlsplit(server)
+    host = parts.hostname or "localhost"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port or 4222}"
 
 
 async def _stream(js: Any, name: str, flag: str, uri: str) -> Any:

@@ -105,16 +105,27 @@ class Postgres:
                  "--no-sync", "-E", "UTF8"],
                 check=True, stdout=log, stderr=subprocess.STDOUT, user=user, cwd=self.root,
             )  # fmt: skip
+        self.bindir = bindir
+        self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        self.up()
+
+    def up(self) -> None:
+        """Start the server (again, after `down`: same port, same data) and wait until it
+        takes connections."""
         log_fh = open(self.log, "ab")  # noqa: SIM115 - the server's lifetime
         self.proc = subprocess.Popen(
-            [str(bindir / "postgres"), "-D", str(data), "-p", str(self.port), "-k", str(self.root),
-             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=60"],
-            stdout=log_fh, stderr=subprocess.STDOUT, user=user, cwd=self.root,
+            [str(self.bindir / "postgres"), "-D", str(self.root / "data"), "-p", str(self.port),
+             "-k", str(self.root), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
+             "-c", "max_connections=60"],
+            stdout=log_fh, stderr=subprocess.STDOUT, user=self.user, cwd=self.root,
         )  # fmt: skip
         log_fh.close()
         _wait_port(self.port, self.proc, "postgres", self.log)
-        self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         self._ready()
+
+    def down(self) -> None:
+        """Stop the server (fast shutdown), keeping its data, as a database restart does."""
+        _stop(self.proc, signal.SIGINT)
 
     def _ready(self) -> None:
         import psycopg
@@ -144,12 +155,18 @@ class Postgres:
 class Nats:
     """One `nats-server -js` in a temporary directory."""
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, *args: str, credentials: str | None = None) -> None:
+        """`args`: more of the server's options (`--user U --pass P`); `credentials`
+        ("U:P") what the test's own client then connects with."""
         self.binary = binary
+        self.args = args
         self.root = Path(tempfile.mkdtemp(prefix="ratchet-nats-"))
         self.port = free_port()
         self.log = self.root / "server.log"
         self.url = f"nats://127.0.0.1:{self.port}"
+        self._client_url = (
+            self.url if credentials is None else f"nats://{credentials}@127.0.0.1:{self.port}"
+        )
         self.up()
 
     def up(self) -> None:
@@ -157,7 +174,7 @@ class Nats:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd",
-                 str(self.root / "store")],
+                 str(self.root / "store"), *self.args],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         _wait_port(self.port, self.proc, "nats-server", self.log)
@@ -171,7 +188,7 @@ class Nats:
         import nats
 
         async def main() -> Any:
-            nc = await nats.connect(self.url)
+            nc = await nats.connect(self._client_url)
             try:
                 return await fn(nc.jetstream())
             finally:

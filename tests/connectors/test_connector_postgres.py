@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from connector_servers import AGENT, RATCHET, Postgres
@@ -68,6 +69,52 @@ def test_the_sink_says_whether_it_holds_outputs_of_the_job(
         s.write([{"id": "a:0:r>x:0", "key": "a", "seq": 0, "task": "r>x", "output": 1}])
         assert s.holds_outputs_of(job) is True
         assert s.holds_outputs_of(JobIdentity("job2", tmp_path)) is False
+    finally:
+        s.close()
+
+
+def test_the_sink_says_whether_it_holds_outputs_whose_ids_a_test_accepts(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    """What a sharded job asks of one shard whose state has no checkpoint: does the table hold
+    an output of a key that shard owns? The database sends one id per key (the key is what
+    an id holds before `:SEQ:TASK:INDEX`, colons and newlines in it included), in batches."""
+    name = table()
+    s = sink(postgres, name)
+    job = JobIdentity("job1", tmp_path)
+    s.open(job)
+    try:
+        assert s.holds_outputs_where(job, lambda i: True) is False  # an empty table
+        keys = ["a", "b:1:x:2", "7", "line\nbreak", ""]
+        s.write([
+            {"id": f"{k}:{seq}:r>x:{index}", "key": k, "seq": seq, "task": "r>x", "output": 1}
+            for k in keys for seq in (1, 2) for index in (0, 1)
+        ])  # fmt: skip
+        asked: list[str] = []
+
+        def key_is(wanted: str) -> Any:
+            def keep(out_id: str) -> bool:
+                asked.append(out_id)
+                return out_id.rsplit(":", 3)[0] == wanted
+
+            return keep
+
+        for k in keys:
+            assert s.holds_outputs_where(job, key_is(k)) is True, k
+        asked.clear()
+        assert s.holds_outputs_where(job, key_is("b")) is False  # "b:1:x:2" is not "b"
+        assert sorted(i.rsplit(":", 3)[0] for i in asked) == sorted(keys)  # one id per key
+        assert s.holds_outputs_where(JobIdentity("job2", tmp_path), lambda i: True) is False
+        # More keys than one batch holds: every one is asked about, each once.
+        postgres.execute(
+            f"INSERT INTO {name} (id, job, key, seq, task, record) SELECT 'g' || g || ':' || "
+            f"s || ':r>x:0', 'job1', 'g' || g, s, 'r>x', '{{}}' FROM generate_series(1, 25000) "
+            f"g, generate_series(1, 2) s"
+        )
+        asked.clear()
+        assert s.holds_outputs_where(job, key_is("none")) is False
+        assert len(asked) == len(set(asked)) == 25000 + len(keys)
+        assert s.holds_outputs_where(job, key_is("g24999")) is True
     finally:
         s.close()
 

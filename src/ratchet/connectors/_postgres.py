@@ -28,6 +28,7 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -70,6 +71,10 @@ _SINK_PARAMS = frozenset({"table", "write_timeout"})
 _WRITE_TIMEOUT = 30.0
 _CONNECT_TIMEOUT = 10  # seconds; libpq takes whole seconds, and waits at least 2
 _READ_BATCH = 500
+# What follows the key in an output id, `:SEQ:TASK:INDEX` (the runtime's `_OUTPUT_ID`), and how
+# many keys' ids `holds_outputs_where` reads per round trip.
+_ID_TAIL = ":[0-9]+:[^:]*:[0-9]+$"
+_KEYS_BATCH = 10_000
 _RETRY = 1.0  # seconds between attempts while the database cannot be read (--follow)
 # How long next_record waits for a read in the source's thread before it answers "nothing
 # now": the engine runs on the calling thread, and must see a stop while the database hangs.
@@ -438,6 +443,41 @@ class PostgresSink(Sink):
                 refused="to read the output table",
             ) from exc  # fmt: skip
         return row is not None
+
+    def holds_outputs_where(self, job: JobIdentity, keep: Callable[[str], bool]) -> bool | None:
+        """Whether the table holds an output of `job` whose id `keep` accepts (a sharded job
+        asks it of one shard's keys). The database groups the job's rows by the key of their
+        id (an id is `KEY:SEQ:TASK:INDEX`: the key is what comes before its last three parts)
+        and sends one id per key, read by a server-side cursor in batches, so what comes back
+        is a row per key, not per output, and the reading stops at the first id kept."""
+        if self._conn is None:
+            return None
+        conn = self._conn
+        query = sql.SQL(
+            "SELECT min(id) FROM {} WHERE job = %s GROUP BY regexp_replace(id, %s, '')"
+        ).format(self.ident)
+        doing = "reading the ids of the output table (a table of many outputs takes longer)"
+        watch = _Deadline(conn, self.connect_timeout)
+        try:
+            with conn.transaction(), conn.cursor(name="ratchet_outputs_by_key") as cur:
+                with watch:
+                    cur.execute(query, (job.id, _ID_TAIL))
+                while True:
+                    watch = _Deadline(conn, self.connect_timeout)  # each batch, like a check
+                    with watch:
+                        ids = cur.fetchmany(_KEYS_BATCH)
+                    if not ids:
+                        return False
+                    if any(keep(str(row[0])) for row in ids):
+                        return True
+        except psycopg.Error as exc:
+            broken = conn.broken
+            if watch.cut or broken:
+                conn.close()
+            raise _check_failed(
+                self.where, self.conninfo, self.connect_timeout, exc, cut=watch.cut,
+                broken=broken, doing=doing, refused="to read the output table",
+            ) from exc  # fmt: skip
 
     def describe(self) -> str:
         return self.where

@@ -89,13 +89,10 @@ class ServerUnreachableError(ConfigError):
     It did not say no (a wrong password, a missing table or stream is a plain ConfigError), so
     trying again later may succeed: `ratchet run --supervise` restarts its worker, within the
     restart policy, until it can be reached. `server` is what it is ("PostgreSQL", "NATS"),
-    `address` where ("HOST:PORT"); the message says both, and that a supervised job waits."""
+    `address` where ("HOST:PORT")."""
 
     def __init__(self, message: str, *, server: str, address: str) -> None:
-        super().__init__(
-            f"{message}; a supervised job (ratchet run --supervise) waits for {server} at "
-            f"{address} and retries"
-        )
+        super().__init__(message)
         self.server = server
         self.address = address
 

@@ -74,8 +74,8 @@ def test_a_server_that_never_answers_fails_the_start_naming_it(
         f"ratchet: error: {side} postgresql://app:***@127.0.0.1:{port}/db?table=t&"
         f"connect_timeout=2: PostgreSQL at 127.0.0.1:{port} did not answer within 2 s "
         f"(connect_timeout); check that the server is up and reachable, or give it longer with "
-        f"&connect_timeout=SECONDS; a supervised job (ratchet run --supervise) waits for "
-        f"PostgreSQL at 127.0.0.1:{port} and retries"
+        f"&connect_timeout=SECONDS; with --supervise, ratchet waits for PostgreSQL at "
+        f"127.0.0.1:{port} and retries"
     )
 
 
@@ -109,8 +109,8 @@ def test_a_table_locked_by_another_session_fails_the_start_naming_the_lock(
         f"table" in line
     )
     assert line.endswith(
-        f"give it longer with &connect_timeout=SECONDS; a supervised job (ratchet run "
-        f"--supervise) waits for PostgreSQL at 127.0.0.1:{postgres.port} and retries"
+        f"give it longer with &connect_timeout=SECONDS; with --supervise, ratchet waits for "
+        f"PostgreSQL at 127.0.0.1:{postgres.port} and retries"
     )
     # The lock gone, the same command starts and runs the job.
     again = run_cli(tmp_path, *io_for(side, uri, tmp_path))

@@ -481,16 +481,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
     try:
         return _run_here(args)
-    except (StateInUseError, ServerUnreachableError) as exc:
+    except StateInUseError as exc:
         _tell_supervisor(exc)
         raise
+    except ServerUnreachableError as exc:
+        if _tell_supervisor(exc):
+            raise  # the supervisor says that it waits, and for how long
+        raise ServerUnreachableError(
+            f"{exc}; with --supervise, ratchet waits for {exc.server} at {exc.address} and retries",
+            server=exc.server,
+            address=exc.address,
+        ) from exc
 
 
-def _tell_supervisor(exc: StateInUseError | ServerUnreachableError) -> None:
+def _tell_supervisor(exc: StateInUseError | ServerUnreachableError) -> bool:
     """A supervised worker refused for a reason that passes says so on its status pipe before
     it exits 2, so its supervisor restarts it (within the restart policy) instead of giving up
     as on a state or a setting that is wrong: the state's lock held by another process for a
-    moment, or a connector's server that cannot be reached yet (down, restarting)."""
+    moment, or a connector's server that cannot be reached yet (down, restarting). Whether
+    this process is a supervised worker."""
     import os
 
     from ratchet.runtime._supervisor_env import (
@@ -500,17 +509,18 @@ def _tell_supervisor(exc: StateInUseError | ServerUnreachableError) -> None:
     )
 
     fd = os.environ.get(STATUS_FD_ENV)
-    if fd:
-        said = (
-            {REFUSED_STATE_IN_USE: exc.holder}
-            if isinstance(exc, StateInUseError)
-            else {REFUSED_UNREACHABLE: f"{exc.server} at {exc.address}"}
-        )
-        line = json.dumps(said) + "\n"
-        try:
-            os.write(int(fd), line.encode())
-        except OSError:  # the supervisor is gone: nobody to tell
-            pass
+    if not fd:
+        return False
+    said = (
+        {REFUSED_STATE_IN_USE: exc.holder}
+        if isinstance(exc, StateInUseError)
+        else {REFUSED_UNREACHABLE: f"{exc.server} at {exc.address}"}
+    )
+    try:
+        os.write(int(fd), (json.dumps(said) + "\n").encode())
+    except OSError:  # the supervisor is gone: nobody to tell
+        pass
+    return True
 
 
 def _run_here(args: argparse.Namespace) -> int:

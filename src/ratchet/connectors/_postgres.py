@@ -168,7 +168,7 @@ def _connect(conninfo: str, flag: str, uri: str, timeout: int) -> psycopg.Connec
                 ) from exc
             # It takes connections now: it may have come up since this attempt failed (its
             # "connection refused" is not a no). Ask once more; a second refusal is its answer.
-    raise AssertionError("unreachable")  # pragma: no cover
+    raise AssertionError("not reached: the second attempt returns or raises")  # pragma: no cover
 
 
 def _answers(conninfo: str, timeout: int) -> bool:

@@ -32,6 +32,8 @@ from connector_servers import (
 from ratchet._errors import ConfigError, ServerUnreachableError
 from ratchet.connectors import sink_for, source_for
 from ratchet.runtime._io import JobIdentity
+from ratchet.runtime._supervisor import unreachable_delay
+from support.rest import get
 
 N = 30
 KEYS = 4
@@ -130,9 +132,15 @@ def test_a_supervised_job_waits_for_postgres_down_at_its_start(
     else:
         io = ["--input", write_inputs(tmp_path / "in.jsonl"), "--output", uri]
     pg.down()
-    proc, log = start_supervised(tmp_path, *io, "--workers", workers)
+    rest = free_port()
+    proc, log = start_supervised(tmp_path, *io, "--workers", workers, "--rest-port", str(rest))
     try:
         wait_for_line(proc, log, waiting_line("PostgreSQL", pg.port, 2, "0.4"))
+        job = get(rest, "/v1/job")  # what the status says while it waits
+        assert job["state"] == "restarting" and job["restarts"] >= 2, job
+        assert job["last_exit"].endswith(
+            f": exit code 2: cannot reach PostgreSQL at 127.0.0.1:{pg.port}"
+        ), job
         pg.up()
     finally:
         text = finish(proc, log)
@@ -319,3 +327,32 @@ def test_a_connection_lost_during_the_checks_at_start_is_unreachable(
         f"while preparing the output table: terminating connection due to administrator "
         f"command" in str(err.value)
     )
+
+
+def test_a_server_that_stays_unreachable_uses_up_the_restarts(tmp_path: Path) -> None:
+    pytest.importorskip("psycopg")
+    port = free_port()  # nothing listens there, for good
+    io = ["--input", write_inputs(tmp_path / "in.jsonl"),
+          "--output", f"postgresql://app@127.0.0.1:{port}/db?table=t"]  # fmt: skip
+    argv = [*RATCHET, "run", AGENT, *io, "--state", str(tmp_path / "state"), "--supervise",
+            "--restart-delay", "0", "--restart-attempts", "2"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=BOUND)
+    assert proc.returncode == 1, proc.stderr
+    address = f"PostgreSQL at 127.0.0.1:{port}"
+    assert (
+        f"ratchet: worker could not reach {address} (exit code 2): waiting for it, retrying: "
+        f"restart 2/2 in 0 s (the delay doubles while it cannot be reached, up to 30 s)\n"
+    ) in proc.stderr
+    assert proc.stderr.endswith(
+        f"ratchet: worker could not reach {address} (exit code 2) and the 2 restart attempts "
+        f"are used up; the state directory keeps the last checkpoint\n"
+    ), proc.stderr
+    assert "not restarting" not in proc.stderr
+
+
+def test_the_delay_doubles_up_to_30_s_or_the_restart_delay() -> None:
+    assert [unreachable_delay(1.0, n) for n in range(1, 9)] == [1, 2, 4, 8, 16, 30, 30, 30]
+    assert [unreachable_delay(0.2, n) for n in (1, 2, 3)] == [0.2, 0.4, 0.8]
+    assert unreachable_delay(0.0, 5) == 0.0  # --restart-delay 0: at once, every time
+    assert unreachable_delay(45.0, 3) == 45.0  # a longer --restart-delay is its own cap
+    assert unreachable_delay(1.0, 10_000) == 30.0  # no overflow after many attempts

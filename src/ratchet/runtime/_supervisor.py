@@ -124,6 +124,13 @@ def _counts_of(report: dict[str, Any] | None) -> dict[str, float]:
     return counts
 
 
+def unreachable_delay(delay: float, waits: int) -> float:
+    """The delay before the next worker after the `waits`-th worker in a row that could not
+    reach a connector's server: `delay` (--restart-delay), doubled for each one before it, up
+    to UNREACHABLE_DELAY_CAP (or `delay`, if that is longer)."""
+    return min(delay * 2.0 ** min(waits - 1, 30), max(delay, UNREACHABLE_DELAY_CAP))
+
+
 def is_loopback(host: str) -> bool:
     """True for a loopback address or `localhost`: a REST API there needs no token."""
     if host.lower() in ("localhost", "localhost."):
@@ -571,13 +578,12 @@ class Supervisor:
                 self.s.state = "restarting"
             delay = self.delay
             if waiting:
-                cap = max(self.delay, UNREACHABLE_DELAY_CAP)
-                delay = min(self.delay * 2.0 ** min(waits - 1, 30), cap)
+                delay = unreachable_delay(self.delay, waits)
                 self._say(
                     logging.WARNING,
                     f"{what}: waiting for it, retrying: restart {self.s.restarts}/"
                     f"{self.attempts} in {delay:g} s (the delay doubles while it cannot be "
-                    f"reached, up to {cap:g} s)",
+                    f"reached, up to {max(self.delay, UNREACHABLE_DELAY_CAP):g} s)",
                 )
             else:
                 self._say(

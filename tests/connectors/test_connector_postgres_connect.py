@@ -187,3 +187,31 @@ def test_the_call_journal_honours_the_uris_connect_timeout(silent: socket.socket
         f"at 127.0.0.1:{port} did not answer within 2 s (connect_timeout); check that the "
         f"server is up and reachable, or give it longer with connect_timeout=SECONDS in its URI"
     )
+
+
+def test_asking_a_locked_output_table_for_a_shards_ids_is_bounded_too(
+    postgres: Postgres, tmp_path: Path
+) -> None:
+    """`holds_outputs_where` (what `--workers N` asks before any worker starts) waits for a
+    lock on the table no longer than connect_timeout, like the checks at start."""
+    import psycopg
+
+    from ratchet._errors import ServerUnreachableError
+    from ratchet.runtime._io import JobIdentity
+
+    sink = sink_for(f"{postgres.dsn}?table=locked_ids&connect_timeout=2", append=False)
+    job = JobIdentity("job1", tmp_path)
+    sink.open(job)
+    try:
+        sink.write([{"id": "a:1:r>x:0", "key": "a", "seq": 1, "task": "r>x", "output": 1}])
+        with psycopg.connect(postgres.dsn) as lock:
+            lock.execute("LOCK TABLE locked_ids IN ACCESS EXCLUSIVE MODE")
+            with pytest.raises(ServerUnreachableError) as err:
+                sink.holds_outputs_where(job, lambda out_id: True)
+            lock.rollback()
+        assert (
+            f"PostgreSQL at 127.0.0.1:{postgres.port} did not answer within 2 s "
+            f"(connect_timeout) while reading the ids of the output table" in str(err.value)
+        )
+    finally:
+        sink.close()

@@ -93,6 +93,7 @@ def test_a_removed_log_of_one_shard_is_refused_with_a_postgres_sink(
     assert _ids(postgres, name) == outputs
 
 
+@pytest.mark.slow
 @pytest.mark.kill
 def test_a_removed_log_of_a_shard_that_had_no_work_resumes_with_a_postgres_sink(
     postgres: Postgres, tmp_path: Path

@@ -91,14 +91,19 @@ def wait_for_line(proc: subprocess.Popen[bytes], log: Path, text: str) -> None:
         time.sleep(0.05)
 
 
-def finish(proc: subprocess.Popen[bytes], log: Path) -> str:
+def ended(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
+    """The job's exit code and its log, once it ended (killed if it outlives BOUND)."""
     try:
         code = proc.wait(timeout=BOUND)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    text = log.read_text()
+    return code, log.read_text()
+
+
+def finish(proc: subprocess.Popen[bytes], log: Path) -> str:
+    code, text = ended(proc, log)
     assert code == 0, text
     assert "not restarting" not in text and "Traceback" not in text, text
     return text
@@ -155,6 +160,7 @@ def test_a_supervised_job_waits_for_postgres_down_at_its_start(
         assert_each_output_once([r[0] for r in rows])
 
 
+@pytest.mark.slow
 def test_a_supervised_job_waits_for_nats_down_at_its_start(own_nats: Nats, tmp_path: Path) -> None:
     nats = own_nats
     nats.add_stream("OUT", ["out.done"])
@@ -239,6 +245,7 @@ def test_what_cannot_reach_a_postgres_server_is_unreachable(tmp_path: Path) -> N
         assert (err.value.server, err.value.address) == ("PostgreSQL", address)
 
 
+@pytest.mark.slow
 def test_what_a_nats_server_answers_no_stays_a_config_error(tmp_path: Path) -> None:
     server = Nats(nats_binary(), "--user", "u", "--pass", "p", credentials="u:p")
     try:
@@ -274,13 +281,7 @@ def test_a_server_that_answers_no_still_stops_the_supervisor(
               "--output", str(tmp_path / "out.jsonl")]  # fmt: skip
         said = "(table nosuchtable) does not exist"
     proc, log = start_supervised(tmp_path, *io)
-    try:
-        code = proc.wait(timeout=BOUND)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = log.read_text()
+    code, text = ended(proc, log)
     assert code == 2, text
     assert said in text, text
     assert "worker failed (exit code 2); not restarting" in text, text

@@ -63,6 +63,7 @@ def test_a_new_job_gets_one_worker_per_core_up_to_the_cap_unless_its_input_is_sm
         assert f"{cores} usable cores" in why
 
 
+@pytest.mark.slow
 def test_an_existing_state_keeps_its_number_of_workers(tmp_path: Path) -> None:
     """Auto never moves keys: one process's state stays one process, a sharded one keeps N."""
     big = tmp_path / "big.jsonl"
@@ -199,6 +200,7 @@ def test_a_process_in_a_real_v1_cgroup_with_a_one_core_quota_gets_one(tmp_path: 
         group.rmdir()  # empty again: its one process has exited
 
 
+@pytest.mark.slow
 def test_run_auto_keeps_one_process_for_what_only_one_process_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -119,6 +119,7 @@ SHARDED_SETTINGS = settings(
 
 
 @pytest.mark.kill
+@pytest.mark.slow  # the agent with every base feature, below, stays in make test (2 workers too)
 @pytest.mark.timeout(900)
 @SHARDED_SETTINGS
 @given(case=cases(Features.none()))

@@ -93,6 +93,7 @@ def plan(seed: int) -> tuple[list[dict[str, Any]], set[str], float]:
     return rows, waiting, rng.uniform(0.0, 0.4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(
     max_examples=int(os.environ.get("LAZY_KILL_EXAMPLES", "3")),

@@ -42,6 +42,7 @@ def lines(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_second_job_is_refused_while_the_first_writes(tmp_path: Path, workers: int) -> None:
     inputs, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -104,6 +104,7 @@ def check_two_signals(out: Path, seed: int) -> None:
         assert o["got"] == [1, 2], f"seed {seed}: key {o['key']} got {o['got']}"
 
 
+@pytest.mark.slow
 def test_signals_reach_their_keys_shard_exactly_once_across_sigkills(tmp_path: Path) -> None:
     seed = _seed(random.randrange(1 << 30))
     rng = random.Random(seed)

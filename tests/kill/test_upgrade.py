@@ -389,6 +389,7 @@ def test_a_refused_replay_puts_back_the_signal_its_new_wait_took(tmp_path: Path)
     finish_with_the_patched_version(w, "after a refusal")
 
 
+@pytest.mark.slow
 def test_a_refused_replay_killed_at_seeded_moments_delivers_the_signal_once(
     tmp_path: Path,
 ) -> None:
@@ -472,6 +473,7 @@ def test_a_changed_event_a_run_in_flight_holds_is_refused_at_start(
     assert [e["phase"] for e in w.lines(w.log) if e["what"] == "pay"] == ["v1"]
 
 
+@pytest.mark.slow
 def test_ratchet_migrate_killed_at_seeded_moments_migrates_each_key_once(tmp_path: Path) -> None:
     seed = 1201
     rng = random.Random(seed)

@@ -183,6 +183,7 @@ def test_a_bounded_job_leaves_a_waiting_run_parked_and_says_so(tmp_path: Path) -
     assert job.outputs() == [{"approval_requested": 5}, {"refused": 5}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_runs_restart_and_abandon_give_a_killed_run_back_the_signal_it_had_taken(
     tmp_path: Path, workers: int
@@ -336,6 +337,7 @@ def test_memory_with_a_ttl_is_gone_for_runs_after_it_expired_across_a_restart(
     assert memory == {"k": {}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["1", "2", "1 then 2"])
 def test_a_failed_run_gets_back_the_signal_it_had_taken_when_it_is_redriven(
     tmp_path: Path, workers: str

@@ -179,6 +179,7 @@ def test_returned_embeddings_and_searches_are_answered_from_the_journal(tmp_path
     assert sorted(r[2] for r in rows(tmp_path)) == ["a dog sat", "the cat sat"]
 
 
+@pytest.mark.slow
 @pytest.mark.kill
 def test_every_add_lands_exactly_once_across_kills(tmp_path: Path) -> None:
     seed = int(os.environ.get("LTM_KILL_SEED", random.randrange(2**32)))

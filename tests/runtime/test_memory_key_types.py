@@ -8,8 +8,6 @@ in two shards)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,29 +15,16 @@ import pytest
 
 import ratchet
 from ratchet.runtime._shards import shard_of
+from support.key_types import TAG_AGENT, cli
 
-RATCHET = [sys.executable, "-m", "ratchet.cli"]
-AGENT = """
-from ratchet import Agent, InputEvent, OutputEvent, action
-
-class Tag(Agent):
-    @action(InputEvent)
-    async def tag(self, event, ctx):
-        ctx.short_term_memory.set("n", event.input["n"])
-        ctx.send_event(OutputEvent(output={"type": type(ctx.key).__name__}))
-"""
 # n is even for the string keys, odd for the integer keys; 7 is an integer key alone.
 LINES = [("1", 0), (1, 1), ("3", 2), (3, 3), (7, 5)]
-
-
-def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, *argv], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module", params=["1", "2"], ids=["one-worker", "two-workers"])
 def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("memory-key-types")
-    (tmp / "agent.py").write_text(AGENT)
+    (tmp / "agent.py").write_text(TAG_AGENT)
     (tmp / "in.jsonl").write_text("".join(json.dumps({"key": k, "n": n}) + "\n" for k, n in LINES))
     done = cli("run", f"{tmp / 'agent.py'}:Tag", "--input", str(tmp / "in.jsonl"),
                "--output", str(tmp / "out.jsonl"), "--state", str(tmp / "st"),

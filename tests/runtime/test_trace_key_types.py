@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +15,15 @@ import pytest
 import ratchet
 from ratchet.store import codec
 from ratchet.store._sqlite import DB_NAME, SCHEMA_VERSION
+from support.key_types import TAG_AGENT, cli
 
-RATCHET = [sys.executable, "-m", "ratchet.cli"]
-AGENT = """
-from ratchet import Agent, InputEvent, OutputEvent, action
-
-class Tag(Agent):
-    @action(InputEvent)
-    async def tag(self, event, ctx):
-        ctx.short_term_memory.set("n", event.input["n"])
-        ctx.send_event(OutputEvent(output={"type": type(ctx.key).__name__}))
-"""
 # Input seqs 0 and 2 are the string key's runs, 1 and 3 the integer key's.
 BOTH = '{"key": "1", "n": 0}\n{"key": 1, "n": 1}\n{"key": "1", "n": 2}\n{"key": 1, "n": 3}\n'
 
 
-def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, *argv], capture_output=True, text=True, timeout=120)
-
-
 def run_job(tmp: Path, lines: str, *extra: str) -> Path:
     """Run the agent over `lines` (appended to its input file) to the end; its state dir."""
-    (tmp / "agent.py").write_text(AGENT)
+    (tmp / "agent.py").write_text(TAG_AGENT)
     with (tmp / "in.jsonl").open("a") as fh:
         fh.write(lines)
     state = tmp / "st"

@@ -101,15 +101,28 @@ def stop(proc: subprocess.Popen[bytes]) -> int:
         raise
 
 
+def with_its_worker_killed(
+    tmp: Path, workers: str, restart_delay: str
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A supervised job whose first worker ran and was SIGKILLed: (its supervisor, REST port).
+    The caller stops the supervisor (stopped here if the worker never ran)."""
+    port = free_port()
+    sup = start_supervised(tmp, port, "--workers", workers, "--restart-delay", restart_delay)
+    try:
+        job = wait_job(tmp, sup, port, lambda j: j["state"] == "running", "running")
+        os.kill(job["worker_pid"], signal.SIGKILL)
+    except BaseException:
+        stop(sup)
+        raise
+    return sup, port
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_commands_that_need_the_job_stopped_refuse_a_supervisor_between_workers(
     tmp_path: Path, workers: str
 ) -> None:
-    port = free_port()
-    sup = start_supervised(tmp_path, port, "--workers", workers, "--restart-delay", "60")
+    sup, port = with_its_worker_killed(tmp_path, workers, "60")
     try:
-        job = wait_job(tmp_path, sup, port, lambda j: j["state"] == "running", "running")
-        os.kill(job["worker_pid"], signal.SIGKILL)
         # The worker is dead, its lock free; the supervisor waits 60 s before the next one.
         wait_job(tmp_path, sup, port, lambda j: j["state"] == "restarting", "restarting")
         for words in STOPPED_COMMANDS:
@@ -126,12 +139,9 @@ def test_commands_that_need_the_job_stopped_refuse_a_supervisor_between_workers(
 def test_a_worker_refused_a_lock_held_for_a_moment_is_restarted(
     tmp_path: Path, workers: str
 ) -> None:
-    port = free_port()
     # A second between a worker's death and the next: the test takes the lock well before it.
-    sup = start_supervised(tmp_path, port, "--workers", workers, "--restart-delay", "1")
+    sup, port = with_its_worker_killed(tmp_path, workers, "1")
     try:
-        job = wait_job(tmp_path, sup, port, lambda j: j["state"] == "running", "running")
-        os.kill(job["worker_pid"], signal.SIGKILL)
         # Another process takes the state's lock while the worker is down (what a `migrate`
         # of a ratchet before this fix did), and holds it over two restarts.
         held = StateLock(tmp_path / "state")

@@ -408,10 +408,16 @@ def server_pids(server: Postgres) -> list[int]:
 @contextlib.contextmanager
 def frozen(server: Postgres) -> Iterator[None]:
     """The server SIGSTOPped, all of its processes: its sockets stay open, nothing answers."""
-    stopped = server_pids(server)
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
+    # The postmaster first, so it forks nothing new; a backend may end between the listing
+    # and its signal (a client that just disconnected), which is no reason to fail, and
+    # whatever was stopped is continued whatever happens, so later tests find a live server.
+    stopped = [server.proc.pid]
     try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        for pid in server_pids(server)[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
         yield
     finally:
         for pid in stopped:

@@ -308,6 +308,9 @@ def test_a_supervised_sharded_job_is_one_job_to_rest_across_sigkills(tmp_path: P
         # The coordinator's restart is added; shard 0's is kept though the new coordinator
         # counts its shards' restarts from zero (a counter never goes down).
         assert restarts_in_metrics(port) == (2.0, {"0": 1.0, "1": 0.0})
+        # /v1/job's per-shard figure agrees: shard 0's restart by the first coordinator is kept
+        # (it said 0, the new coordinator's own count).
+        assert [s["restarts"] for s in job()["shards"]] == [1, 0]
         code, page = http_json("GET", port, "/")
         assert code == 200 and "<html" in page.lower()
     finally:

@@ -41,7 +41,10 @@ class Paused(BaseModel):
 class ShardInfo(BaseModel):
     shard: int = Field(description="its index: the shard of STATE/shards/<shard>-of-<N>")
     pid: int | None = Field(description="pid of its current worker process")
-    restarts: int = Field(description="times the coordinator restarted its worker")
+    restarts: int = Field(
+        description="times a coordinator restarted this shard's worker since the supervisor "
+        "started (kept across restarts of the coordinator, as ratchet_shard_restarts_total)"
+    )
     reported: bool = Field(description="whether its current worker has reported yet")
     in_flight_runs: int | None = None
     queued_inputs: int | None = None

@@ -227,8 +227,24 @@ class Supervisor:
                 queued_inputs=status.get("buffered_inputs"),
                 waiting=status.get("waiting"),
                 paused=status.get("paused"),
-                shards=(self.s.report or {}).get("shards"),
+                shards=self._shards_since_start(),
             )
+
+    def _shards_since_start(self) -> list[Any] | None:
+        """Under the lock: the report's shards, each one's `restarts` counted since this
+        supervisor started (a restarted coordinator counts its shards' restarts from 0; the
+        ended coordinators' counts are kept as for /metrics, see `_counts_of`)."""
+        shards = (self.s.report or {}).get("shards")
+        if not isinstance(shards, list):
+            return shards
+        whole: list[Any] = []
+        for shard in shards:
+            if isinstance(shard, dict) and type(shard.get("shard")) is int:
+                name = f"shard_restarts:{shard['shard']}"
+                total = self.s.ended_counts.get(name, 0.0) + self.s.worker_counts.get(name, 0.0)
+                shard = dict(shard, restarts=int(total))
+            whole.append(shard)
+        return whole
 
     def send_signal(
         self, key: str, name: str, value: Any, key_type: str = "auto"

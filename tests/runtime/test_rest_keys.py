@@ -119,7 +119,8 @@ def test_status_url_shows_the_rows_status_state_shows(tmp_path: Path) -> None:
     down reports: every row of /v1/job is shown (in flight, queued, waiting, paused, last
     exit, shards), not only the supervisor's own."""
     job = {
-        "state": "running", "worker_pid": 41, "resource_id": "r", "restarts": 1,
+        "state": "running", "worker_pid": 41, "resource_id": "r", "restarts": 3,
+        "restarts_counted": 1,
         "uptime_seconds": 9.5, "worker_uptime_seconds": 2.0,
         "last_exit": "killed by SIGKILL", "in_flight_runs": 3, "queued_inputs": 5,
         "waiting": [{"key": "bob", "seq": 2, "task": "t", "on": "signal approve",
@@ -140,7 +141,10 @@ def test_status_url_shows_the_rows_status_state_shows(tmp_path: Path) -> None:
         "/v1/job/config": {
             "checkpoint_interval_ms": 100, "tolerable_checkpoint_failures": 0,
             "max_concurrent_runs": 64, "max_buffered_inputs": 64, "state_dir": "s", "engine": {},
-            "restart_strategy": {"type": "fixed-delay", "attempts": 10, "delay_seconds": 0.3},
+            "restart_strategy": {"type": "fixed-delay-with-reset", "attempts": 10,
+                                 "delay_seconds": 0.3, "reset_after_seconds": 600,
+                                 "unreachable_delay_factor": 2.0,
+                                 "unreachable_max_delay_seconds": 30},
         },
     }  # fmt: skip
 
@@ -170,6 +174,11 @@ def test_status_url_shows_the_rows_status_state_shows(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     rows = _rows(shown.stdout)
     assert rows["last exit"] == "killed by SIGKILL", shown.stdout
+    assert rows["restarts"] == "3 in all, 1 of 10 counted now", rows
+    assert rows["restart strategy"] == (
+        "fixed-delay-with-reset, 10 attempts, 0.3 s delay (doubling up to 30 s while a server "
+        "cannot be reached), the count starts again after 600 s of running"
+    ), rows
     assert rows["in-flight runs"] == "3" and rows["queued inputs"] == "5", shown.stdout
     assert rows["waiting"].startswith("key bob input 2: signal approve since "), rows
     assert rows["paused"].startswith("scoring unavailable since "), rows

@@ -192,6 +192,7 @@ def test_metrics_agree_with_the_job_api_and_the_output_file(
     assert m["ratchet_inputs_total"] == 6
     assert m['ratchet_agent_counter_total{name="echo.seen"}'] == 6
     assert m["ratchet_worker_restarts_total"] == 0
+    assert m["ratchet_worker_restarts_counted"] == 0
     assert m["ratchet_worker_up"] == 1
     assert m["ratchet_restore_duration_seconds"] >= 0  # a new state: the start itself
     assert m['ratchet_job_state{state="running"}'] == 1
@@ -267,6 +268,9 @@ def test_counters_stay_monotonic_across_a_worker_restart(tmp_path: Path) -> None
         assert last["ratchet_inputs_total"] >= 4
         assert last['ratchet_agent_counter_total{name="echo.seen"}'] >= 4
         assert get_json(port, "/v1/job")["restarts"] == 1
+        # Counted against --restart-attempts until a worker has run 600 s (the default).
+        assert last["ratchet_worker_restarts_counted"] == 1
+        assert get_json(port, "/v1/job")["restarts_counted"] == 1
         # The replacement worker's start (a restore, or a new state if the first worker died
         # before its first checkpoint): a measured duration.
         assert 0 < last["ratchet_restore_duration_seconds"] < 60

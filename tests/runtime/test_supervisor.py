@@ -57,14 +57,20 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path: Path) -> None:
     proc = supervised(tmp_path, [{"key": "a"}, {"key": "b"}], "--follow", "--rest-port", str(port))
     try:
         job = wait_running(port)
-        assert job["restarts"] == 0 and job["worker_pid"] and job["resource_id"]
+        assert job["restarts"] == 0 and job["restarts_counted"] == 0
+        assert job["worker_pid"] and job["resource_id"]
         spec = get(port, "/openapi.json")
         assert {"/v1/job", "/v1/job/checkpoints", "/v1/job/config"} <= set(spec["paths"])
         config = get(port, "/v1/job/config")
+        # What it does: the delay doubles while a server cannot be reached, and the count
+        # starts again after 600 s of running (it said "fixed-delay", which it is not).
         assert config["restart_strategy"] == {
-            "type": "fixed-delay",
+            "type": "fixed-delay-with-reset",
             "attempts": 10,
             "delay_seconds": 1.0,
+            "reset_after_seconds": 600.0,
+            "unreachable_delay_factor": 2.0,
+            "unreachable_max_delay_seconds": 30.0,
         }
         assert config["checkpoint_interval_ms"] == 200.0
         assert "/v1/job/metrics" in spec["paths"]

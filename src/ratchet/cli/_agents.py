@@ -146,9 +146,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="run the engine in a worker process and restart it when it dies",
     )
-    sup.add_argument("--restart-attempts", type=int, default=10, help="default 10")
+    sup.add_argument(
+        "--restart-attempts",
+        type=int,
+        default=10,
+        help="restarts in a row before the supervisor gives up (default 10)",
+    )
     sup.add_argument(
         "--restart-delay", type=float, default=1.0, metavar="SECONDS", help="default 1"
+    )
+    sup.add_argument(
+        "--restart-reset-after",
+        type=float,
+        default=600.0,  # the Supervisor's RESTART_RESET_AFTER (not imported on the run path)
+        metavar="SECONDS",
+        help="a worker that runs this long starts the count of --restart-attempts again "
+        "(default 600; 0: never)",
     )
     sup.add_argument(
         "--rest-port",
@@ -331,6 +344,7 @@ def _supervise(args: argparse.Namespace) -> int:
         args.state,
         restart_attempts=args.restart_attempts,
         restart_delay=args.restart_delay,
+        restart_reset_after=args.restart_reset_after,
         rest_host=args.rest_host,
         rest_port=args.rest_port,
         rest_token=args.rest_token,
@@ -1089,7 +1103,11 @@ def _status_url(args: argparse.Namespace) -> int:
     table = Table(title=f"ratchet job at {base}", show_header=False)
     table.add_row("state", job.state)
     table.add_row("worker", f"pid {job.worker_pid}, resource {job.resource_id}")
-    table.add_row("restarts", str(job.restarts))
+    table.add_row(
+        "restarts",
+        f"{job.restarts} in all, {job.restarts_counted} of {config.restart_strategy.attempts} "
+        f"counted now",
+    )
     table.add_row("last exit", job.last_exit or "-")
     table.add_row("uptime", f"{job.uptime_seconds:.1f} s")
     # The rows `status --state` has, as of the worker's last report (None: none yet).
@@ -1136,8 +1154,15 @@ def _status_url(args: argparse.Namespace) -> int:
     table.add_row("latest restored", f"#{latest.restored.id}" if latest.restored else "-")
     table.add_row("checkpoint interval", f"{config.checkpoint_interval_ms:g} ms")
     rs = config.restart_strategy
+    reset = (
+        f"the count starts again after {rs.reset_after_seconds:g} s of running"
+        if rs.reset_after_seconds > 0
+        else "the count never starts again"
+    )
     table.add_row(
-        "restart strategy", f"{rs.type}, {rs.attempts} attempts, {rs.delay_seconds:g} s delay"
+        "restart strategy",
+        f"{rs.type}, {rs.attempts} attempts, {rs.delay_seconds:g} s delay (doubling up to "
+        f"{rs.unreachable_max_delay_seconds:g} s while a server cannot be reached), {reset}",
     )
     Console().print(table)
     return EXIT_OK

@@ -57,7 +57,14 @@ class JobInfo(BaseModel):
     state: Literal["starting", "running", "restarting", "finished", "failed"]
     worker_pid: int | None = Field(description="pid of the current worker process")
     resource_id: str | None = Field(description="new for every worker start")
-    restarts: int
+    restarts: int = Field(
+        description="workers the supervisor restarted since it started, in all (never reset)"
+    )
+    restarts_counted: int = Field(
+        description="the restarts --restart-attempts limits now (restart N/attempts in the "
+        "log): since the supervisor started, or since the last worker that ran "
+        "--restart-reset-after seconds; 0 once the current worker has run that long"
+    )
     uptime_seconds: float = Field(description="since the supervisor started")
     worker_uptime_seconds: float | None
     last_exit: str | None = Field(description="how the previous worker ended, if one did")
@@ -157,9 +164,29 @@ class CheckpointStatistics(BaseModel):
 
 
 class RestartStrategy(BaseModel):
-    type: Literal["fixed-delay"] = "fixed-delay"
-    attempts: int
-    delay_seconds: float
+    """What the supervisor does when its worker dies (docs/operations.md, "What the supervisor
+    restarts")."""
+
+    type: Literal["fixed-delay-with-reset"] = Field(
+        default="fixed-delay-with-reset",
+        description="a fixed delay, doubled only while a connector's server cannot be reached "
+        "at start; the count of restarts starts again after a worker ran reset_after_seconds",
+    )
+    attempts: int = Field(
+        description="restarts allowed in a row (--restart-attempts); one more death ends the job"
+    )
+    delay_seconds: float = Field(description="the delay before a restart (--restart-delay)")
+    reset_after_seconds: float = Field(
+        description="a worker that runs this long (from its first report) starts the count of "
+        "attempts again (--restart-reset-after); 0: never"
+    )
+    unreachable_delay_factor: float = Field(
+        description="the delay is multiplied by this for each worker in a row that could not "
+        "reach a connector's server at start"
+    )
+    unreachable_max_delay_seconds: float = Field(
+        description="up to this delay (30 s, or delay_seconds if that is longer)"
+    )
 
 
 class JobConfig(BaseModel):

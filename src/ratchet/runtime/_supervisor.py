@@ -1,5 +1,11 @@
 """`ratchet run --supervise`: a supervisor process that runs the engine in a worker process,
-restarts it when it dies (fixed delay), serves the REST status API, and stops cleanly.
+restarts it when it dies, serves the REST status API, and stops cleanly.
+
+Restarts: after --restart-delay seconds (doubled for each worker in a row that could not reach
+a connector's server, up to UNREACHABLE_DELAY_CAP), at most --restart-attempts of them in a
+row; a worker that ran --restart-reset-after seconds (from its first report) starts that count
+again, so a job that runs for months is not given up for a few crashes weeks apart. The total
+of restarts (/v1/job's `restarts`, the Prometheus counter) is never reset.
 
 The worker is an ordinary `ratchet run` (same arguments, without `--supervise`); it reports
 its checkpoint statistics and effective configuration over a pipe, one JSON line after its
@@ -19,6 +25,7 @@ import importlib
 import ipaddress
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -66,6 +73,9 @@ HISTORY_SAMPLES = 720
 # While a worker cannot reach a connector's server at start, the delay before the next one
 # doubles from --restart-delay up to this (or --restart-delay, if that is longer).
 UNREACHABLE_DELAY_CAP = 30.0
+# A worker that has run this long (seconds since its first report) starts the count of
+# restarts that --restart-attempts limits again (--restart-reset-after; 0: never).
+RESTART_RESET_AFTER = 600.0
 _LABELLED = re.compile(r"^(?P<name>[^\[\]]+)\[(?P<label>.*)\]$")
 
 
@@ -81,12 +91,18 @@ class _Worker:
     # The connector's server it could not reach at start ("PostgreSQL at db:5432"), as it said
     # on its pipe before it exited 2; None for any other end.
     unreachable: str | None = None
+    # clock.monotonic() at its first report (its restore done: running); None until then, and
+    # for a worker refused at start (it never reports).
+    running_since: float | None = None
 
 
 @dataclass
 class SupervisorState:
     state: str = "starting"
-    restarts: int = 0
+    restarts: int = 0  # in all, since the supervisor started: only grows
+    # The restarts --restart-attempts limits: those since the supervisor started or since the
+    # last worker that ran --restart-reset-after seconds (see Supervisor.counted_restarts).
+    window_restarts: int = 0
     worker: _Worker | None = None
     last_exit: str | None = None
     report: dict[str, Any] | None = None
@@ -131,6 +147,19 @@ def unreachable_delay(delay: float, waits: int) -> float:
     return min(delay * 2.0 ** min(waits - 1, 30), max(delay, UNREACHABLE_DELAY_CAP))
 
 
+def _check_seconds(flag: str, value: float, zero: str | None = None) -> None:
+    """Refuse a negative, infinite or NaN number of seconds for `flag`, naming the value."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        hint = f" ({zero})" if zero else ""
+        raise ConfigError(f"{flag} must be a number of seconds >= 0{hint}, not {shown}")
+
+
 def is_loopback(host: str) -> bool:
     """True for a loopback address or `localhost`: a REST API there needs no token."""
     if host.lower() in ("localhost", "localhost."):
@@ -163,6 +192,7 @@ class Supervisor:
         state_dir: str | os.PathLike[str],
         restart_attempts: int = 10,
         restart_delay: float = 1.0,
+        restart_reset_after: float = RESTART_RESET_AFTER,
         rest_host: str = "127.0.0.1",
         rest_port: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
@@ -172,9 +202,13 @@ class Supervisor:
     ) -> None:
         """`rest_token`: None reads the environment variable RATCHET_REST_TOKEN; a REST API on
         an address other than loopback is refused without one. `log_format` "json": the
-        lifecycle lines are log records (one JSON object each), else plain stderr lines."""
-        if restart_attempts < 0 or restart_delay < 0:
-            raise ConfigError("--restart-attempts and --restart-delay must be >= 0")
+        lifecycle lines are log records (one JSON object each), else plain stderr lines.
+        `restart_reset_after`: seconds a worker must run (from its first report) to start the
+        count of restarts that `restart_attempts` limits again; 0: never."""
+        if restart_attempts < 0:
+            raise ConfigError(f"--restart-attempts must be >= 0, not {restart_attempts}")
+        _check_seconds("--restart-delay", restart_delay)
+        _check_seconds("--restart-reset-after", restart_reset_after, zero="0: never")
         if rest_token is None:
             rest_token = os.environ.get(REST_TOKEN_ENV) or None
         if rest_token is not None:
@@ -193,6 +227,7 @@ class Supervisor:
         self.state_dir = Path(state_dir)
         self.attempts = restart_attempts
         self.delay = restart_delay
+        self.reset_after = float(restart_reset_after)
         self.rest_host = rest_host
         self.rest_port = rest_port
         self.clock = clock
@@ -220,6 +255,7 @@ class Supervisor:
                 worker_pid=w.proc.pid if w else None,
                 resource_id=w.resource_id if w else None,
                 restarts=self.s.restarts,
+                restarts_counted=self._counted_restarts(),
                 uptime_seconds=now - self.s.started,
                 worker_uptime_seconds=(now - w.started) if w else None,
                 last_exit=self.s.last_exit,
@@ -229,6 +265,24 @@ class Supervisor:
                 paused=status.get("paused"),
                 shards=self._shards_since_start(),
             )
+
+    def _ran_past_reset(self, worker: _Worker | None) -> bool:
+        """Whether `worker` has run --restart-reset-after seconds since its first report."""
+        return (
+            self.reset_after > 0
+            and worker is not None
+            and worker.running_since is not None
+            and self.clock.monotonic() - worker.running_since >= self.reset_after
+        )
+
+    def _counted_restarts(self) -> int:
+        """Under the lock: the restarts --restart-attempts limits now (`restart N/attempts` in
+        the log): 0 once the live worker has run --restart-reset-after seconds, as its death
+        will find it."""
+        w = self.s.worker
+        if w is not None and w.proc.poll() is None and self._ran_past_reset(w):
+            return 0
+        return self.s.window_restarts
 
     def _shards_since_start(self) -> list[Any] | None:
         """Under the lock: the report's shards, each one's `restarts` counted since this
@@ -295,7 +349,13 @@ class Supervisor:
             tolerable_checkpoint_failures=engine["tolerable_checkpoint_failures"],
             max_concurrent_runs=engine["max_concurrent_runs"],
             max_buffered_inputs=engine["max_buffered_inputs"],
-            restart_strategy=RestartStrategy(attempts=self.attempts, delay_seconds=self.delay),
+            restart_strategy=RestartStrategy(
+                attempts=self.attempts,
+                delay_seconds=self.delay,
+                reset_after_seconds=self.reset_after,
+                unreachable_delay_factor=2.0,
+                unreachable_max_delay_seconds=max(self.delay, UNREACHABLE_DELAY_CAP),
+            ),
             state_dir=str(self.state_dir),
             engine=engine,
         )
@@ -488,6 +548,8 @@ class Supervisor:
                     continue
                 with self._lock:
                     if self.s.worker is not None and self.s.worker.resource_id == resource_id:
+                        if self.s.worker.running_since is None:
+                            self.s.worker.running_since = self.clock.monotonic()
                         self.s.report = report
                         self.s.worker_counts = _counts_of(report)
                         self.s.last_report_at = self.clock.now()
@@ -581,8 +643,21 @@ class Supervisor:
                     self.s.state = "failed"
                 self._say(logging.ERROR, f"worker failed ({how}); not restarting")
                 return rc
+            again = ""
             with self._lock:
-                if self.s.restarts >= self.attempts:
+                if self._ran_past_reset(worker):
+                    # It ran --restart-reset-after seconds: the deaths before it were not one
+                    # crash loop, so the count --restart-attempts limits starts again (and a
+                    # worker that ran was not refused: the unreachable doubling is at 1 too).
+                    assert worker.running_since is not None
+                    if self.s.window_restarts:
+                        ran = self.clock.monotonic() - worker.running_since
+                        again = (
+                            f" (the count started again: the worker had run {ran:.1f} s, "
+                            f"--restart-reset-after {self.reset_after:g} s)"
+                        )
+                    self.s.window_restarts = 0
+                if self.s.window_restarts >= self.attempts:
                     self.s.state = "failed"
                     self._say(
                         logging.ERROR,
@@ -591,20 +666,22 @@ class Supervisor:
                     )
                     return EXIT_FAILED
                 self.s.restarts += 1
+                self.s.window_restarts += 1
+                counted = self.s.window_restarts
                 self.s.state = "restarting"
             delay = self.delay
             if waiting:
                 delay = unreachable_delay(self.delay, waits)
                 self._say(
                     logging.WARNING,
-                    f"{what}: waiting for it, retrying: restart {self.s.restarts}/"
+                    f"{what}: waiting for it, retrying: restart {counted}/"
                     f"{self.attempts} in {delay:g} s (the delay doubles while it cannot be "
                     f"reached, up to {max(self.delay, UNREACHABLE_DELAY_CAP):g} s)",
                 )
             else:
                 self._say(
                     logging.WARNING,
-                    f"{what}; restart {self.s.restarts}/{self.attempts} in {delay:g} s",
+                    f"{what}; restart {counted}/{self.attempts} in {delay:g} s{again}",
                 )
             if self._stop.wait(delay):
                 with self._lock:
@@ -636,6 +713,7 @@ class _JobCollector:
             s = sup.s
             state = s.state
             restarts = s.restarts
+            counted = sup._counted_restarts()
             worker_up = s.worker is not None and s.worker.proc.poll() is None
             report = s.report
             last_report_at = s.last_report_at
@@ -664,6 +742,14 @@ class _JobCollector:
             for shard, value in sorted(shard_restarts.items(), key=lambda kv: int(kv[0])):
                 per_shard.add_metric([shard], value)
             yield per_shard
+        left = GaugeMetricFamily(
+            "ratchet_worker_restarts_counted",
+            "the supervisor's restarts that --restart-attempts limits now (it gives up at the "
+            "next death once this equals the attempts); 0 again after a worker ran "
+            "--restart-reset-after seconds",
+        )
+        left.add_metric([], float(counted))
+        yield left
         up = GaugeMetricFamily("ratchet_worker_up", "1 while a worker process is alive")
         up.add_metric([], 1.0 if worker_up else 0.0)
         yield up

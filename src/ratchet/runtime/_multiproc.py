@@ -34,6 +34,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,9 +63,17 @@ log = logging.getLogger("ratchet.shards")
 _HEADER = struct.Struct(">I")
 BATCH = 256  # inputs read from the source per round of frames
 WINDOW = 32  # frames a worker may hold unread before the coordinator waits for it
-RESTARTS = 20  # times one worker may be restarted (killed by a signal) in one run
+RESTARTS = 20  # times in a row one shard's worker may be restarted (killed by a signal)
+# A shard's worker that has run this long since its restore (its hello) starts that count
+# again: a job that runs for months is not stopped by a few kills weeks apart (0: never).
+RESET_AFTER = 600.0
 PIDS_FILE = "workers.json"  # in shards/: the pids of the coordinator and its workers
 _PLACES = 1 << 18  # keys whose shard the coordinator remembers
+
+
+def _too_often() -> str:
+    within = f", none of them running {RESET_AFTER:g} s" if RESET_AFTER > 0 else ""
+    return f" (killed again after {RESTARTS} restarts in a row{within})"
 
 
 def _frame(msg: Any) -> bytes:
@@ -382,7 +391,9 @@ class _Shard:
     room: asyncio.Event = field(default_factory=asyncio.Event)
     result: dict[str, Any] | None = None
     error: tuple[str, str] | None = None
-    restarts: int = 0
+    restarts: int = 0  # in all, in this coordinator's run (reported; only grows)
+    in_a_row: int = 0  # the restarts RESTARTS limits (see RESET_AFTER)
+    running_since: float | None = None  # time.monotonic() at its current worker's hello
     gone: bool = False  # ended and not to be restarted
     report: dict[str, Any] | None = None  # the worker's latest status report (supervised jobs)
     carried: dict[str, float] = field(default_factory=dict)  # counts of its killed workers
@@ -601,20 +612,26 @@ class Coordinator:
             shard.writer.close()
         shard.ready = False
         shard.room.set()
+        ran = None if shard.running_since is None else time.monotonic() - shard.running_since
+        shard.running_since = None
+        if ran is not None and RESET_AFTER > 0 and ran >= RESET_AFTER:
+            shard.in_a_row = 0  # not a crash loop: it ran long enough since its restore
         if shard.result is not None:
             log.debug("shard %d finished", shard.index)
-        elif rc < 0 and (self._fatal or self._stopping) and shard.restarts < RESTARTS:
+        elif rc < 0 and (self._fatal or self._stopping) and shard.in_a_row < RESTARTS:
             # Killed while the job stops (for another reason, or a Ctrl-C that reached every
             # process of the group): not restarted; its state is a checkpoint like any other.
             shard.gone = True
-        elif rc < 0 and not self._fatal and shard.restarts < RESTARTS:
+        elif rc < 0 and not self._fatal and shard.in_a_row < RESTARTS:
             shard.restarts += 1
+            shard.in_a_row += 1
             for name, value in counts_of(shard.report).items():  # the next worker counts from 0
                 shard.carried[name] = shard.carried.get(name, 0.0) + value
             shard.report = None
             log.warning(
                 "worker of shard %d (pid %d) was killed by signal %d; restarting it from its "
-                "last checkpoint (restart %d)", shard.index, proc.pid, -rc, shard.restarts,
+                "last checkpoint (restart %d; %d/%d in a row)", shard.index, proc.pid, -rc,
+                shard.restarts, shard.in_a_row, RESTARTS,
             )  # fmt: skip
             try:
                 await self._spawn(shard)
@@ -628,7 +645,7 @@ class Coordinator:
             what = (
                 f"{err[1]}"
                 if err is not None
-                else f"it exited with code {rc}" + (" (restarted too often)" if rc < 0 else "")
+                else f"it exited with code {rc}" + (_too_often() if rc < 0 else "")
             )
             shard.gone = True
             exc_type = getattr(_errors, err[0], None) if err is not None else None
@@ -674,6 +691,7 @@ class Coordinator:
             log.exception("could not pass the job's status on")
 
     def _hello(self, shard: _Shard, nxt: int, frm: int, at: dict[str, Any]) -> None:
+        shard.running_since = time.monotonic()
         shard.next = nxt
         shard.committed = (nxt, frm, at)
         replay = 0

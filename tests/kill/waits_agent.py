@@ -101,14 +101,15 @@ class TwoSignals(Agent):
     """Waits for the signal `go` twice, then outputs both values in the order it got them (a
     signal delivered twice, lost, or out of order shows in the output). An input with
     "fail" ends its run in an error (a dead letter); so does WAITS_BROKEN=1 in the job's
-    environment, once the run has taken its first `go` (a bug, fixed by running without)."""
+    environment, once the run has taken its first `go` (a bug, fixed by running without),
+    and "break": V in the input when that first value is V (for that input's run only)."""
 
     @action(InputEvent)
     async def wait_twice(self, event: InputEvent, ctx: Any) -> None:
         if event.input.get("fail"):
             raise ValueError(f"input of {ctx.key} asked to fail")
         first = await ctx.wait_for_signal("go")
-        if os.environ.get("WAITS_BROKEN") == "1":
+        if os.environ.get("WAITS_BROKEN") == "1" or event.input.get("break", ...) == first:
             log(what="broken", key=str(ctx.key), first=first)
             raise ValueError(f"{ctx.key} broke after taking {first!r}")
         second = await ctx.wait_for_signal("go")

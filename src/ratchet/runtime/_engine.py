@@ -778,34 +778,43 @@ class _EngineWaits:
             loop.call_soon_threadsafe(self._back, rows)
 
     def _back(self, rows: list[SignalRow]) -> None:
-        """Signals put back (`signals_back`): pending again, in their place by id. Their ids
-        may be above the cursor (taken by an earlier process): a later poll must not add them
-        a second time, so they are remembered."""
+        """Signals put back (`signals_back`): pending again, in their place by id."""
+        self.add_signals([], rows)
+
+    def add_signals(self, rows: list[SignalRow], back: list[SignalRow] | None = None) -> None:
+        """Signals read from the store (`rows`: sent since the cursor, in id order) and signals
+        put back (`back`: taken before, their ids kept), pending in the order sent: by id,
+        whichever arrives first. Waiters are matched once both are in place, so a signal read
+        with a put-back older one never goes ahead of it. A put-back signal's id may be above
+        the cursor (taken by an earlier process): a later read must not add it a second time,
+        so it is remembered."""
         touched = set()
-        for sid, key_text, name, value, sent_at, key_type in rows:
-            self.put_back.add(sid)
-            where = (key_text, name)
-            pending = self.signals.setdefault(where, collections.deque())
-            if any(e[0] == sid for e in pending):
+        for row in back or ():
+            self.put_back.add(row[0])
+            if self._pend(row, check=True):
+                touched.add((row[1], row[2]))
+        for row in rows:
+            if row[0] <= self.cursor or row[0] in self.put_back:
                 continue
-            at = next((i for i, e in enumerate(pending) if e[0] > sid), len(pending))
-            pending.insert(at, (sid, value, sent_at, key_type))
-            touched.add(where)
+            self.cursor = row[0]
+            self._pend(row, check=False)
+            touched.add((row[1], row[2]))
         for where in touched:
             self._match(where)
 
-    def add_signals(self, rows: list[tuple[int, str, str, bytes, float, str | None]]) -> None:
-        touched = set()
-        for sid, key_text, name, value, sent_at, key_type in rows:
-            if sid <= self.cursor or sid in self.put_back:
-                continue
-            self.cursor = sid
-            where = (key_text, name)
-            entry = (sid, value, sent_at, key_type)
-            self.signals.setdefault(where, collections.deque()).append(entry)
-            touched.add(where)
-        for where in touched:
-            self._match(where)
+    def _pend(self, row: SignalRow, check: bool) -> bool:
+        """Add one signal to its key and name's pending signals, in its place by id (at the end,
+        as a new one's is). `check`: leave out one pending already. Whether it was added."""
+        sid, key_text, name, value, sent_at, key_type = row
+        pending = self.signals.setdefault((key_text, name), collections.deque())
+        if check and any(e[0] == sid for e in pending):
+            return False
+        entry = (sid, value, sent_at, key_type)
+        if not pending or pending[-1][0] < sid:
+            pending.append(entry)
+        else:
+            pending.insert(next(i for i, e in enumerate(pending) if e[0] >= sid), entry)
+        return True
 
     async def poll_signals(self) -> None:
         """Read signals sent, and redrives asked for, since the last look (other processes
@@ -818,9 +827,9 @@ class _EngineWaits:
             return rows, redrives, engine._redrive_signals(redrives)
 
         rows, redrives, back = await asyncio.wrap_future(engine._writer.submit(look))
-        self.add_signals(rows)
-        if back:
-            self._back(back)  # before the redriven runs start: theirs to take again
+        # Together: a run of the key waiting now takes the oldest (a signal read here can be
+        # newer than one put back); before the redriven runs start, theirs to take again.
+        self.add_signals(rows, back)
         if redrives:
             engine._redrive(redrives)
 

@@ -178,24 +178,9 @@ def open_state(state_dir: str | os.PathLike[str]) -> State:
 
 
 def _open_readonly(db: Path) -> SqliteStore:
-    """`SqliteStore.open_readonly`, with the database's path escaped in the URI: a `?`, `#`
-    or `%` in a directory name would otherwise end the path early (and the rest, `mode=ro`
-    included, would be ignored)."""
-    conn: sqlite3.Connection | None = None
-    try:
-        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
-        store = SqliteStore(conn, db)
-        # An older schema reads the same; a newer one is refused (StateError).
-        store._schema_version()
-    except sqlite3.Error as exc:
-        if conn is not None:
-            conn.close()
-        raise StateError(f"{db} is not a readable ratchet state database: {exc}") from exc
-    except BaseException:
-        if conn is not None:
-            conn.close()
-        raise
-    return store
+    """`SqliteStore.open_readonly` of the directory holding `db` (its URI escapes the path: a
+    `?`, `#` or `%` in a directory name would otherwise end it early)."""
+    return SqliteStore.open_readonly(db.parent)
 
 
 class State:

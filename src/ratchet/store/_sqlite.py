@@ -302,6 +302,35 @@ def state_dir_error(state_dir: Path, exc: OSError) -> StateError:
     return StateError(f"--state {state_dir} cannot be used as a state directory: {why}")
 
 
+def wal_files_blocked(path: Path) -> StateError | None:
+    """Why a reader cannot open the WAL-mode database `path`, when that is the reason: its
+    `-wal` or `-shm` file is missing and its directory is not writable by this process, so
+    SQLite cannot create them (reading a WAL database needs both, even read-only). None if
+    that is not why (the file is not in WAL mode, both files are there, or the directory is
+    writable).
+
+    `?immutable=1` (or `nolock=1`) would read it without them, but also without locks: a job
+    that starts meanwhile (its owner may write where this process cannot) could change the
+    file under the reader. So the reader is told what to do instead."""
+    try:
+        with path.open("rb") as fh:
+            header = fh.read(20)
+    except OSError:
+        return None
+    if len(header) < 20 or header[:16] != b"SQLite format 3\x00" or header[18:20] != b"\x02\x02":
+        return None  # not a database in WAL mode: a read-only one needs no other file
+    missing = [p.name for p in _sidecars(path)[2:] if not p.exists()]
+    if not missing or os.access(path.parent, os.W_OK | os.X_OK):
+        return None
+    return StateError(
+        f"{path} cannot be read: the state database is in WAL mode, and reading it needs "
+        f"{' and '.join(missing)} beside it, which SQLite cannot create because this process "
+        f"cannot write to {path.parent}; make that directory writable for this user (reading "
+        f"changes no state), or read a writable copy (cp -r DIR COPY && chmod -R u+w COPY, "
+        f"then --state COPY)"
+    )
+
+
 class StateLock:
     """Exclusive ownership of a state directory; the OS drops it when the process dies."""
 
@@ -429,6 +458,13 @@ class SqliteStore:
                 f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None
             )
             store = cls(conn, path)
+            try:
+                conn.execute("PRAGMA schema_version").fetchone()  # the first read of the file
+            except sqlite3.DatabaseError as exc:
+                blocked = wal_files_blocked(path)
+                if blocked is not None:
+                    raise blocked from exc
+                # Otherwise the schema check below says what it is (not a database, say).
             # An older schema reads the same (a writer migrates it when it next opens it).
             store._schema_version()
         except sqlite3.DatabaseError as exc:

@@ -2,9 +2,9 @@
 runs"), with real `ratchet` processes:
 
 - a cleanly stopped job's state (no `ratchet.db-wal` / `-shm`: SQLite would have to create
-  them to read a WAL database) is refused by every reading command, and by
-  `ratchet.open_state`, in one line naming the directory and the fixes, exit 2; nothing is
-  created there; a writable copy, as the line says, reads;
+  them to read a WAL database) is refused by every reading command, by `ratchet signal` and
+  by `ratchet.open_state`, in one line naming the directory and the fixes, exit 2; nothing
+  is created there; a writable copy, as the line says, reads;
 - a state whose job was SIGKILLed (both files left beside the database) reads as it is.
 
 Tests run as root, who writes any file whatever its mode: the reading commands then run
@@ -102,18 +102,23 @@ def test_a_stopped_state_in_a_directory_the_reader_cannot_write_is_one_clear_lin
         assert refused.returncode == 2, (words, refused.stderr)
         assert refused.stdout == "" and "Traceback" not in refused.stderr, refused.stderr
         (line,) = refused.stderr.splitlines()
-        assert line.startswith(f"ratchet: error: {db} cannot be read: "), line
-        assert "in WAL mode" in line and "ratchet.db-wal and ratchet.db-shm" in line, line
-        assert f"this process cannot write to {state};" in line, line
+        assert line.startswith(f"ratchet: error: {db} cannot be opened: "), line
+        assert "in WAL mode, and SQLite needs ratchet.db-wal and ratchet.db-shm" in line, line
+        assert f"it cannot create because this process cannot write to {state};" in line, line
         assert "make that directory writable for this user" in line, line
-        assert "cp -r DIR COPY && chmod -R u+w COPY, then --state COPY" in line, line
+        assert "read a writable copy: cp -r DIR COPY && chmod -R u+w COPY, then --state" in line
+    # A command that writes (a signal) needs the directory writable anyway: the same line.
+    sent = read("signal", "--state", str(state), "--key", "k", "go")
+    assert sent.returncode == 2 and sent.stdout == "", sent
+    (line,) = sent.stderr.splitlines()
+    assert line.startswith(f"ratchet: error: {db} cannot be opened: "), line
     api = subprocess.run(
         as_reader([sys.executable, "-c",
                    f"import ratchet\ntry:\n ratchet.open_state({str(state)!r})\n"
                    f"except ratchet.StateError as e:\n print(e)"]),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert api.returncode == 0 and api.stdout.startswith(f"{db} cannot be read: "), api
+    assert api.returncode == 0 and api.stdout.startswith(f"{db} cannot be opened: "), api
     assert sorted(p.name for p in state.iterdir()) == before  # nothing was created there
     # The fix the line gives: a writable copy reads.
     copy = tmp_path / "copy"

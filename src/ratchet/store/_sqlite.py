@@ -323,10 +323,10 @@ def wal_files_blocked(path: Path) -> StateError | None:
     if not missing or os.access(path.parent, os.W_OK | os.X_OK):
         return None
     return StateError(
-        f"{path} cannot be read: the state database is in WAL mode, and reading it needs "
-        f"{' and '.join(missing)} beside it, which SQLite cannot create because this process "
-        f"cannot write to {path.parent}; make that directory writable for this user (reading "
-        f"changes no state), or read a writable copy (cp -r DIR COPY && chmod -R u+w COPY, "
+        f"{path} cannot be opened: the state database is in WAL mode, and SQLite needs "
+        f"{' and '.join(missing)} beside it, which it cannot create because this process "
+        f"cannot write to {path.parent}; make that directory writable for this user (a command "
+        f"that only reads can also read a writable copy: cp -r DIR COPY && chmod -R u+w COPY, "
         f"then --state COPY)"
     )
 

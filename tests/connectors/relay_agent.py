@@ -3,6 +3,7 @@ one output per input (the benchmark's workload too)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -19,6 +20,9 @@ class Relay(Agent):
         delay = float(value.get("sleep") or 0)
         if delay:
             time.sleep(delay)
+        gate = value.get("until")
+        while gate and not os.path.exists(gate):  # a test holds the job here until it opens
+            time.sleep(0.02)
         n = ctx.short_term_memory.get("n", 0) + 1
         ctx.short_term_memory.set("n", n)
         ctx.send_event(OutputEvent(output={"i": value["i"], "n": n}))

@@ -142,7 +142,8 @@ def _connect(conninfo: str, flag: str, uri: str, timeout: int) -> psycopg.Connec
     """A connection, or why not: a server that cannot be reached (nothing listens, its name
     does not resolve, no answer within `timeout`, starting up or shutting down) is a
     ServerUnreachableError, which a supervised job waits out; one that answered no (a wrong
-    password, a role or database that does not exist) a ConfigError."""
+    password, a role or database that does not exist, SSL required of a server without it) a
+    ConfigError."""
     address = address_of(conninfo)
     for attempt in (1, 2):
         try:
@@ -156,12 +157,15 @@ def _connect(conninfo: str, flag: str, uri: str, timeout: int) -> psycopg.Connec
                 address=address,
             ) from exc
         except psycopg.Error as exc:
-            if not _answers(conninfo, timeout):
+            why = _why_not(conninfo, timeout)
+            if why is _UNREACHABLE:
                 raise ServerUnreachableError(
                     f"{flag} {redact(uri)}: cannot reach PostgreSQL at {address}: {_one_line(exc)}",
                     server="PostgreSQL",
                     address=address,
                 ) from exc
+            if why is not None:
+                raise _settings_refused(f"{flag} {redact(uri)}", address, why, exc) from exc
             if attempt == 2:
                 raise ConfigError(
                     f"{flag} {redact(uri)}: cannot connect to PostgreSQL: {_one_line(exc)}"
@@ -177,10 +181,75 @@ def _answers(conninfo: str, timeout: int) -> bool:
     no answer in time, a name that does not resolve) or it is starting up, shutting down or
     recovering. Locale-proof: libpq decides by what happened, not by a message's words."""
     from psycopg import pq
+
+    return _ping(conninfo, timeout) not in (pq.Ping.NO_RESPONSE, pq.Ping.REJECT)
+
+
+def _ping(conninfo: str, timeout: int) -> Any:
+    from psycopg import pq
     from psycopg.conninfo import make_conninfo
 
-    ping = pq.PGconn.ping(make_conninfo(conninfo, connect_timeout=timeout).encode())
-    return ping not in (pq.Ping.NO_RESPONSE, pq.Ping.REJECT)
+    return pq.PGconn.ping(make_conninfo(conninfo, connect_timeout=timeout).encode())
+
+
+# What _why_not says of a server that cannot be reached (else: None, or the settings refused).
+_UNREACHABLE = "unreachable"
+_SSL_REQUIRING = ("require", "verify-ca", "verify-full")
+
+
+def _demands(conninfo: str) -> list[str]:
+    """The connection's settings that a server answering without them refuses before it asks
+    for a password (so PQping reports no answer): SSL or GSSAPI encryption required, from the
+    URI or libpq's environment variables."""
+    params = conninfo_to_dict(conninfo)
+    said = []
+    for name, env, requiring in (
+        ("sslmode", "PGSSLMODE", _SSL_REQUIRING),
+        ("gssencmode", "PGGSSENCMODE", ("require",)),
+    ):
+        value = params.get(name)
+        source = f"{name}={value}"
+        if value is None and os.environ.get(env):
+            value = os.environ[env]
+            source = f"{name}={value} (from {env})"
+        if str(value) in requiring:
+            said.append(source)
+    return said
+
+
+def _why_not(conninfo: str, timeout: int) -> str | None:
+    """After a failed connect: _UNREACHABLE when no server answered at `conninfo`; the
+    settings it refused (`sslmode=require`) when one answers without them; None when it
+    answers these (so it refused something else: credentials, a database). A server that
+    lacks SSL answers sslmode=require's first message with "no", which PQping counts as no
+    answer: asked first without those settings, it tells a server that is down (still no
+    answer: one wait, not two) from one that said no."""
+    from psycopg import pq
+    from psycopg.conninfo import make_conninfo
+
+    demands = _demands(conninfo)
+    if demands:
+        # Without the demands and the settings that only go with them (sslrootcert=system
+        # forbids a weaker sslmode; sslnegotiation=direct needs a requiring one).
+        relaxed = make_conninfo(
+            conninfo, sslmode="prefer", gssencmode="prefer", sslrootcert=None,
+            sslnegotiation=None,
+        )  # fmt: skip
+        ping = _ping(relaxed, timeout)
+        if ping in (pq.Ping.NO_RESPONSE, pq.Ping.REJECT):
+            return _UNREACHABLE
+        if ping == pq.Ping.OK:
+            return ", ".join(demands) if not _answers(conninfo, timeout) else None
+    return None if _answers(conninfo, timeout) else _UNREACHABLE
+
+
+def _settings_refused(where: str, address: str, settings: str, exc: psycopg.Error) -> ConfigError:
+    """A server that answers, but not a connection with `settings`: not an outage."""
+    return ConfigError(
+        f"{where}: PostgreSQL at {address} answers, but refused the connection with {settings}: "
+        f"{_one_line(exc)}; enable that on the server, or connect with a setting it supports "
+        f"(e.g. sslmode=prefer)"
+    )
 
 
 def _checks_hung(where: str, conninfo: str, timeout: int, doing: str) -> ServerUnreachableError:
@@ -726,28 +795,49 @@ class PostgresSource(Source):
         self._read_done.set()
 
     def _fetch(self) -> list[tuple[int, str]]:
-        try:
-            if self._conn is None or self._conn.closed:
-                # Not _connect: a failed reconnect (the database restarting) is retried with
-                # --follow like a failed read; only the first connect, in open, is a
-                # ConfigError.
-                self._conn = psycopg.connect(
-                    self.conninfo, autocommit=True, connect_timeout=self.connect_timeout
-                )
-            rows = self._conn.execute(self._query, (self._after, _READ_BATCH)).fetchall()
-        except psycopg.OperationalError as exc:
-            if self._conn is not None:
-                self._conn.close()
-            if self._follow:
-                log.warning("%s: reading failed, will retry: %s", self.where, exc)
-                self._retry_at = self.clock.monotonic() + _RETRY  # not at every poll
-                return []
-            raise ConfigError(
-                f"{self.where}: reading failed ({exc}); everything read before is checkpointed: "
-                f"run again to resume"
-            ) from exc
-        except psycopg.Error as exc:  # a privilege revoked mid-run, say: retrying cannot help
-            raise _refused(self.where, exc, "to read the table") from exc
+        for attempt in (1, 2):
+            try:
+                return self._fetch_once()
+            except psycopg.OperationalError as exc:
+                if self._conn is not None:
+                    self._conn.close()
+                if self._follow:
+                    log.warning("%s: reading failed, will retry: %s", self.where, exc)
+                    self._retry_at = self.clock.monotonic() + _RETRY  # not at every poll
+                    return []
+                # Without --follow a failed read ends the job. The server's absence (it shut
+                # down or restarts) is not the database's answer: a supervised job waits for
+                # it and resumes from its last checkpoint, as at start.
+                why = _why_not(self.conninfo, self.connect_timeout)
+                address = address_of(self.conninfo)
+                if why is _UNREACHABLE:
+                    raise ServerUnreachableError(
+                        f"{self.where}: lost PostgreSQL at {address} while reading: "
+                        f"{_one_line(exc)}; the next start resumes from the last checkpoint",
+                        server="PostgreSQL",
+                        address=address,
+                    ) from exc
+                if why is not None:
+                    raise _settings_refused(self.where, address, why, exc) from exc
+                if attempt == 2:
+                    raise ConfigError(
+                        f"{self.where}: reading failed ({_one_line(exc)}); everything read "
+                        f"before is checkpointed: run again to resume"
+                    ) from exc
+                # It answers now (a restart that was quick, or a connection ended by
+                # pg_terminate_backend): read once more, on a new connection.
+            except psycopg.Error as exc:  # a privilege revoked mid-run, say: retrying cannot help
+                raise _refused(self.where, exc, "to read the table") from exc
+        raise AssertionError("not reached: the second read returns or raises")  # pragma: no cover
+
+    def _fetch_once(self) -> list[tuple[int, str]]:
+        if self._conn is None or self._conn.closed:
+            # Not _connect: a failed reconnect (the database restarting) is retried with
+            # --follow like a failed read, and told apart by _fetch without it.
+            self._conn = psycopg.connect(
+                self.conninfo, autocommit=True, connect_timeout=self.connect_timeout
+            )
+        rows = self._conn.execute(self._query, (self._after, _READ_BATCH)).fetchall()
         return [(int(i), str(t)) for i, t in rows]
 
     def unread(self) -> None:

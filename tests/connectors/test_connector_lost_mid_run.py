@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from connector_servers import AGENT, RATCHET, Postgres, free_port
+from connector_servers import AGENT, RATCHET, Nats, Postgres, free_port
 from test_connector_unreachable_at_start import (
     BOUND,
     KEYS,
@@ -30,6 +30,7 @@ from test_connector_unreachable_at_start import (
     ended,
     finish,
     inputs,
+    own_nats,  # noqa: F401 - a fixture
     own_postgres,  # noqa: F401 - a fixture
     start_supervised,
     wait_for_line,
@@ -132,6 +133,41 @@ def test_unsupervised_a_postgres_source_that_lost_its_server_is_one_line_exit_2(
     assert_each_output_once(lines(out))
 
 
+@pytest.mark.slow
+def test_a_supervised_nats_job_resumes_after_its_server_went_away_mid_run(
+    own_nats: Nats,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    """Source and sink on one server, stopped while the job runs: the client reconnects for
+    reconnect_for seconds, then the source ends the job with ServerUnreachableError (it
+    reconnected forever: a server that never came back left a job that ran on, reading
+    nothing, for good); the supervisor waits for the server, and the job resumes: every
+    output once (the redelivered inputs recognised, the outputs republished de-duplicated)."""
+    nats = own_nats
+    nats.add_stream("IN", ["in.x"])
+    nats.add_stream("OUT", ["out.x"])
+    gate = tmp_path / "gate"
+    nats.publish("in.x", [json.dumps(r).encode() for r in gated_inputs(gate)])
+    io = ["--input", f"{nats.url}?stream=IN&subject=in.x&batch=2&ack_wait=2&reconnect_for=1",
+          "--output", f"{nats.url}?stream=OUT&subject=out.x"]  # fmt: skip
+    proc, log = start_supervised(tmp_path, *io, "--max-buffered-inputs", "1")
+    try:
+        deadline = time.monotonic() + BOUND / 2
+        while nats.count("OUT") == 0:  # it runs, and is held at the gate
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        nats.down()
+        gate.touch()
+        wait_for_line(proc, log, waiting_line("NATS", nats.port, 1, "0.2"))
+        nats.up()
+    finally:
+        text = finish(proc, log)
+    assert f"lost NATS at 127.0.0.1:{nats.port}: not back within 1 s (reconnect_for)" in text
+    outputs = [json.loads(data) for data, _ in nats.messages("OUT")]
+    assert_each_output_once(outputs)
+    assert len(outputs) == N
+
+
 def test_sslmode_require_of_a_server_without_ssl_is_a_config_error_not_an_outage(
     postgres: Postgres, tmp_path: Path
 ) -> None:
@@ -173,3 +209,47 @@ def test_a_supervisor_gives_up_at_once_on_sslmode_require_of_a_server_without_ss
     assert "answers, but refused the connection with sslmode=require: " in text, text
     assert "worker failed (exit code 2); not restarting" in text, text
     assert "waiting for it" not in text and "with --supervise" not in text, text
+
+
+def test_a_nats_consumer_deleted_mid_run_is_one_clear_refusal(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    """A JetStream API error after the start is the server's answer: a ConfigError naming
+    the consumer and the error (it was retried every half second, for good)."""
+    from test_connector_nats import next_values, source, streams
+
+    s = streams(nats_server)
+    nats_server.publish(f"in.{s}", [json.dumps({"key": "a", "i": i}).encode() for i in range(3)])
+    src = source(nats_server, s, tmp_path, durable="gone")
+    try:
+        src.restore({})
+        assert [v["i"] for v in next_values(src, 3)] == [0, 1, 2]
+
+        async def delete(js: Any) -> None:
+            await js.delete_consumer(f"IN{s}", "gone")
+
+        nats_server.run(delete)
+        with pytest.raises(ConfigError) as err:
+            _until_it_raises(src)
+    finally:
+        src.close()
+    assert not isinstance(err.value, ServerUnreachableError)
+    assert (
+        f"JetStream refused reading the state of the durable consumer 'gone' of stream IN{s}: "
+        f"consumer not found (error 10014)" in str(err.value)
+    ), err.value
+
+
+def _until_it_raises(src: Any) -> None:
+    deadline = time.monotonic() + BOUND / 2
+    while src.next_record() is None:
+        assert time.monotonic() < deadline, "no error"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_reconnect_for_is_a_number_of_seconds(value: str) -> None:
+    pytest.importorskip("nats")
+    with pytest.raises(ConfigError, match="reconnect_for is a number of seconds > 0"):
+        source_for(f"nats://127.0.0.1:4222?stream=S&subject=s.x&reconnect_for={value}",
+                   key="key", follow=False)  # fmt: skip

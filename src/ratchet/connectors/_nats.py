@@ -1,11 +1,14 @@
 """NATS JetStream: a durable pull consumer as a source, publishing with de-duplication as a sink.
 
-Source: `--input nats://HOST:PORT?stream=S&subject=SUBJ[&durable=NAME][&ack_wait=SECONDS]`.
+Source: `--input nats://HOST:PORT?stream=S&subject=SUBJ[&durable=NAME][&ack_wait=SECONDS]
+[&reconnect_for=SECONDS]`.
 Messages are fetched by a durable pull consumer (explicit acks) and acknowledged only after
 the checkpoint that holds them completed. The position in ratchet's checkpoint is the set of
 stream sequences admitted but not yet acknowledged (confirmed by the server): after a crash,
 the server redelivers them once their ack-wait runs out, and the source recognises them by
-stream sequence and acknowledges them without admitting them again.
+stream sequence and acknowledges them without admitting them again. A server lost mid-run is
+reconnected to for `reconnect_for` seconds (default 30), then the source ends the job with
+ServerUnreachableError (a supervised job waits for it, and resumes from its checkpoint).
 
 Sink: `--output nats://HOST:PORT?stream=S&subject=SUBJ` publishes each output (its JSON line)
 with the header `Nats-Msg-Id: <job id>:<output id>`, and waits for the stream's
@@ -26,6 +29,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -56,9 +60,12 @@ else:
 log = logging.getLogger("ratchet.connectors.nats")
 
 T = TypeVar("T")
-_SOURCE_PARAMS = frozenset({"stream", "subject", "durable", "ack_wait", "batch"})
+_SOURCE_PARAMS = frozenset({"stream", "subject", "durable", "ack_wait", "batch", "reconnect_for"})
 _SINK_PARAMS = frozenset({"stream", "subject"})
 DEFAULT_ACK_WAIT = 30.0
+# How long a source waits for a lost server in-process (the client reconnecting) before the job
+# ends with ServerUnreachableError (a supervised job then waits for it with a doubling delay).
+DEFAULT_RECONNECT_FOR = 30.0
 # The ack-wait must leave room for this many checkpoint intervals (and at least a second):
 # a message is acknowledged after the checkpoint that follows its admission.
 ACK_WAIT_INTERVALS = 10
@@ -146,7 +153,16 @@ async def _cancel_the_rest() -> None:
     await asyncio.get_running_loop().shutdown_asyncgens()
 
 
-async def _connect(server: str, flag: str, uri: str) -> Any:
+class _Outage:
+    """When the connection was lost (time.monotonic()), None while connected; kept by the
+    client's callbacks. `limit`: how long the connector waits for the server to come back."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.since: float | None = None
+
+
+async def _connect(server: str, flag: str, uri: str, outage: _Outage | None = None) -> Any:
     """A connection, or why not: a server that cannot be reached (nothing listens, its name
     does not resolve, no answer in time, a connection dropped as it shuts down) is a
     ServerUnreachableError, which a supervised job waits out; one that answered no (an
@@ -168,10 +184,20 @@ async def _connect(server: str, flag: str, uri: str) -> Any:
         if nc is None or nc.is_closed:
             return  # our own close
         state["down"] = True
-        log.warning("%s: disconnected from NATS; reconnecting until it is back", where)
+        if outage is None:
+            log.warning("%s: disconnected from NATS; reconnecting until it is back", where)
+            return
+        if outage.since is None:
+            outage.since = time.monotonic()
+        log.warning(
+            "%s: disconnected from NATS; reconnecting, for up to %g s (reconnect_for)",
+            where, outage.limit,
+        )  # fmt: skip
 
     async def reconnected() -> None:
         state["down"] = False
+        if outage is not None:
+            outage.since = None
         log.warning("%s: reconnected to NATS", where)
 
     try:
@@ -246,8 +272,10 @@ class NatsSource(Source):
         durable: str | None = None,
         ack_wait: float | None = None,
         batch: int = 256,
+        reconnect_for: float = DEFAULT_RECONNECT_FOR,
     ) -> None:
         self.uri, self.server, self.stream, self.subject = uri, server, stream, subject
+        self._outage = _Outage(reconnect_for)
         self.key_field = key_field
         self._follow = follow
         self.durable = durable
@@ -279,10 +307,17 @@ class NatsSource(Source):
         try:
             ack_wait = float(p["ack_wait"]) if "ack_wait" in p else None
             batch = int(p.get("batch", 256))
+            reconnect_for = float(p.get("reconnect_for", DEFAULT_RECONNECT_FOR))
         except ValueError as exc:
             raise ConfigError(
-                f"--input {redact(uri)}: ack_wait is seconds and batch a count: {exc}"
+                f"--input {redact(uri)}: ack_wait and reconnect_for are seconds and batch a "
+                f"count: {exc}"
             ) from exc
+        if not (math.isfinite(reconnect_for) and reconnect_for > 0):
+            raise ConfigError(
+                f"--input {redact(uri)}: reconnect_for is a number of seconds > 0 (default "
+                f"{DEFAULT_RECONNECT_FOR:g}), not {p['reconnect_for']}"
+            )
         if batch < 1 or (ack_wait is not None and ack_wait <= 0):
             raise ConfigError(f"--input {redact(uri)}: ack_wait and batch must be positive")
         if ack_wait is not None and not (math.isfinite(ack_wait) and ack_wait <= MAX_ACK_WAIT):
@@ -298,7 +333,7 @@ class NatsSource(Source):
             )
         return cls(
             uri, server, p["stream"], p["subject"], key_field=key_field, follow=follow,
-            durable=durable, ack_wait=ack_wait, batch=batch,
+            durable=durable, ack_wait=ack_wait, batch=batch, reconnect_for=reconnect_for,
         )  # fmt: skip
 
     @property
@@ -329,7 +364,7 @@ class NatsSource(Source):
 
     async def _open(self, checkpoint_interval: float) -> None:
         self._want = asyncio.Event()
-        self._nc = await _connect(self.server, "--input", self.uri)
+        self._nc = await _connect(self.server, "--input", self.uri, self._outage)
         js = self._nc.jetstream()
         stream = await _stream(js, self.stream, "--input", self.uri)
         least = max(1.0, ACK_WAIT_INTERVALS * checkpoint_interval)
@@ -521,6 +556,10 @@ class NatsSource(Source):
         assert self._want is not None
         touched = asyncio.get_running_loop().time()
         while not self._closing:
+            if self._outage.since is not None:  # the client reconnects meanwhile
+                self._check_outage()
+                await asyncio.sleep(0.2)
+                continue
             now = asyncio.get_running_loop().time()
             if now - touched >= self._wait / 3:
                 touched = now
@@ -539,8 +578,16 @@ class NatsSource(Source):
             except (nats.errors.TimeoutError, TimeoutError):
                 await self._idle()
                 continue
-            except nats.errors.ConnectionClosedError:
-                return
+            except nats.errors.ConnectionClosedError as exc:
+                if self._closing:
+                    return
+                raise self._lost(f"the connection closed ({exc!r})") from exc
+            except nats.js.errors.ServiceUnavailableError as exc:  # JetStream not ready yet
+                log.warning("fetching from stream %s failed, will retry: %r", self.stream, exc)
+                await asyncio.sleep(1.0)
+                continue
+            except nats.js.errors.APIError as exc:  # the server's answer: retrying cannot help
+                raise self._refused("fetching from", exc) from exc
             except nats.errors.Error as exc:
                 log.warning("fetching from stream %s failed, will retry: %r", self.stream, exc)
                 await asyncio.sleep(1.0)
@@ -549,6 +596,35 @@ class NatsSource(Source):
                 self._ready.extend(msgs)
             if len(msgs) < self.batch and not self._follow:
                 await self._idle()  # maybe the end of the input already
+
+    def _check_outage(self) -> None:
+        """The server has been gone longer than reconnect_for: the job ends, to be started
+        again (a supervised one waits for the server); what was admitted and not
+        acknowledged is delivered again and recognised by the position."""
+        since = self._outage.since
+        if since is not None and time.monotonic() - since >= self._outage.limit:
+            raise self._lost(f"not back within {self._outage.limit:g} s (reconnect_for)")
+
+    def _lost(self, how: str) -> ServerUnreachableError:
+        address = _address(self.server)
+        return ServerUnreachableError(
+            f"{self.where}: lost NATS at {address}: {how}; the next start resumes from the "
+            f"last checkpoint",
+            server="NATS",
+            address=address,
+        )
+
+    def _refused(self, doing: str, exc: Exception) -> ConfigError:
+        """A JetStream API error: the server's answer (a consumer or stream deleted while the
+        job ran), which a restart does not change."""
+        said = getattr(exc, "description", None) or repr(exc)
+        code = getattr(exc, "err_code", None)
+        return ConfigError(
+            f"{self.where}: JetStream refused {doing} the durable consumer {self.durable!r} of "
+            f"stream {self.stream}: {said}{f' (error {code})' if code else ''}; if the consumer "
+            f"or the stream was deleted, create it again (see docs/connectors.md, NATS) or "
+            f"start over with a new --state"
+        )
 
     async def _touch(self) -> None:
         """A slow agent leaves fetched messages in the buffer longer than the ack-wait: tell
@@ -566,6 +642,8 @@ class NatsSource(Source):
         --follow), and forget restored sequences the server has acknowledged for good."""
         try:
             info = await self._nc.jetstream().consumer_info(self.stream, self.durable)
+        except nats.js.errors.NotFoundError as exc:  # the consumer or the stream is gone
+            raise self._refused("reading the state of", exc) from exc
         except nats.errors.Error as exc:
             log.warning("consumer info of %s failed: %r", self.durable, exc)
             return
@@ -640,9 +718,10 @@ class NatsSource(Source):
 
 async def _close_connection(nc: Any) -> None:
     """Send what is buffered (acks, naks), then close; a subscription with a pull request
-    still open would hold up a drain."""
+    still open would hold up a drain. Disconnected, nothing can be sent: close at once."""
     try:
-        await nc.flush(timeout=5)
+        if nc.is_connected:
+            await nc.flush(timeout=5)
     finally:
         await nc.close()
 
@@ -707,6 +786,11 @@ class NatsSink(Sink):
     async def _publish(self, records: list[dict[str, Any]]) -> int:
         """Publish; return how many the stream took as new (not duplicates of a message id
         it holds, as a record released again after a crash is)."""
+        if not self._nc.is_connected:
+            # Reconnecting: a publish would wait its whole timeout for an acknowledgement,
+            # holding the checkpoints (and a stop) that long; the outputs stay in the outbox
+            # and go with a release after the client is back.
+            raise nats.errors.ConnectionReconnectingError()
         new = 0
         for i in range(0, len(records), _PUBLISH_CHUNK):
             chunk = records[i : i + _PUBLISH_CHUNK]

@@ -6,7 +6,7 @@
     │   ├── InvalidTypeError          (also TypeError) an API argument of the wrong type
     │   ├── PromptArgumentError       (also ChatError) a prompt formatted without an argument
     │   ├── ProjectError              (also ValueError) a checks project file or plan is invalid
-    │   └── ServerUnreachableError    a connector's server cannot be reached at start
+    │   └── ServerUnreachableError    a connector's server cannot be reached (at start, or lost)
     ├── StateError                    a state directory cannot be used as it is; exit 2
     │   ├── StateInUseError           another process holds the state directory's lock
     │   ├── ReceiptError              (also ValueError) a checks receipt cannot be trusted
@@ -85,8 +85,9 @@ class ConfigError(RatchetError):
 
 class ServerUnreachableError(ConfigError):
     """A connector's server cannot be reached at start: nothing listens at its address, its
-    name does not resolve, it does not answer in time, or it is starting up or shutting down.
-    It did not say no (a wrong password, a missing table or stream is a plain ConfigError), so
+    name does not resolve, it does not answer in time, or it is starting up or shutting down;
+    or a source lost it mid-run and cannot go on without it (the next start resumes from the
+    last checkpoint). It did not say no (a wrong password, a missing table or stream is a plain ConfigError), so
     trying again later may succeed: `ratchet run --supervise` restarts its worker, within the
     restart policy, until it can be reached. `server` is what it is ("PostgreSQL", "NATS"),
     `address` where ("HOST:PORT")."""

@@ -631,8 +631,8 @@ class Supervisor:
                 what = f"worker died ({how})"
             elif waiting:
                 # A connector's server was down or not yet taking connections (a database
-                # restarting, a host that rebooted with ratchet first): the worker read and
-                # wrote nothing, and the next one starts from the last checkpoint as any does.
+                # restarting, a host that rebooted with ratchet first), at start or lost by a
+                # source mid-run: the next worker starts from the last checkpoint as any does.
                 what = f"worker could not reach {worker.unreachable} ({how})"
                 with self._lock:
                     self.s.last_exit = (

@@ -247,9 +247,18 @@ def _until_it_raises(src: Any) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "-inf", "soon"])
 def test_reconnect_for_is_a_number_of_seconds(value: str) -> None:
     pytest.importorskip("nats")
-    with pytest.raises(ConfigError, match="reconnect_for is a number of seconds > 0"):
+    with pytest.raises(ConfigError, match="reconnect_for"):
         source_for(f"nats://127.0.0.1:4222?stream=S&subject=s.x&reconnect_for={value}",
                    key="key", follow=False)  # fmt: skip
+
+
+def test_reconnect_for_inf_waits_as_long_as_it_takes() -> None:
+    """inf: the source never gives up on a lost server (the client reconnects for good)."""
+    pytest.importorskip("nats")
+    src = source_for("nats://127.0.0.1:4222?stream=S&subject=s.x&reconnect_for=inf",
+                     key="key", follow=True)  # fmt: skip
+    src._outage.since = time.monotonic() - 1e9  # lost a very long time ago
+    src._check_outage()  # does not raise

@@ -313,10 +313,11 @@ class NatsSource(Source):
                 f"--input {redact(uri)}: ack_wait and reconnect_for are seconds and batch a "
                 f"count: {exc}"
             ) from exc
-        if not (math.isfinite(reconnect_for) and reconnect_for > 0):
+        if not reconnect_for > 0:  # NaN too; inf: wait for the server as long as it takes
             raise ConfigError(
-                f"--input {redact(uri)}: reconnect_for is a number of seconds > 0 (default "
-                f"{DEFAULT_RECONNECT_FOR:g}), not {p['reconnect_for']}"
+                f"--input {redact(uri)}: reconnect_for is a number of seconds > 0, or inf to "
+                f"wait as long as it takes (default {DEFAULT_RECONNECT_FOR:g}), not "
+                f"{p['reconnect_for']}"
             )
         if batch < 1 or (ack_wait is not None and ack_wait <= 0):
             raise ConfigError(f"--input {redact(uri)}: ack_wait and batch must be positive")

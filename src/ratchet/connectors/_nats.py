@@ -29,11 +29,11 @@ import logging
 import math
 import re
 import threading
-import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import ConfigError, ServerUnreachableError
 from ratchet.connectors import missing_extra, query_of, redact
 from ratchet.runtime._io import (
@@ -154,7 +154,7 @@ async def _cancel_the_rest() -> None:
 
 
 class _Outage:
-    """When the connection was lost (time.monotonic()), None while connected; kept by the
+    """When the connection was lost (SYSTEM_CLOCK.monotonic()), None while connected; kept by the
     client's callbacks. `limit`: how long the connector waits for the server to come back."""
 
     def __init__(self, limit: float) -> None:
@@ -188,7 +188,7 @@ async def _connect(server: str, flag: str, uri: str, outage: _Outage | None = No
             log.warning("%s: disconnected from NATS; reconnecting until it is back", where)
             return
         if outage.since is None:
-            outage.since = time.monotonic()
+            outage.since = SYSTEM_CLOCK.monotonic()
         log.warning(
             "%s: disconnected from NATS; reconnecting, for up to %g s (reconnect_for)",
             where, outage.limit,
@@ -603,7 +603,7 @@ class NatsSource(Source):
         again (a supervised one waits for the server); what was admitted and not
         acknowledged is delivered again and recognised by the position."""
         since = self._outage.since
-        if since is not None and time.monotonic() - since >= self._outage.limit:
+        if since is not None and SYSTEM_CLOCK.monotonic() - since >= self._outage.limit:
             raise self._lost(f"not back within {self._outage.limit:g} s (reconnect_for)")
 
     def _lost(self, how: str) -> ServerUnreachableError:

@@ -34,7 +34,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,7 +392,7 @@ class _Shard:
     error: tuple[str, str] | None = None
     restarts: int = 0  # in all, in this coordinator's run (reported; only grows)
     in_a_row: int = 0  # the restarts RESTARTS limits (see RESET_AFTER)
-    running_since: float | None = None  # time.monotonic() at its current worker's hello
+    running_since: float | None = None  # SYSTEM_CLOCK.monotonic() at its current worker's hello
     gone: bool = False  # ended and not to be restarted
     report: dict[str, Any] | None = None  # the worker's latest status report (supervised jobs)
     carried: dict[str, float] = field(default_factory=dict)  # counts of its killed workers
@@ -612,7 +611,9 @@ class Coordinator:
             shard.writer.close()
         shard.ready = False
         shard.room.set()
-        ran = None if shard.running_since is None else time.monotonic() - shard.running_since
+        ran = (
+            None if shard.running_since is None else SYSTEM_CLOCK.monotonic() - shard.running_since
+        )
         shard.running_since = None
         if ran is not None and RESET_AFTER > 0 and ran >= RESET_AFTER:
             shard.in_a_row = 0  # not a crash loop: it ran long enough since its restore
@@ -691,7 +692,7 @@ class Coordinator:
             log.exception("could not pass the job's status on")
 
     def _hello(self, shard: _Shard, nxt: int, frm: int, at: dict[str, Any]) -> None:
-        shard.running_since = time.monotonic()
+        shard.running_since = SYSTEM_CLOCK.monotonic()
         shard.next = nxt
         shard.committed = (nxt, frm, at)
         replay = 0

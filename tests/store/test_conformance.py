@@ -370,6 +370,68 @@ def test_releasing_puts_back_only_the_signals_a_replay_marker_keeps(stores: Stor
     assert store.release_signals(0, "r>a", [2]) == []
 
 
+# -- signals a failed attempt took, given back before its retry ---------------------------------
+
+
+def test_a_failed_attempt_gives_back_every_signal_it_took_as_sent(
+    stores: Stores, clock: FakeClock
+) -> None:
+    """Attempt 1 of r>a (its records under "r>a") took "go" 1 and, under a replay marker (a
+    kill, then a re-execution), "ok" of the integer key 7; attempt 2 ("r>a#2") took "go" 2.
+    Attempt 1 fails and will be retried: its two signals go back with their ids and times
+    (in their place: before "go" 3, sent later), its other records and attempt 2's stay."""
+    store = stores.open()
+    go1 = stores.send_signal(store, "k", "go", 1)
+    go1_at = clock.now()
+    clock.advance(2)
+    ok = stores.send_signal(store, 7, "ok", "yes")
+    ok_at = clock.now()
+    go2 = stores.send_signal(store, "k", "go", 2)
+    go3 = stores.send_signal(store, "k", "go", 3)
+    store.put_calls([wait(0, "go")])
+    store.consume_signal(go1, wait(0, "go", "ok", 1))
+    store.put_calls([call(0, "r>a", 1), marker(-2), wait(2, "ok")])
+    store.consume_signal(ok, wait(2, "ok", "ok", "yes"))
+    second = CallRecord(0, "r>a#2", 0, SIGNAL_FN, "go", "ok", codec.encode(2))
+    store.put_calls([dataclasses.replace(second, status="intent", payload=None)])
+    store.consume_signal(go2, second)
+    (later,) = store.signals_after(0)
+    store = stores.reopen(store)
+    clock.advance(5)
+    back = store.release_attempt_signals(0, "r>a", "k")
+    assert back == [
+        (go1, "k", "go", codec.encode(1), go1_at, "str"),
+        (ok, "7", "ok", codec.encode("yes"), ok_at, "int"),
+    ]
+    assert store.signals_after(0) == [*back, later] and later[0] == go3
+    assert [(c.task_id, c.idx) for c in store.load().calls] == [
+        ("r>a", -2), ("r>a", 1), ("r>a#2", 0)
+    ]  # fmt: skip
+    assert store.release_attempt_signals(0, "r>a", "k") == []  # nothing goes back twice
+    store = stores.reopen(store)
+    assert store.signals_after(0) == [*back, later]
+    # The next attempt takes "go" 1 again, once.
+    store.consume_signal(go1, CallRecord(0, "r>a#3", 0, SIGNAL_FN, "go", "ok", codec.encode(1)))
+    with pytest.raises(StateError, match="consumed already"):
+        store.consume_signal(go1, wait(0, "go", "ok", 1))
+
+
+def test_a_failed_attempt_gives_back_a_signal_taken_before_schema_13_as_a_new_one(
+    stores: Stores, clock: FakeClock
+) -> None:
+    """A delivered signal's record that keeps nothing of the signal (written before state
+    schema 13) gives back its name and value as a new signal for the run's key, sent now,
+    as `ratchet runs restart` does."""
+    store = stores.open()
+    before = stores.send_signal(store, "k", "other", 0)
+    store.put_calls([wait(0, "go", "ok", "old")])  # a record with no `taken`
+    clock.advance(4)
+    (back,) = store.release_attempt_signals(0, "r>a", 7)
+    assert back[0] > before and back[1:] == ("7", "go", codec.encode("old"), clock.now(), "int")
+    assert store.load().calls == []
+    assert [row[0] for row in store.signals_after(0)] == [before, back[0]]
+
+
 # -- signals a discarded run took (`ratchet runs restart`, `runs abandon`) -----------------------
 
 
@@ -662,12 +724,18 @@ class Model:
         for (s, task, idx), r in sorted(self.calls.items()):
             if s != seq or r.fn != SIGNAL_FN or r.status != "ok" or r.payload is None:
                 continue
-            mark = self._cover(seq, task, idx)
-            m = self.calls[mark] if mark is not None else None
-            taken = dict(codec.decode(m.payload)) if m is not None and m.payload else {}
-            sid, key_text, sent_at, kind = taken.get(idx) or self.kept[(s, task, idx)]
-            found.append((sid, key_text, r.digest, r.payload, sent_at, kind))
+            found.append(self.taken_row((s, task, idx)))
         return sorted(found)
+
+    def taken_row(self, where: tuple[int, str, int]) -> tuple[Any, ...]:
+        """The signal a delivered signal's record took, as sent (a replay marker's copy, else
+        the record's own)."""
+        r = self.calls[where]
+        mark = self._cover(*where)
+        m = self.calls[mark] if mark is not None else None
+        taken = dict(codec.decode(m.payload)) if m is not None and m.payload else {}
+        sid, key_text, sent_at, kind = taken.get(where[2]) or self.kept[where]
+        return (sid, key_text, r.digest, r.payload, sent_at, kind)
 
     def discard_run(self, seq: int, abandon: bool, now: float) -> dict[str, Any]:
         key, _base, journal = self.runs.pop(seq)
@@ -799,6 +867,20 @@ class Lockstep(RuleBasedStateMachine):
         for name, store in self.each():
             got = store.release_signals(seq, task, sorted(set(idxs)))
             assert sorted(got) == sorted(back.values()), name
+
+    # A failed attempt (its records under `task`) to be retried gives back what it took.
+    @rule(seq=few_seqs, task=few_tasks)
+    def release_attempt_signals(self, seq: int, task: str) -> None:
+        m = self.model
+        mine = [
+            k
+            for k, r in sorted(m.calls.items())
+            if k[:2] == (seq, task) and r.fn == SIGNAL_FN and r.status == "ok"
+        ]
+        expected = [m.insert(row) for row in sorted(m.taken_row(k) for k in mine)]
+        m.forget(mine)
+        for name, store in self.each():
+            assert store.release_attempt_signals(seq, task, "k") == expected, name
 
     @rule(key=st.sampled_from(["k", 7]), name=st.sampled_from(["go", "ok"]), value=ints)
     def send_signal(self, key: Any, name: str, value: int) -> None:

@@ -438,6 +438,16 @@ class CheckpointStore(Protocol):
         stay (a record no marker covers took its signal for good)."""
         ...
 
+    def release_attempt_signals(self, seq: int, task_id: str, key: Any) -> list[SignalRow]:
+        """An attempt of a task that failed and will be tried again (its records are under
+        `task_id`: `<task id>` for the first, `<task id>#<n>` for attempt n) gives back the
+        signals it took: delete its delivered signals' records (SIGNAL_FN, "ok") and put the
+        signals back as they were sent (`run_signals`: what the record, or a replay marker,
+        keeps), in one transaction; returns them in the order sent. A record from before
+        schema 13 that keeps nothing of its signal gives it back as a new signal for `key`
+        (the run's), sent now. Optional: an engine whose store lacks it leaves them taken."""
+        ...
+
     def forget_outputs(self, ids: list[str]) -> None:
         """Drop outbox rows of outputs the sink holds (they are never needed again)."""
         ...

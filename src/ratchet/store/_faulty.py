@@ -60,6 +60,7 @@ METHODS = (
     "consume_signal",
     "drop_calls",
     "release_signals",
+    "release_attempt_signals",
     "redrives",
     "redrive_signals",
 )
@@ -246,6 +247,12 @@ class FaultyStore:
     def release_signals(self, seq: int, task_id: str, idxs: list[int]) -> list[SignalRow]:
         return self._call(
             "release_signals", lambda: self.inner.release_signals(seq, task_id, list(idxs))
+        )
+
+    def release_attempt_signals(self, seq: int, task_id: str, key: Any) -> list[SignalRow]:
+        return self._call(
+            "release_attempt_signals",
+            lambda: self.inner.release_attempt_signals(seq, task_id, key),
         )
 
     def forget_outputs(self, ids: list[str]) -> None:

@@ -19,6 +19,7 @@ from ratchet.store._base import (
     FAILED_RUN,
     KEEPS_SIGNALS,
     REPLAY_FN,
+    SIGNAL_FN,
     Adopted,
     AgentVersion,
     CallRecord,
@@ -298,6 +299,17 @@ class MemoryStore:
         back = self._put_back(seq, task_id, records)
         self._forget_calls((seq, task_id, i) for i in back)
         return list(back.values())
+
+    def release_attempt_signals(self, seq: int, task_id: str, key: Any) -> list[SignalRow]:
+        """What `SqliteStore.release_attempt_signals` does (a failed attempt to be retried)."""
+        mine = sorted(k for k in self.calls if k[0] == seq and k[1] == task_id)
+        records = [self.calls[k] for k in mine]
+        kept = {(t, i): self.taken.get((s, t, i)) for s, t, i in mine}
+        taken = run_signals(records, kept, lambda: key, self.clock.now())
+        self._forget_calls(
+            k for k, r in zip(mine, records) if r.fn == SIGNAL_FN and r.status == "ok"
+        )
+        return self._insert_signals(taken)
 
     def discard_run(self, seq: int, dead_letter_reason: str | None) -> dict[str, int | None]:
         """What `SqliteStore.discard_run` does (`ratchet runs restart`, `runs abandon`)."""

@@ -29,6 +29,7 @@ from ratchet.store._base import (
     FAILED_RUN,
     KEEPS_SIGNALS,
     REPLAY_FN,
+    SIGNAL_FN,
     Adopted,
     AgentVersion,
     CallRecord,
@@ -1621,6 +1622,25 @@ class SqliteStore:
                 [(seq, task_id, i) for i in back],
             )
         return list(back.values())
+
+    def release_attempt_signals(self, seq: int, task_id: str, key: Any) -> list[SignalRow]:
+        """Delete the delivered signals' records of one failed attempt (`task_id`) that will
+        be tried again, and put the signals they took back as they were sent (`run_signals`),
+        in one transaction; returns them. The retried attempt's wait takes them again."""
+        with self._transaction() as c:
+            found = c.execute(
+                "SELECT seq, task_id, idx, fn, digest, status, payload, taken FROM calls "
+                "WHERE seq = ? AND task_id = ? ORDER BY idx",
+                (seq, task_id),
+            ).fetchall()
+            records = [CallRecord(*r[:7]) for r in found]
+            kept = {(r[1], r[2]): r[7] for r in found}
+            taken = run_signals(records, kept, lambda: key, self.clock.now())
+            c.execute(
+                "DELETE FROM calls WHERE seq = ? AND task_id = ? AND fn = ? AND status = 'ok'",
+                (seq, task_id, SIGNAL_FN),
+            )
+            return self._insert_signals(c, taken)
 
     def close(self) -> None:
         if self._writable:

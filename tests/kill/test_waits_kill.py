@@ -14,7 +14,10 @@
   starts; two, redriven while it runs, each signal staying in its key's shard);
 - a run that fails after taking its first signal: its dead letter keeps the signal, and the
   redrive after the fix gives it back, first, without it being sent again (one worker; two;
-  one, then two after re-sharding).
+  one, then two after re-sharding);
+- an action with a retry policy that failed after taking a signal, killed while it waits to
+  retry: the signal went back before the retry was recorded, and the retried attempt in the
+  restarted job gets it, once.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -414,3 +418,59 @@ def test_a_failed_run_gets_back_the_signal_it_had_taken_when_it_is_redriven(
     assert letter["redriven_as"] is not None and "signals" not in letter["detail"], letter
     if workers != "1":
         assert letter.get("shard") == f"{shard_of('k', 2)}-of-2", letter
+
+
+def retry_recorded(state: Path) -> bool:
+    """Whether the state holds a failed attempt's retry record (`ratchet.retry`)."""
+    db = state / "ratchet.db"
+    if not db.exists():
+        return False
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        found = conn.execute("SELECT 1 FROM calls WHERE fn = 'ratchet.retry'").fetchone()
+    finally:
+        conn.close()
+    return found is not None
+
+
+def test_an_action_killed_while_it_waits_to_retry_gets_its_signal_back_once(
+    tmp_path: Path,
+) -> None:
+    """An action with a retry policy takes "go" and fails; its retry waits 2 s, and the job is
+    SIGKILLed during that wait. The signal the failed attempt took went back before the retry
+    was recorded: pending again after the kill, with its id, and the restarted job's retried
+    attempt gets it, once, and outputs it once. Before the fix it stayed with the failed
+    attempt's record, never read again: the retried attempt waited for ever."""
+    job = Job(tmp_path, "RetriedWait")  # waits for "go", fails once, waits for "go" again
+    job.env["WAITS_RETRY_DELAY"] = "2"
+    job.write({"key": "k"})
+    state = str(job.state)
+
+    def cli(*args: str) -> Any:
+        done = job.cli(*args)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout) if "--json" in args else done.stdout
+
+    def status() -> dict[str, Any]:
+        return dict(cli("status", "--state", state, "--json"))
+
+    first = job.start("--follow")
+    until("the run waiting", lambda: [w["on"] for w in job.waiting()] == ["signal go"], first)
+    sent = cli("signal", "--state", state, "--key", "k", "go", "--value", "7", "--json")
+    until("the retry recorded", lambda: retry_recorded(job.state), first)
+    kill(first)  # during the 2 s backoff
+    assert job.outputs() == []
+    assert [(e["what"], e["value"]) for e in job.lines(job.log)] == [("got", 7)]
+    (back,) = status()["pending_signals"]  # given back, as it was sent
+    assert (back["id"], back["key"], back["name"]) == (sent["id"], "k", "go"), (back, sent)
+
+    again = job.start("--follow")
+    until("the output", job.outputs, again)
+    again.send_signal(signal.SIGTERM)
+    finish(again)
+    assert job.outputs() == [{"key": "k", "got": 7}]
+    got = [e for e in job.lines(job.log) if e["what"] == "got"]
+    assert [e["value"] for e in got] == [7, 7], got  # once per attempt
+    assert got[0]["pid"] == first.pid and got[1]["pid"] != first.pid, got
+    s = status()
+    assert s["waiting"] == [] and s["pending_signals"] == [], s

@@ -7,9 +7,10 @@ import asyncio
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
-from ratchet import Agent, Event, InputEvent, OutputEvent, action
+from ratchet import Agent, Event, InputEvent, OutputEvent, Retry, action
 
 
 def log(**fields: Any) -> None:
@@ -114,3 +115,30 @@ class TwoSignals(Agent):
             raise ValueError(f"{ctx.key} broke after taking {first!r}")
         second = await ctx.wait_for_signal("go")
         ctx.send_event(OutputEvent(output={"key": str(ctx.key), "got": [first, second]}))
+
+
+def first_time(mark: Path) -> bool:
+    """Whether `mark` did not exist yet (it does now)."""
+    try:
+        mark.touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
+
+
+class RetriedWait(Agent):
+    """Waits for the signal `go`, then fails its first attempt (a transient failure: the
+    attempt that finds no file `<WAITS_LOG>.failed` makes it and raises) and is tried again
+    after WAITS_RETRY_DELAY seconds (default 0.05): that attempt waits for `go` again and
+    outputs the value. One `go` sent must be enough: the failed attempt gives it back."""
+
+    @action(
+        InputEvent,
+        retry=Retry(max_attempts=2, initial_delay=float(os.environ.get("WAITS_RETRY_DELAY", 0.05))),
+    )
+    async def wait_then_fail_once(self, event: InputEvent, ctx: Any) -> None:
+        value = await ctx.wait_for_signal("go")
+        log(what="got", key=str(ctx.key), value=value)
+        if first_time(Path(os.environ["WAITS_LOG"] + ".failed")):
+            raise ConnectionError(f"{ctx.key}: a transient failure after taking {value!r}")
+        ctx.send_event(OutputEvent(output={"key": str(ctx.key), "got": value}))

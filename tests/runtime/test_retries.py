@@ -1,5 +1,6 @@
 """Retry policies on the fake clock: attempts at exact virtual times, from the memory the task
-was dispatched with, with durable backoff across a restore; on actions and durable calls."""
+was dispatched with, with durable backoff across a restore; on actions and durable calls; the
+signals a failed attempt took go back for the next (and a give-back that fails loses none)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any
 import pytest
 
 from ratchet import Agent, InputEvent, InvalidArgumentError, OutputEvent, Retry, action
+from ratchet._errors import CheckpointError
+from ratchet.store import codec
+from ratchet.store._faulty import FaultyStore
 from ratchet.store._memory import MemoryStore
 from ratchet.testing import FakeClock
 from support.fakeclock import START, Drive
@@ -128,3 +132,74 @@ def test_a_retry_policy_is_checked() -> None:
         with pytest.raises((InvalidArgumentError, TypeError), match=message):
             Retry(**kwargs)
     assert Retry(initial_delay=1, backoff=2, max_delay=5).delay(10) == 5
+
+
+# -- the signals a failed attempt took go back for the next one ----------------------------------
+
+GOT: list[Any] = []
+
+
+class WaitsThenFails(Agent):
+    """Waits for "go"; its first `fails` attempts fail after that (transiently: retried)."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails = fails
+
+    @action(InputEvent, retry=Retry(max_attempts=3, initial_delay=10, on=(RuntimeError,)))
+    async def work(self, event: InputEvent, ctx: Any) -> None:
+        got = await ctx.wait_for_signal("go")
+        GOT.append(got)
+        if self.fails > 0:
+            self.fails -= 1
+            raise RuntimeError(f"transient, after taking {got}")
+        ctx.send_event(OutputEvent(output={"go": got}))
+
+
+def pending(store: MemoryStore) -> list[tuple[int, Any]]:
+    return [(i, codec.decode(row[2])) for i, row in sorted(store.signals.items())]
+
+
+def test_a_failed_attempt_gives_back_its_signals_in_their_place() -> None:
+    """Attempts 1 and 2 take "go" 1 and fail: each gives it back (before "go" 2, sent later,
+    with its id), so attempt 3 takes it too; "go" 2 stays pending for a later wait."""
+    GOT.clear()
+    store = MemoryStore(FakeClock(START))
+    first = store.add_signal("k", "go", 1)
+    second = store.add_signal("k", "go", 2)
+    d = Drive(WaitsThenFails(fails=2), [{"key": "k"}], store)
+    d.run()
+    assert GOT == [1, 1, 1]
+    assert d.outputs() == [{"go": 1}]
+    assert pending(store) == [(second, 2)] and first < second
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["not-applied", "applied-then-stopped"])
+def test_a_give_back_that_fails_stops_the_job_and_loses_no_signal(after: bool) -> None:
+    """The give-back fails (a full disk: nothing applied; or it committed and the job stops
+    before recording the retry, as a kill between the two leaves it). The job stops (an
+    engine fault, not the action's error); the signal is held once, by the failed attempt's
+    record or back in the state, and the restarted job's attempt gets it, once."""
+    GOT.clear()
+    clock = FakeClock(START)
+    store = MemoryStore(clock)
+    sid = store.add_signal("k", "go", 1)
+    faulty = FaultyStore(store, seed=3, clock=clock).fail(
+        "release_attempt_signals", calls=[1], after=after
+    )
+    d = Drive(WaitsThenFails(fails=1), [{"key": "k"}], store)
+    d.store = faulty  # type: ignore[assignment]
+    with pytest.raises(CheckpointError, match="could not be given back"):
+        d.run()
+    assert GOT == [1] and d.outputs() == []
+    retried = [r for r in store.calls.values() if r.fn == "ratchet.retry"]
+    assert retried == []  # the retry was not recorded: the attempt runs again
+    taken = [r for r in store.calls.values() if r.fn == "ratchet.signal" and r.status == "ok"]
+    assert (len(taken), pending(store)) == ((0, [(sid, 1)]) if after else (1, [])), taken
+    store = store.reopen()
+    again = Drive(WaitsThenFails(fails=0 if after else 1), [{"key": "k"}], store)
+    again.run()
+    # Applied: the re-executed attempt 1 takes it again from the state. Not applied: attempt
+    # 1's record answers its wait, it fails again, and gives it back for attempt 2.
+    assert GOT == ([1, 1] if after else [1, 1, 1])
+    assert again.outputs() == [{"go": 1}]
+    assert pending(store) == []

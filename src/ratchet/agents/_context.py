@@ -978,12 +978,8 @@ class AgentBinding:
             if until is not None:
                 # A blocking backoff: a sync action's retry holds its worker thread meanwhile.
                 self._backoff_sync(calls, until)
-            ctx = RunnerContext(
-                task,
-                calls if attempt == 1 else calls.for_attempt(attempt),
-                self.config,
-                self.metrics,
-            )
+            made = calls.for_attempt(attempt)  # (attempt 1: `calls`)
+            ctx = RunnerContext(task, made, self.config, self.metrics)
             token = _current.set(ctx)
             try:
                 _call_sync(spec.fn, task, ctx)
@@ -991,7 +987,7 @@ class AgentBinding:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
                 ctx._seal()
-                until = self._record_failure(task, calls, spec.retry, exc, attempt)
+                until = self._record_failure(task, calls, made, spec.retry, exc, attempt)
                 if until is not None:
                     attempt += 1
                     continue
@@ -1079,7 +1075,8 @@ class AgentBinding:
             if until is not None:
                 assert calls.waits is not None
                 await calls.waits.until(task, until)
-            ctx = RunnerContext(task, calls.for_attempt(attempt), self.config, self.metrics)
+            made = calls.for_attempt(attempt)
+            ctx = RunnerContext(task, made, self.config, self.metrics)
             children: set[asyncio.Task[Any]] = set()
             token = _current.set(ctx)
             _children.set(children)
@@ -1092,7 +1089,7 @@ class AgentBinding:
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
                 ctx._seal()
                 until = await asyncio.to_thread(
-                    self._record_failure, task, calls, spec.retry, exc, attempt
+                    self._record_failure, task, calls, made, spec.retry, exc, attempt
                 )
                 if until is not None:
                     attempt += 1
@@ -1119,12 +1116,15 @@ class AgentBinding:
         self,
         task: Task,
         calls: TaskCalls,
+        made: TaskCalls,
         retry: Retry | None,
         exc: Exception,
         attempt: int,
     ) -> float | None:
         """Record a failed attempt that will be tried again, durably, with the time the next
-        attempt may start (returned); None when the policy says the task fails now."""
+        attempt may start (returned); None when the policy says the task fails now (the run's
+        dead letter then keeps the signals it took). `made`: the attempt's own journal
+        (`calls.for_attempt(attempt)`), whose signals go back first (`release_attempt`)."""
         if retry is None or not retry.retries(exc, attempt):
             return None
         waits = calls.waits
@@ -1142,6 +1142,10 @@ class AgentBinding:
                 "until": until,
             }
         )
+        # The signals this attempt took go back before the retry is recorded: a kill between
+        # the two re-executes this attempt, whose wait takes them again (the other order
+        # would lose them in that window: nothing reads a retried attempt's records).
+        made.release_attempt()
         idx, _ = calls.claim(RETRY_FN, str(attempt))
         calls.write(idx, RETRY_FN, str(attempt), "ok", payload).result()
         self.metrics.add(task.run.key, "actions.retried")

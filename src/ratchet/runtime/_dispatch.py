@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol, TypeVar
 
-from ratchet._errors import InternalError, RatchetError
+from ratchet._errors import CheckpointError, InternalError, RatchetError
 from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.store._base import REPLAY_FN as _REPLAY_FN
 from ratchet.store._base import SIGNAL_FN as _SIGNAL_FN
@@ -140,7 +140,10 @@ class CallWriter(Protocol):
     # attempt added), and `release_signals(seq, task_id, idxs) -> Future[list[SignalRow]]`
     # the records at `idxs` that took a signal the marker keeps; both put those signals back
     # and return them. A writer without them leaves the records, and the marker keeps a later
-    # replay from requiring them (a signal one took stays taken).
+    # replay from requiring them (a signal one took stays taken). And
+    # `release_attempt_signals(seq, task_id, key) -> Future[list[SignalRow]]` deletes a failed
+    # attempt's delivered-signal records and puts their signals back (before its retry); a
+    # writer without it leaves them taken (the Flink engine's: it has no signals).
 
 
 class TaskCalls:
@@ -414,6 +417,27 @@ class TaskCalls:
                 self.seq, exc,
             )  # fmt: skip
             return
+        self._signals_back(back)
+
+    def release_attempt(self) -> None:
+        """This attempt failed and will be tried again, from the start: give back the signals
+        it took (the store deletes its delivered signals' records and puts them back, in one
+        transaction), so that the next attempt's wait gets them again, in their place by id.
+        Nothing reads a failed attempt's records again: left, those signals would be lost.
+        Called before the retry is recorded: a kill in between re-executes this attempt, which
+        takes them again. A store fault stops the job (an engine fault): nothing was put
+        back and the records stay, so the restarted job re-executes this attempt."""
+        release = getattr(self._writer, "release_attempt_signals", None)
+        if release is None:
+            return
+        try:
+            back = release(self.seq, self.task_id, self.key).result()
+        except Exception as exc:
+            raise CheckpointError(
+                f"the signals failed attempt {self.task_id} (input {self.seq}) took could not "
+                f"be given back for its retry: {type(exc).__name__}: {exc}. The last completed "
+                f"checkpoint is intact; restart to resume from it"
+            ) from exc
         self._signals_back(back)
 
     def _signals_back(self, rows: list[SignalRow]) -> None:

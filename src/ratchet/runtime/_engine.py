@@ -363,6 +363,16 @@ class _Writer(threading.Thread):
             return _done([])
         return self.submit(lambda: release(seq, task_id, idxs))
 
+    def release_attempt_signals(
+        self, seq: int, task_id: str, key: Any
+    ) -> concurrent.futures.Future[Any]:
+        """Put back the signals a failed attempt that will be tried again took
+        (`TaskCalls.release_attempt`), after every record queued before."""
+        release = getattr(self.store, "release_attempt_signals", None)
+        if release is None:  # a store without it: the signals stay taken
+            return _done([])
+        return self.submit(lambda: release(seq, task_id, key))
+
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._q.put(("job", fn, fut))

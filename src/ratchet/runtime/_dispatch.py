@@ -96,7 +96,8 @@ class Waits(Protocol):
 
     def signals_back(self, rows: list[SignalRow]) -> None:
         """Signals a dropped record had taken are in the store again (`drop_calls`,
-        `release_signals`): deliver them as if never taken, in their place by id. Any thread."""
+        `release_signals`, `release_attempt_signals`): deliver them as if never taken, in
+        their place by id. Any thread."""
         ...
 
 

@@ -29,57 +29,20 @@ import signal
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from support.waits_job import WaitsJob
+
 pytestmark = pytest.mark.kill
 
-AGENTS = Path(__file__).with_name("waits_agent.py")
-RATCHET = [sys.executable, "-m", "ratchet.cli"]
 
-
-class Job:
-    def __init__(self, tmp: Path, agent: str) -> None:
-        self.tmp = tmp
-        self.agent = f"{AGENTS}:{agent}"
-        self.input = tmp / "in.jsonl"
-        self.output = tmp / "out.jsonl"
-        self.state = tmp / "state"
-        self.log = tmp / "log.jsonl"
-        self.env = dict(os.environ, WAITS_LOG=str(self.log))
-
-    def write(self, *rows: dict[str, Any]) -> None:
-        with self.input.open("a") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
-
-    def start(self, *extra: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [*RATCHET, "run", self.agent, "--input", str(self.input), "--output",
-             str(self.output), "--state", str(self.state), "--checkpoint-interval", "50", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
-        )  # fmt: skip
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*RATCHET, *args], capture_output=True, text=True, env=self.env, timeout=60
-        )
-
-    @staticmethod
-    def lines(path: Path) -> list[dict[str, Any]]:
-        if not path.exists():
-            return []
-        return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
-
-    def outputs(self) -> list[Any]:
-        return [r["output"] for r in self.lines(self.output)]
-
+class Job(WaitsJob):
     def waiting(self) -> list[dict[str, Any]]:
-        done = self.cli("status", "--state", str(self.state), "--json")
+        done = self.run_cli("status", "--state", str(self.state), "--json")
         return list(json.loads(done.stdout)["waiting"]) if done.returncode == 0 else []
 
 
@@ -157,20 +120,22 @@ def test_an_approval_sent_while_the_job_is_down_completes_the_run_once(tmp_path:
     until("the wait recorded", lambda: any(w["on"] == "signal approve" for w in job.waiting()))
     kill(first)
 
-    bad = job.cli("signal", "--state", str(job.state), "--key", "t-1", "approve", "--value", "{ok")
+    bad = job.run_cli(
+        "signal", "--state", str(job.state), "--key", "t-1", "approve", "--value", "{ok"
+    )
     assert bad.returncode == 3 and "is not JSON" in bad.stderr and "Traceback" not in bad.stderr
-    sent = job.cli(
+    sent = job.run_cli(
         "signal", "--state", str(job.state), "--key", "t-1", "approve", "--value", '{"ok": true}'
     )
     assert sent.returncode == 0, sent.stderr
     assert "signal 'approve' for key t-1 stored" in sent.stdout
-    status = job.cli("status", "--state", str(job.state), "--json")
+    status = job.run_cli("status", "--state", str(job.state), "--json")
     assert [p["name"] for p in json.loads(status.stdout)["pending_signals"]] == ["approve"]
 
     finish(job.start())
     assert job.outputs() == [{"approval_requested": 30}, {"refunded": {"charged": 30}}]
     assert [e["amount"] for e in job.lines(job.log) if e["what"] == "charge"] == [30]
-    status = json.loads(job.cli("status", "--state", str(job.state), "--json").stdout)
+    status = json.loads(job.run_cli("status", "--state", str(job.state), "--json").stdout)
     assert status["waiting"] == [] and status["pending_signals"] == []
 
 
@@ -180,7 +145,7 @@ def test_a_bounded_job_leaves_a_waiting_run_parked_and_says_so(tmp_path: Path) -
     err = finish(job.start())
     assert "1 run(s) waiting for signals" in err and "ratchet signal" in err
     assert job.outputs() == [{"approval_requested": 5}]
-    job.cli(
+    job.run_cli(
         "signal", "--state", str(job.state), "--key", "t-2", "approve", "--value", '{"ok": false}'
     )
     finish(job.start())
@@ -199,7 +164,7 @@ def test_runs_restart_and_abandon_give_a_killed_run_back_the_signal_it_had_taken
     state, sharded = str(job.state), ("--workers", str(workers))
 
     def cli(*args: str) -> Any:
-        done = job.cli(*args)
+        done = job.run_cli(*args)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout) if "--json" in args else done.stdout
 
@@ -337,7 +302,7 @@ def test_memory_with_a_ttl_is_gone_for_runs_after_it_expired_across_a_restart(
     job.write({"key": "k", "op": "read", "n": 2})
     finish(job.start())
     assert job.outputs() == [{"n": 1, "v": "secret"}, {"n": 2, "v": None}]
-    memory = json.loads(job.cli("inspect", "--state", str(job.state), "--json").stdout)
+    memory = json.loads(job.run_cli("inspect", "--state", str(job.state), "--json").stdout)
     assert memory == {"k": {}}
 
 
@@ -363,7 +328,7 @@ def test_a_failed_run_gets_back_the_signal_it_had_taken_when_it_is_redriven(
     before, after = ("--workers", workers[0]), ("--workers", workers[-1])
 
     def cli(*args: str) -> Any:
-        done = job.cli(*args)
+        done = job.run_cli(*args)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout) if "--json" in args else done.stdout
 
@@ -447,7 +412,7 @@ def test_an_action_killed_while_it_waits_to_retry_gets_its_signal_back_once(
     state = str(job.state)
 
     def cli(*args: str) -> Any:
-        done = job.cli(*args)
+        done = job.run_cli(*args)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout) if "--json" in args else done.stdout
 

@@ -14,38 +14,19 @@ The same across a SIGKILL during the backoff: tests/kill/test_waits_kill.py.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-AGENT = f"{Path(__file__).parent.parent / 'kill' / 'waits_agent.py'}:RetriedWait"
-RATCHET = [sys.executable, "-m", "ratchet.cli"]
+from support.waits_job import WaitsJob
 
 
-class Job:
+class Job(WaitsJob):
     def __init__(self, tmp: Path) -> None:
-        self.input = tmp / "in.jsonl"
-        self.output = tmp / "out.jsonl"
-        self.state = tmp / "state"
-        self.log = tmp / "log.jsonl"
-        self.env = dict(os.environ, WAITS_LOG=str(self.log))
-        self.input.write_text(json.dumps({"key": "k"}) + "\n")
-
-    def args(self, *extra: str) -> list[str]:
-        return [*RATCHET, "run", AGENT, "--input", str(self.input), "--output", str(self.output),
-                "--state", str(self.state), "--checkpoint-interval", "50", *extra]  # fmt: skip
-
-    def cli(self, *args: str) -> Any:
-        done = subprocess.run(
-            [*RATCHET, *args], capture_output=True, text=True, env=self.env, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout) if "--json" in args else done.stdout
+        super().__init__(tmp, "RetriedWait")
+        self.write({"key": "k"})
 
     def run(self) -> str:
         """A bounded run: it ends when no run is left, or every one left waits for a signal."""
@@ -65,15 +46,6 @@ class Job:
         if not (self.state / "ratchet.db").exists():
             return []  # the job has not created its state yet
         return [w["on"] for w in self.status()["waiting"]]
-
-    @staticmethod
-    def lines(path: Path) -> list[dict[str, Any]]:
-        if not path.exists():
-            return []
-        return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
-
-    def outputs(self) -> list[Any]:
-        return [r["output"] for r in self.lines(self.output)]
 
     def got(self) -> list[Any]:
         """The values each attempt's wait returned, in order."""

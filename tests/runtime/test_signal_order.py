@@ -13,12 +13,9 @@ real `ratchet run`, `ratchet signal` and `ratchet redrive` processes on a real s
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,37 +23,14 @@ from typing import Any
 
 import pytest
 
-AGENT = f"{Path(__file__).parent.parent / 'kill' / 'waits_agent.py'}:TwoSignals"
-RATCHET = [sys.executable, "-m", "ratchet.cli"]
+from support.waits_job import WaitsJob
 
 
-class Job:
+class Job(WaitsJob):
     """A TwoSignals job (waits for "go" twice, outputs both values in the order it got them)."""
 
     def __init__(self, tmp: Path) -> None:
-        self.input = tmp / "in.jsonl"
-        self.output = tmp / "out.jsonl"
-        self.state = tmp / "state"
-        self.env = dict(os.environ, WAITS_LOG=str(tmp / "log.jsonl"))
-
-    def write(self, *rows: dict[str, Any]) -> None:
-        with self.input.open("a") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
-
-    def start(self, *extra: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [*RATCHET, "run", AGENT, "--input", str(self.input), "--output", str(self.output),
-             "--state", str(self.state), "--checkpoint-interval", "50", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
-        )  # fmt: skip
-
-    def cli(self, *args: str) -> Any:
-        done = subprocess.run(
-            [*RATCHET, *args], capture_output=True, text=True, env=self.env, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout) if "--json" in args else done.stdout
+        super().__init__(tmp, "TwoSignals")
 
     def send(self, value: int) -> None:
         self.cli("signal", "--state", str(self.state), "--key", "k", "go", "--value", str(value))
@@ -71,9 +45,7 @@ class Job:
 
     def got(self) -> dict[int, Any]:
         """Each run's values by its input seq (a failed run's error record has none)."""
-        if not self.output.exists():
-            return {}
-        rows = [json.loads(x) for x in self.output.read_text().splitlines() if x.endswith("}")]
+        rows = self.lines(self.output)
         return {r["seq"]: r["output"]["got"] for r in rows if r["output"] is not None}
 
 

@@ -11,6 +11,8 @@ stays a plain `ConfigError`: exit 2, and the supervisor gives up at once, as bef
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -79,7 +81,8 @@ def start_supervised(tmp: Path, *io: str) -> tuple[subprocess.Popen[bytes], Path
     argv = [*RATCHET, "run", AGENT, *io, "--state", str(tmp / "state"), "--supervise",
             "--restart-delay", "0.2", "--restart-attempts", "30"]  # fmt: skip
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=fh)
+        # Its own process group: a job that outlives BOUND is killed with its worker.
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=fh, start_new_session=True)
     return proc, log
 
 
@@ -97,7 +100,7 @@ def ended(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
         code = proc.wait(timeout=BOUND)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and its worker
             proc.wait()
     return code, log.read_text()
 

@@ -203,3 +203,52 @@ def test_a_give_back_that_fails_stops_the_job_and_loses_no_signal(after: bool) -
     assert GOT == ([1, 1] if after else [1, 1, 1])
     assert again.outputs() == [{"go": 1}]
     assert pending(store) == []
+
+
+class Gathers(Agent):
+    """Waits for "go" twice in one branch of a gather; the other branch fails the first
+    attempt after a while, so the first branch is still waiting when the attempt fails."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.got: list[tuple[int, Any]] = []
+
+    @action(InputEvent, retry=Retry(max_attempts=3, initial_delay=10, on=(RuntimeError,)))
+    async def act(self, event: InputEvent, ctx: Any) -> None:
+        import asyncio
+
+        self.attempts += 1
+        attempt = self.attempts
+
+        async def collect() -> list[Any]:
+            values = []
+            for _ in range(2):
+                values.append(await ctx.wait_for_signal("go"))
+                self.got.append((attempt, values[-1]))
+            return values
+
+        async def check() -> None:
+            if attempt == 1:
+                await ctx.sleep(1)
+                raise RuntimeError("transient")
+
+        got, _ = await asyncio.gather(collect(), check())
+        ctx.send_event(OutputEvent(output=got))
+
+
+def test_a_wait_left_running_by_the_failed_attempt_does_not_take_its_signal_back() -> None:
+    """gather does not cancel its other branch when one fails: that branch, still waiting for
+    "go", took the signal the failed attempt had just given back (recorded under the failed
+    attempt, read by nothing: lost). The attempt's tasks end before the give-back now."""
+    store = MemoryStore(FakeClock(START))
+    store.add_signal("k", "go", 1)
+    agent = Gathers()
+    Drive(agent, [{"key": "k"}], store).run()
+    assert agent.got == [(1, 1), (2, 1)]  # the retried attempt got it again
+    store.add_signal("k", "go", 2)
+    agent2 = Gathers()
+    agent2.attempts = 1  # the restored run is the retried attempt (2): it does not fail
+    d = Drive(agent2, [{"key": "k"}], store)
+    d.run()
+    assert d.outputs() == [[1, 2]]
+    assert store.signals == {}

@@ -1087,6 +1087,10 @@ class AgentBinding:
             except ENGINE_FAULTS:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's failure becomes data
+                if spec.retry is not None and spec.retry.retries(exc, attempt):
+                    # Before the attempt's signals go back: a wait of its own still running
+                    # (gather's other branch) would take them straight back, for good.
+                    await _settle_leftovers(task, children)
                 ctx._seal()
                 until = await asyncio.to_thread(
                     self._record_failure, task, calls, made, spec.retry, exc, attempt
@@ -1183,6 +1187,29 @@ def _not_to_itself(event: Emitted, names: list[str]) -> list[str]:
 _children: contextvars.ContextVar[set[asyncio.Task[Any]] | None] = contextvars.ContextVar(
     "ratchet_children", default=None
 )
+
+
+async def _settle_leftovers(task: Task, children: set[asyncio.Task[Any]]) -> None:
+    """Cancel a failed attempt's tasks that still run, and let them end (at most
+    _SETTLE_SECONDS): none of them may wait for a signal, or make a call, once the attempt's
+    records are given back for its retry."""
+    pending = [c for c in children if not c.done()]
+    if not pending:
+        return
+    for c in pending:
+        c.cancel()
+    await asyncio.wait(pending, timeout=_SETTLE_SECONDS)
+    log.warning(
+        "action %s (key %r) failed with %d asyncio task(s) of its own still running (asyncio."
+        "gather does not cancel the others when one fails); they were cancelled before its "
+        "retry",
+        task.action,
+        task.run.key,
+        len(pending),
+    )
+
+
+_SETTLE_SECONDS = 5.0
 
 
 def _cancel_leftovers(task: Task, children: set[asyncio.Task[Any]]) -> None:

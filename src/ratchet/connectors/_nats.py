@@ -7,8 +7,9 @@ the checkpoint that holds them completed. The position in ratchet's checkpoint i
 stream sequences admitted but not yet acknowledged (confirmed by the server): after a crash,
 the server redelivers them once their ack-wait runs out, and the source recognises them by
 stream sequence and acknowledges them without admitting them again. A server lost mid-run is
-reconnected to for `reconnect_for` seconds (default 30), then the source ends the job with
-ServerUnreachableError (a supervised job waits for it, and resumes from its checkpoint).
+reconnected to until it is back, or for at most `reconnect_for` seconds if given, after which
+the source ends the job with ServerUnreachableError (a supervised job waits for it, and
+resumes from its checkpoint).
 
 Sink: `--output nats://HOST:PORT?stream=S&subject=SUBJ` publishes each output (its JSON line)
 with the header `Nats-Msg-Id: <job id>:<output id>`, and waits for the stream's
@@ -65,7 +66,7 @@ _SINK_PARAMS = frozenset({"stream", "subject"})
 DEFAULT_ACK_WAIT = 30.0
 # How long a source waits for a lost server in-process (the client reconnecting) before the job
 # ends with ServerUnreachableError (a supervised job then waits for it with a doubling delay).
-DEFAULT_RECONNECT_FOR = 30.0
+DEFAULT_RECONNECT_FOR = math.inf  # as a followed PostgreSQL source: ride it out
 # The ack-wait must leave room for this many checkpoint intervals (and at least a second):
 # a message is acknowledged after the checkpoint that follows its admission.
 ACK_WAIT_INTERVALS = 10
@@ -189,10 +190,13 @@ async def _connect(server: str, flag: str, uri: str, outage: _Outage | None = No
             return
         if outage.since is None:
             outage.since = SYSTEM_CLOCK.monotonic()
-        log.warning(
-            "%s: disconnected from NATS; reconnecting, for up to %g s (reconnect_for)",
-            where, outage.limit,
-        )  # fmt: skip
+        if math.isinf(outage.limit):
+            log.warning("%s: disconnected from NATS; reconnecting until it is back", where)
+        else:
+            log.warning(
+                "%s: disconnected from NATS; reconnecting, for up to %g s (reconnect_for)",
+                where, outage.limit,
+            )  # fmt: skip
 
     async def reconnected() -> None:
         state["down"] = False
@@ -316,7 +320,7 @@ class NatsSource(Source):
         if not reconnect_for > 0:  # NaN too; inf: wait for the server as long as it takes
             raise ConfigError(
                 f"--input {redact(uri)}: reconnect_for is a number of seconds > 0, or inf to "
-                f"wait as long as it takes (default {DEFAULT_RECONNECT_FOR:g}), not "
+                f"wait as long as it takes (the default), not "
                 f"{p['reconnect_for']}"
             )
         if batch < 1 or (ack_wait is not None and ack_wait <= 0):

@@ -206,6 +206,8 @@ def _demands(conninfo: str) -> list[str]:
     for name, env, requiring in (
         ("sslmode", "PGSSLMODE", _SSL_REQUIRING),
         ("gssencmode", "PGGSSENCMODE", ("require",)),
+        ("sslrootcert", "PGSSLROOTCERT", ("system",)),  # implies sslmode=verify-full
+        ("sslnegotiation", "PGSSLNEGOTIATION", ("direct",)),  # SSL at once, or nothing
     ):
         value = params.get(name)
         source = f"{name}={value}"
@@ -230,12 +232,13 @@ def _why_not(conninfo: str, timeout: int) -> str | None:
     demands = _demands(conninfo)
     if demands:
         # Without the demands and the settings that only go with them (sslrootcert=system
-        # forbids a weaker sslmode; sslnegotiation=direct needs a requiring one).
-        relaxed = make_conninfo(
-            conninfo, sslmode="prefer", gssencmode="prefer", sslrootcert=None,
-            sslnegotiation=None,
-        )  # fmt: skip
-        ping = _ping(relaxed, timeout)
+        # forbids a weaker sslmode; sslnegotiation=direct needs a requiring one). Left out,
+        # not given None (make_conninfo ignores such a kwarg: the key stays); sslrootcert="" so
+        # PGSSLROOTCERT does not bring "system" back.
+        params = conninfo_to_dict(conninfo)
+        params.pop("sslnegotiation", None)
+        params.update(sslmode="prefer", gssencmode="prefer", sslrootcert="")
+        ping = _ping(make_conninfo("", **params), timeout)
         if ping in (pq.Ping.NO_RESPONSE, pq.Ping.REJECT):
             return _UNREACHABLE
         if ping == pq.Ping.OK:

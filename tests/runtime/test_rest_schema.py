@@ -150,3 +150,25 @@ def test_the_document_describes_every_endpoint(live_job: tuple[str, str | None])
                 assert answer.get("content"), (method, path)  # every answer has a body schema
             if method == "post":
                 assert operation["requestBody"]["required"] is True, path
+
+
+def test_a_newer_client_reads_an_older_supervisors_job_and_config() -> None:
+    """`ratchet status --url` of this version against a supervisor started before
+    restarts_counted and the restart strategy's reset and doubling fields existed (a job
+    left running across an upgrade): read, not refused as an unexpected body."""
+    from ratchet.runtime._rest import JobConfig, JobInfo
+
+    info = JobInfo.model_validate(
+        {"state": "running", "worker_pid": 12, "resource_id": "r", "restarts": 3,
+         "uptime_seconds": 5.0, "worker_uptime_seconds": 1.0, "last_exit": None,
+         "in_flight_runs": 0, "queued_inputs": 0}
+    )  # fmt: skip
+    assert info.restarts == 3 and info.restarts_counted is None
+    config = JobConfig.model_validate(
+        {"checkpoint_interval_ms": 200.0, "tolerable_checkpoint_failures": 0,
+         "max_concurrent_runs": 64, "max_buffered_inputs": 1024, "state_dir": "/s",
+         "engine": {}, "restart_strategy": {"type": "fixed-delay", "attempts": 10,
+                                            "delay_seconds": 1.0}}
+    )  # fmt: skip
+    assert config.restart_strategy.type == "fixed-delay"
+    assert config.restart_strategy.reset_after_seconds is None

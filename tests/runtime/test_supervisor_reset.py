@@ -259,3 +259,44 @@ def test_a_supervised_job_survives_sigkills_spread_over_its_life(tmp_path: Path)
     for output in _outputs(tmp_path):
         by_key.setdefault(output["key"], []).append(output["n"])
     assert by_key == {k: [1, 2, 3, 4] for k in KEYS}
+
+
+# Workers 1 and 2 cannot reach their server at start; worker 3 runs (it reports) and then
+# loses it; worker 4 ends the job. Each counts itself in a file beside the state.
+OUTAGE_WORKER = """
+import os, sys
+from pathlib import Path
+count = Path(sys.argv[1])
+n = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(n))
+with os.fdopen(int(os.environ["RATCHET_STATUS_FD"]), "w") as pipe:
+    if n == 3:
+        pipe.write('{"status": {}}\\n')
+        pipe.flush()
+    if n <= 3:
+        pipe.write('{"unreachable": "NATS at 127.0.0.1:4222"}\\n')
+        pipe.flush()
+        sys.exit(2)
+"""
+
+
+def test_a_worker_that_ran_and_then_lost_its_server_starts_a_new_streak_of_waits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The delay doubles for each worker in a row that cannot reach a server: two refused at
+    start wait 0.1 s, then 0.2 s; one that ran and lost its server mid-run waits 0.1 s again
+    (it continued the streak: 0.4 s, and after a few more, 30 s for a short blip)."""
+    sup = Supervisor(
+        [sys.executable, "-c", OUTAGE_WORKER, str(tmp_path / "count")],
+        tmp_path / "state",
+        restart_attempts=5,
+        restart_delay=0.1,
+    )
+    assert sup.run() == EXIT_OK
+    err = capsys.readouterr().err
+    delays = [
+        line.split(" in ")[1].split(" s ")[0]
+        for line in err.splitlines()
+        if "waiting for it, retrying" in line
+    ]
+    assert delays == ["0.1", "0.2", "0.1"], err

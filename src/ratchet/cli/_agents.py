@@ -1105,8 +1105,12 @@ def _status_url(args: argparse.Namespace) -> int:
     table.add_row("worker", f"pid {job.worker_pid}, resource {job.resource_id}")
     table.add_row(
         "restarts",
-        f"{job.restarts} in all, {job.restarts_counted} of {config.restart_strategy.attempts} "
-        f"counted now",
+        f"{job.restarts} in all"
+        + (
+            f", {job.restarts_counted} of {config.restart_strategy.attempts} counted now"
+            if job.restarts_counted is not None
+            else ""
+        ),
     )
     table.add_row("last exit", job.last_exit or "-")
     table.add_row("uptime", f"{job.uptime_seconds:.1f} s")
@@ -1154,15 +1158,18 @@ def _status_url(args: argparse.Namespace) -> int:
     table.add_row("latest restored", f"#{latest.restored.id}" if latest.restored else "-")
     table.add_row("checkpoint interval", f"{config.checkpoint_interval_ms:g} ms")
     rs = config.restart_strategy
-    reset = (
-        f"the count starts again after {rs.reset_after_seconds:g} s of running"
-        if rs.reset_after_seconds > 0
-        else "the count never starts again"
-    )
-    table.add_row(
-        "restart strategy",
-        f"{rs.type}, {rs.attempts} attempts, {rs.delay_seconds:g} s delay (doubling up to "
-        f"{rs.unreachable_max_delay_seconds:g} s while a server cannot be reached), {reset}",
-    )
+    strategy = f"{rs.type}, {rs.attempts} attempts, {rs.delay_seconds:g} s delay"
+    if rs.unreachable_max_delay_seconds is not None:  # None: an older supervisor's answer
+        strategy += (
+            f" (doubling up to {rs.unreachable_max_delay_seconds:g} s while a server cannot be "
+            f"reached)"
+        )
+    if rs.reset_after_seconds is not None:
+        strategy += (
+            f", the count starts again after {rs.reset_after_seconds:g} s of running"
+            if rs.reset_after_seconds > 0
+            else ", the count never starts again"
+        )
+    table.add_row("restart strategy", strategy)
     Console().print(table)
     return EXIT_OK

@@ -60,10 +60,11 @@ class JobInfo(BaseModel):
     restarts: int = Field(
         description="workers the supervisor restarted since it started, in all (never reset)"
     )
-    restarts_counted: int = Field(
+    restarts_counted: int | None = Field(
+        default=None,
         description="the restarts --restart-attempts limits now (restart N/attempts in the "
         "log): since the supervisor started, or since the last worker that ran "
-        "--restart-reset-after seconds; 0 once the current worker has run that long"
+        "--restart-reset-after seconds; 0 once the current worker has run that long",
     )
     uptime_seconds: float = Field(description="since the supervisor started")
     worker_uptime_seconds: float | None
@@ -167,7 +168,9 @@ class RestartStrategy(BaseModel):
     """What the supervisor does when its worker dies (docs/operations.md, "What the supervisor
     restarts")."""
 
-    type: Literal["fixed-delay-with-reset"] = Field(
+    # A str, not a Literal, and the fields after `delay_seconds` optional: a newer `ratchet
+    # status --url` reads an older supervisor ("fixed-delay", without them).
+    type: str = Field(
         default="fixed-delay-with-reset",
         description="a fixed delay, doubled only while a connector's server cannot be reached "
         "at start; the count of restarts starts again after a worker ran reset_after_seconds",
@@ -176,16 +179,18 @@ class RestartStrategy(BaseModel):
         description="restarts allowed in a row (--restart-attempts); one more death ends the job"
     )
     delay_seconds: float = Field(description="the delay before a restart (--restart-delay)")
-    reset_after_seconds: float = Field(
+    reset_after_seconds: float | None = Field(
+        default=None,
         description="a worker that runs this long (from its first report) starts the count of "
-        "attempts again (--restart-reset-after); 0: never"
+        "attempts again (--restart-reset-after); 0: never",
     )
-    unreachable_delay_factor: float = Field(
+    unreachable_delay_factor: float | None = Field(
+        default=None,
         description="the delay is multiplied by this for each worker in a row that could not "
-        "reach a connector's server at start"
+        "reach a connector's server at start",
     )
-    unreachable_max_delay_seconds: float = Field(
-        description="up to this delay (30 s, or delay_seconds if that is longer)"
+    unreachable_max_delay_seconds: float | None = Field(
+        default=None, description="up to this delay (30 s, or delay_seconds if that is longer)"
     )
 
 

@@ -621,6 +621,8 @@ class Supervisor:
                     self.s.state = "failed"
                 return rc if rc > 0 else EXIT_FAILED
             waiting = rc == EXIT_USAGE and worker.unreachable is not None
+            if worker.running_since is not None:
+                waits = 0  # it ran: a server it lost mid-run starts a new streak
             waits = waits + 1 if waiting else 0
             what = f"worker died ({how})"
             if rc == EXIT_USAGE and worker.state_in_use_by is not None:

@@ -15,12 +15,10 @@ The same across a SIGKILL during the backoff: tests/kill/test_waits_kill.py.
 from __future__ import annotations
 
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from support.waits_job import WaitsJob
+from support.waits_job import WaitsJob, until
 
 
 class Job(WaitsJob):
@@ -50,16 +48,6 @@ class Job(WaitsJob):
     def got(self) -> list[Any]:
         """The values each attempt's wait returned, in order."""
         return [r["value"] for r in self.lines(self.log) if r["what"] == "got"]
-
-
-def until(what: str, check: Callable[[], Any], proc: subprocess.Popen[str]) -> Any:
-    deadline = time.monotonic() + 60
-    while not (value := check()):
-        if proc.poll() is not None:
-            raise AssertionError(f"the job exited before {what}: {proc.communicate()[1]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def test_one_signal_is_enough_for_an_action_that_failed_after_taking_it(tmp_path: Path) -> None:

@@ -17,13 +17,12 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support.waits_job import WaitsJob
+from support.waits_job import WaitsJob, until
 
 
 class Job(WaitsJob):
@@ -47,16 +46,6 @@ class Job(WaitsJob):
         """Each run's values by its input seq (a failed run's error record has none)."""
         rows = self.lines(self.output)
         return {r["seq"]: r["output"]["got"] for r in rows if r["output"] is not None}
-
-
-def until(what: str, check: Callable[[], Any], proc: subprocess.Popen[str]) -> Any:
-    deadline = time.monotonic() + 60
-    while not (value := check()):
-        if proc.poll() is not None:
-            raise AssertionError(f"the job exited before {what}: {proc.communicate()[1]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def stopped_between_writes(proc: subprocess.Popen[str], db: Path) -> None:

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,14 @@ class WaitsJob:
 
     def outputs(self) -> list[Any]:
         return [r["output"] for r in self.lines(self.output)]
+
+
+def until(what: str, check: Callable[[], Any], proc: subprocess.Popen[str]) -> Any:
+    """`check()`'s first true value, polled; fails if the job exits first or after 60 s."""
+    deadline = time.monotonic() + 60
+    while not (value := check()):
+        if proc.poll() is not None:
+            raise AssertionError(f"the job exited before {what}: {proc.communicate()[1]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value

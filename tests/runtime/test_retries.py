@@ -252,3 +252,35 @@ def test_a_wait_left_running_by_the_failed_attempt_does_not_take_its_signal_back
     d.run()
     assert d.outputs() == [[1, 2]]
     assert store.signals == {}
+
+
+class FailsBesideAWait(Agent):
+    """Input "fail": one branch of a gather begins waiting for "go" while the other fails
+    the action at once (no retry). Input "wait": waits for "go" and outputs it."""
+
+    @action(InputEvent)
+    async def act(self, event: InputEvent, ctx: Any) -> None:
+        import asyncio
+
+        if event.input["do"] == "wait":
+            ctx.send_event(OutputEvent(output=await ctx.wait_for_signal("go")))
+            return
+
+        async def fail() -> None:
+            raise ValueError("fails at once")
+
+        await asyncio.gather(ctx.wait_for_signal("go"), fail())
+
+
+def test_a_wait_begun_beside_a_failure_does_not_take_a_signal_after_the_action_ended() -> None:
+    """The failed action's other branch got past its wait's intent write after the ctx was
+    sealed and took the signal with the ended ctx's journal: the record could not be made
+    (a traceback in the log) and the signal, still in the store, was gone from the job's
+    pending signals, so the next run of the key waited for it until a restart. A sealed ctx
+    now refuses the wait before it takes anything."""
+    store = MemoryStore(FakeClock(START))
+    store.add_signal("k", "go", 1)
+    d = Drive(FailsBesideAWait(), [{"key": "k", "do": "fail"}, {"key": "k", "do": "wait"}], store)
+    d.run()
+    assert d.outputs()[-1] == 1, d.outputs()
+    assert store.signals == {}

@@ -344,6 +344,9 @@ class RunnerContext:
             until = None if secs is None else now + secs
             payload = codec.encode({"since": now, "until": until})
             await asyncio.wrap_future(self._calls.write(idx, SIGNAL_FN, name, "intent", payload))
+            # The action may have ended meanwhile (this is the other branch of a gather that
+            # failed): a sealed ctx takes no signal, which its journal could not record.
+            self._refuse_if_ended()
         value = await waits.signal(self._task, self._calls, idx, name, until)
         if value is None:
             raise _timed_out(self.key, name, {"until": until})

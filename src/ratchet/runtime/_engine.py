@@ -347,31 +347,31 @@ class _Writer(threading.Thread):
     def drop_calls(self, seq: int, task_id: str, from_idx: int) -> concurrent.futures.Future[Any]:
         """Delete a refused attempt's records (`TaskCalls.discard_new`), after every record
         queued before (a job runs after the calls of its group); the signals they took go
-        back (the future's result)."""
-        drop = getattr(self.store, "drop_calls", None)
-        if drop is None:  # a store without it: the replay marker makes them optional
-            return _done([])
-        return self.submit(lambda: drop(seq, task_id, from_idx))
+        back (the future's result). A store without it: the replay marker makes them
+        optional."""
+        return self._if_store_has("drop_calls", seq, task_id, from_idx)
 
     def release_signals(
         self, seq: int, task_id: str, idxs: list[int]
     ) -> concurrent.futures.Future[Any]:
         """Put back the signals unused records of an unaccepted attempt took
         (`TaskCalls.release_unused`), after every record queued before."""
-        release = getattr(self.store, "release_signals", None)
-        if release is None:  # a store without it: the signals stay taken
-            return _done([])
-        return self.submit(lambda: release(seq, task_id, idxs))
+        return self._if_store_has("release_signals", seq, task_id, idxs)
 
     def release_attempt_signals(
         self, seq: int, task_id: str, key: Any
     ) -> concurrent.futures.Future[Any]:
         """Put back the signals a failed attempt that will be tried again took
         (`TaskCalls.release_attempt`), after every record queued before."""
-        release = getattr(self.store, "release_attempt_signals", None)
-        if release is None:  # a store without it: the signals stay taken
+        return self._if_store_has("release_attempt_signals", seq, task_id, key)
+
+    def _if_store_has(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
+        """The store's optional signal-returning operation `name`, queued as a job; a store
+        without it gives nothing back (the signals stay taken)."""
+        operation = getattr(self.store, name, None)
+        if operation is None:
             return _done([])
-        return self.submit(lambda: release(seq, task_id, key))
+        return self.submit(lambda: operation(*args))
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()

@@ -18,20 +18,11 @@ import pytest
 
 from ratchet._errors import StateError
 from ratchet.store._sqlite import StateLock
+from support.acc_agent import AGENT_SRC
 from support.rest import free_port, get
 
 pytestmark = [pytest.mark.kill, pytest.mark.slow]  # about 17 s: make test-slow
 
-AGENT_SRC = """
-from ratchet import Agent, InputEvent, OutputEvent, action
-
-class Acc(Agent):
-    @action(InputEvent, inline=True)
-    def acc(self, event, ctx):
-        n = (ctx.short_term_memory.get("n") or 0) + 1
-        ctx.short_term_memory.set("n", n)
-        ctx.send_event(OutputEvent(output={"key": event.input["key"], "n": n}))
-"""
 STOPPED_COMMANDS = [
     ["migrate", "--agent", "{agent}"],
     ["runs", "abandon", "--key", "k1"],

@@ -21,6 +21,7 @@ import pytest
 from ratchet._errors import EXIT_FAILED, EXIT_OK, ConfigError
 from ratchet.runtime._supervisor import Supervisor
 from ratchet.testing import FakeClock
+from support.acc_agent import AGENT_SRC
 from support.rest import free_port, get
 
 # A stand-in worker: one report on the supervisor's pipe (it is then running), then it waits
@@ -158,16 +159,6 @@ def test_the_cli_refuses_a_bad_number_of_seconds_in_one_line(
     assert not (tmp_path / "state").exists()
 
 
-AGENT_SRC = """
-from ratchet import Agent, InputEvent, OutputEvent, action
-
-class Acc(Agent):
-    @action(InputEvent, inline=True)
-    def acc(self, event, ctx):
-        n = (ctx.short_term_memory.get("n") or 0) + 1
-        ctx.short_term_memory.set("n", n)
-        ctx.send_event(OutputEvent(output={"key": event.input["key"], "n": n}))
-"""
 KEYS = [f"k{i}" for i in range(5)]
 
 

@@ -482,7 +482,7 @@ def worker_main(argv: list[str] | None = None, *, forked: bool = False) -> int:
                 elif kind == "ack":
                     sink.answered(msg[1], None, msg[2] if len(msg) > 2 else None)
                 elif kind == "nack":
-                    sink.answered(msg[1], msg[2])
+                    sink.answered(msg[1], msg[2], away=msg[3] if len(msg) > 3 else None)
                 elif kind == "stop":
                     stop_asked.set()
                     stop()

@@ -795,7 +795,13 @@ class NatsSink(Sink):
             # Reconnecting: a publish would wait its whole timeout for an acknowledgement,
             # holding the checkpoints (and a stop) that long; the outputs stay in the outbox
             # and go with a release after the client is back.
-            raise nats.errors.ConnectionReconnectingError()
+            address = _address(self.server)
+            raise ServerUnreachableError(
+                f"--output {redact(self.uri)}: NATS at {address} is away; the client "
+                f"reconnects (nats: connection reconnecting)",
+                server="NATS",
+                address=address,
+            )
         new = 0
         for i in range(0, len(records), _PUBLISH_CHUNK):
             chunk = records[i : i + _PUBLISH_CHUNK]

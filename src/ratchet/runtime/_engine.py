@@ -29,6 +29,7 @@ from ratchet._errors import (
     IncompatibleChangeError,
     NonDeterminismError,
     RatchetError,
+    ServerUnreachableError,
     SinkError,
     StateError,
 )
@@ -443,6 +444,12 @@ def _too_large(exc: BaseException) -> bool:
 def _pack_trace(started: float | None, tasks: list[dict[str, Any]]) -> bytes:
     """A completed run's trace as the `traces` table stores it."""
     return pack_trace(started, tasks)
+
+
+# How the end of a job retries outputs its sink refused: the first pause (it doubles), and the
+# longest between two tries while the sink's server is away.
+_LEFT_FIRST_DELAY = 0.1
+_LEFT_MAX_DELAY = 5.0
 
 
 def _trace_packer(
@@ -1678,25 +1685,73 @@ class Engine:
         return info
 
     _sink_error = ""  # the sink's last refusal
+    _sink_away: ServerUnreachableError | None = None  # why, when its server was away
 
     async def _deliver_what_is_left(self) -> None:
         """At the end of a job, outputs of completed checkpoints the sink refused are tried a
         few times more; a job whose sink still refuses them does not end as if it were done
-        (it exited 0 with the outputs missing from the sink)."""
-        delay = 0.1
-        for _ in range(5):  # the caller found outputs unreleased
-            await asyncio.sleep(delay)  # real time: a test's fake clock must not hold it
-            delay *= 2
+        (it exited 0 with the outputs missing from the sink). A sink whose server is away
+        (it reconnects, or cannot reach it: `ServerUnreachableError`) is waited for, as it is
+        mid-run, until it takes them or the job is asked to stop (they stay in the state)."""
+        delay = _LEFT_FIRST_DELAY
+        tries = 0
+        waiting_since: float | None = None
+        said = 0.0
+        while True:
+            await self._pause(delay)
             await self._release({})
             if not self._unreleased:  # delivered: record it, as any release is recorded
+                if waiting_since is not None:
+                    log.warning("the sink took the outputs it was waiting for; the job ends")
                 await self.checkpoint()
                 await self._forget_released()
                 return
-        raise SinkError(
-            f"{len(self._unreleased)} output(s) of completed checkpoints could not be written "
-            f"to the sink ({self._sink_error}); they are kept in the state and written, once "
-            f"each, when the job runs again: fix the sink, then run the same command"
-        )
+            if self._stop:  # a stop asked for while it waited: they wait in the outbox
+                log.warning(
+                    "%d output(s) the sink refused (%s) are kept in the state and written "
+                    "when the job runs again", len(self._unreleased), self._sink_error,
+                )  # fmt: skip
+                return
+            tries += 1
+            away = self._sink_away
+            if away is None:
+                if tries >= 5:
+                    raise SinkError(
+                        f"{len(self._unreleased)} output(s) of completed checkpoints could not "
+                        f"be written to the sink ({self._sink_error}); they are kept in the "
+                        f"state and written, once each, when the job runs again: fix the sink, "
+                        f"then run the same command"
+                    )
+                delay *= 2
+                continue
+            now = SYSTEM_CLOCK.monotonic()
+            if waiting_since is None:
+                waiting_since = said = now
+                log.warning(
+                    "the input is done, but %s at %s is away (%s): waiting for it to take the "
+                    "last %d output(s) before the job ends; a stop (Ctrl-C, SIGTERM) keeps "
+                    "them in the state for the next run", away.server, away.address,
+                    self._sink_error, len(self._unreleased),
+                )  # fmt: skip
+            elif now - said >= 60:
+                said = now
+                log.warning(
+                    "still waiting for %s at %s to take %d output(s) (%.0f s so far)",
+                    away.server, away.address, len(self._unreleased), now - waiting_since,
+                )  # fmt: skip
+            delay = min(delay * 2, _LEFT_MAX_DELAY)
+
+    async def _pause(self, seconds: float) -> None:
+        """Real time (a test's fake clock must not hold it), cut short by a stop request."""
+        wake = self._wake
+        if wake is None or self._stop:
+            await asyncio.sleep(0 if self._stop else seconds)
+            return
+        wake.clear()
+        try:
+            await asyncio.wait_for(wake.wait(), seconds)
+        except TimeoutError:
+            pass
 
     def _check_cut_output(self) -> None:
         unreleased = self._unreleased
@@ -1729,6 +1784,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - kept in the outbox, retried next checkpoint
             log.warning("sink write failed, will retry after the next checkpoint: %s", exc)
             self._sink_error = f"{type(exc).__name__}: {exc}"
+            self._sink_away = exc if isinstance(exc, ServerUnreachableError) else None
             return
         metrics = getattr(self.binding, "metrics", None)
         if metrics is not None:

@@ -12,7 +12,8 @@ otherwise, and for every restart, it is a new `python -m ratchet.agents._sharded
 Wire: frames of a 4-byte big-endian length and a `codec` body (no pickle), over a socket pair.
 coordinator -> worker: ["in", end, at, [[seq, key, value], ...]] (inputs, then the source's
 position `at` after input `end - 1`), ["eof"], ["stop"], ["ack", n, written] (written: how
-many of them the sink wrote now, not holding them already), ["nack", n, why].
+many of them the sink wrote now, not holding them already), ["nack", n, why, away] (away:
+[server, address] when the sink's server was away, else None).
 worker -> coordinator: ["hello", next, from, at] (restored), ["took", frames],
 ["partial", result] (before it ends by a signal sent to it alone),
 ["committed", next, from, at] (after each checkpoint), ["out", n, records] (or, for a JSONL
@@ -41,7 +42,7 @@ from typing import Any
 
 from ratchet import _errors
 from ratchet._clock import SYSTEM_CLOCK
-from ratchet._errors import BadInputError, RatchetError, StateError
+from ratchet._errors import BadInputError, RatchetError, ServerUnreachableError, StateError
 from ratchet.runtime._engine import EngineConfig, EngineResult, stopped_for_max_errors
 from ratchet.runtime._forking import ForkedWorker, fork_unsafe, fork_worker, start_method
 from ratchet.runtime._io import (
@@ -230,7 +231,7 @@ class PipeSink(Sink):
             self._n += 1
             n = self._n
             done = threading.Event()
-            why: list[Any] = [None, None]  # why not written; how many the sink wrote
+            why: list[Any] = [None, None, None]  # why not written; how many written; away
             self._waits[n] = (done, why)
         if self._lines:
             checked, self._checked = self._checked, {}
@@ -244,15 +245,23 @@ class PipeSink(Sink):
             self.conn.send(["out", n, records])
         done.wait()
         if why[0] is not None:
-            raise OSError(f"the coordinator could not write the outputs: {why[0]}")
+            said = f"the coordinator could not write the outputs: {why[0]}"
+            if why[2] is not None:
+                server, address = why[2]
+                raise ServerUnreachableError(said, server=server, address=address)
+            raise OSError(said)
         return why[1]  # type: ignore[no-any-return]
 
-    def answered(self, n: int, why: str | None, written: int | None = None) -> None:
+    def answered(
+        self, n: int, why: str | None, written: int | None = None, away: list[str] | None = None
+    ) -> None:
+        """`away`: [server, address] when the sink's server was away (a nack's last item)."""
         with self._lock:
             wait = self._waits.pop(n, None)
         if wait is not None:
             wait[1][0] = why
             wait[1][1] = written
+            wait[1][2] = away
             wait[0].set()
 
 
@@ -581,12 +590,14 @@ class Coordinator:
                     writing = loop.run_in_executor(self._sink_thread, write, msg[2])
                     self._writing.add(writing)
                     try:
-                        why = await writing
+                        wrote = await writing
                     finally:
                         self._writing.discard(writing)
                     self._send(
                         shard,
-                        ["ack", msg[1], why] if isinstance(why, int) else ["nack", msg[1], why],
+                        ["ack", msg[1], wrote]
+                        if isinstance(wrote, int)
+                        else ["nack", msg[1], *wrote],
                     )
                 elif kind == "committed":
                     self._committed(shard, msg[1], msg[2], msg[3])
@@ -655,26 +666,24 @@ class Coordinator:
             self._fail(exc_type(f"worker of shard {shard.index} ({shard.dir}) failed: {what}"))
         self._check_done()
 
-    def _deliver(self, records: list[dict[str, Any]]) -> int | str:
+    def _deliver(self, records: list[dict[str, Any]]) -> int | list[Any]:
         """In the sink thread: write a worker's released outputs; how many the sink wrote
-        now (the worker counts those), or why they could not be written."""
+        now (the worker counts those), or why they could not be written (`_refusal`)."""
         try:
             checked, _refused = writable(self.sink, records)
             written = self.sink.write(checked)
         except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
-            log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
-            return f"{type(exc).__name__}: {exc}"
+            return _refusal(exc)
         return len(checked) if written is None else written
 
-    def _append(self, pairs: list[list[str]]) -> int | str:
+    def _append(self, pairs: list[list[str]]) -> int | list[Any]:
         """In the sink thread: append the JSONL lines a worker rendered; how many were new
         (not in the file already), or why they could not be written."""
         assert isinstance(self.sink, JsonlSink)
         try:
             return self.sink.write_lines([(i, line) for i, line in pairs])
         except Exception as exc:  # noqa: BLE001 - the worker keeps them and sends them again
-            log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
-            return f"{type(exc).__name__}: {exc}"
+            return _refusal(exc)
 
     def _report(self) -> None:
         if self.on_report is None:
@@ -933,6 +942,15 @@ class Coordinator:
         r.stopped_by = self._stop_reason or "end of input"
         r.checkpoints = {str(s.index): (s.result or {}).get("checkpoints", {}) for s in self.shards}
         r.metrics = {"workers": float(len(self.shards))}
+
+
+def _refusal(exc: Exception) -> list[Any]:
+    """A failed sink write as a nack tells the worker: why, and the server and its address
+    when the sink's server is away (the worker then raises `ServerUnreachableError`, and its
+    engine waits for the server at the end of the input as one process does)."""
+    log.warning("sink write failed; the shard keeps its outputs and retries: %s", exc)
+    away = [exc.server, exc.address] if isinstance(exc, ServerUnreachableError) else None
+    return [f"{type(exc).__name__}: {exc}", away]
 
 
 def add_counts(into: EngineResult, got: dict[str, Any]) -> None:

@@ -139,3 +139,39 @@ def test_a_postgres_sink_away_at_the_end_of_the_input_is_waited_for(
     outputs = written()
     assert_each_output_once(outputs)
     assert len(outputs) == N
+
+
+def test_a_sigterm_while_it_waits_keeps_the_outputs_for_the_next_run(
+    own_nats: Nats,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    """A batch job the operator stops while it waits for the sink's server: it ends at once,
+    the last output kept in the state; the next run, with the server back, writes it once."""
+    nats = own_nats
+    nats.add_stream("OUT", ["out.x"])
+    proc, log, gate = run_held(tmp_path, f"{nats.url}?stream=OUT&subject=out.x", "1")
+    try:
+        wait_for(proc, log, lambda: nats.count("OUT") >= N - 1, f"{N - 1} outputs")
+        nats.down()
+        wait_for(proc, log, lambda: "disconnected from NATS" in log.read_text(), "disconnect")
+        gate.touch()
+        waiting = WAITING.format(server="NATS", port=nats.port)
+        wait_for(proc, log, lambda: waiting in log.read_text(), repr(waiting))
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=BOUND)
+    finally:
+        kill(proc)
+    text = log.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text and "SinkError" not in text, text
+    assert "1 output(s) the sink refused (ServerUnreachableError: " in text, text
+    nats.up()
+    again = subprocess.run(
+        [*RATCHET, "run", AGENT, "--input", str(tmp_path / "in.jsonl"), "--output",
+         f"{nats.url}?stream=OUT&subject=out.x", "--state", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=BOUND,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    outputs = [json.loads(data) for data, _ in nats.messages("OUT")]
+    assert_each_output_once(outputs)
+    assert len(outputs) == N

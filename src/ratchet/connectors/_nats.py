@@ -795,6 +795,8 @@ class NatsSink(Sink):
             # Reconnecting: a publish would wait its whole timeout for an acknowledgement,
             # holding the checkpoints (and a stop) that long; the outputs stay in the outbox
             # and go with a release after the client is back.
+            if self._nc.is_closed:  # it will not be back: a failure like any other
+                raise nats.errors.ConnectionClosedError()
             address = _address(self.server)
             raise ServerUnreachableError(
                 f"--output {redact(self.uri)}: NATS at {address} is away; the client "

@@ -221,6 +221,30 @@ def reused_reason(resumed_from: Any) -> str:
     )
 
 
+def cache_reasons(info: Mapping[str, Any]) -> list[str]:
+    """Why the cache did not serve a stage that ran, from its `explain` record: the miss or
+    refusal (`cache`) and, for a key the cache had no entry for, what differs from the
+    stage's last verified checkpoint (`compared_with`, `changes`). Without these a plain
+    run's stage said only "fresh run", whatever the cache had found."""
+    cache = info.get("cache")
+    if not cache:
+        return []
+    since = info.get("compared_with")
+    if since is None:
+        return [f"cache: {cache}"]
+    changes = [c for c in info.get("changes") or [] if isinstance(c, Mapping)]
+    if not changes:
+        return [
+            f"cache: {cache}, though run {since} left a verified checkpoint with this same "
+            "cache key (its entry was removed by gc, is in another cache, or was never stored)"
+        ]
+    head = (
+        f"cache: {cache}; this cache key differs from that of run {since} (this stage's last "
+        "verified checkpoint) in:"
+    )
+    return [head, *(describe(c) for c in changes)]
+
+
 def explain_record(receipt: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
     """The `explain` answer for one stage record of a receipt."""
     info = record.get("explain") or {}
@@ -229,6 +253,8 @@ def explain_record(receipt: Mapping[str, Any], record: Mapping[str, Any]) -> dic
     reasons = list(info.get("reasons") or [])
     if decision == "reused" and not reasons:  # a receipt written before reasons were kept
         reasons.append(reused_reason(info.get("resumed_from")))
+    if decision != "reused":
+        reasons += [r for r in cache_reasons(info) if r not in reasons]
     if decision is None:
         decision = "skipped" if status in ("skipped", "pending") else "unknown"
         if record.get("error"):
@@ -250,5 +276,7 @@ def explain_record(receipt: Mapping[str, Any], record: Mapping[str, Any]) -> dic
         "resumed_from": info.get("resumed_from"),
         "reasons": reasons,
         "changes": list(info.get("changes") or []),
+        "cache": info.get("cache"),
+        "compared_with": info.get("compared_with"),
         "text": "\n".join(lines),
     }

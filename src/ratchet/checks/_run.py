@@ -82,6 +82,9 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 # How long a stage waits for a resource another process holds (--lock-timeout).
 DEFAULT_LOCK_TIMEOUT_SECONDS = 600.0
 LOCK_POLL_SECONDS = 0.05
+# How many of the newest run folders a cache miss reads for the stage's last verified
+# checkpoint, to say which cache-key component changed since (no index: one pass, once).
+RECENT_RUNS = 20
 
 
 def run_checks(
@@ -142,6 +145,7 @@ def run_checks(
             strict_env=strict_env,
             key=key,
             cache=_open_cache(args, state_dir, seams.clock, read_only=True),
+            state_dir=state_dir,
         )
         return _dry_run(dry, planned, resume)
     run_id = check_run_id(getattr(args, "run_id", None) or new_run_id(seams.clock, seams.rng))
@@ -198,6 +202,7 @@ def run_checks(
         cache=_open_cache(args, state_dir, seams.clock),
         lock_timeout=lock_timeout,
         shared_locks_dir=_shared_locks_dir(args, project, planned),
+        state_dir=state_dir,
     )
     book.persist()
     jobs = max(1, int(getattr(args, "jobs", 1) or 1))
@@ -255,8 +260,12 @@ class _Run:
         cache: CheckCache | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_SECONDS,
         shared_locks_dir: Path | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.book = book
+        self.state_dir = state_dir
+        self._recent: dict[str, tuple[str, dict[str, Any], Any]] | None = None
+        self._recent_guard = threading.Lock()
         self.cache = cache
         self.lock_timeout = lock_timeout
         # This project's folder in the machine-wide lock folder (None: no stage has a
@@ -312,6 +321,19 @@ class _Run:
 
     def elapsed(self, started: float) -> float:
         return round(self.clock.monotonic() - started, 3)
+
+    def last_checkpoint(self, sid: str) -> tuple[str, dict[str, Any], Any] | None:
+        """(run id, record, that run's environment) of stage `sid`'s newest verified
+        checkpoint in the most recent earlier runs, or None. Read on the first cache miss
+        that asks, once per run: a miss runs a command, which costs far more."""
+        with self._recent_guard:
+            if self._recent is None:
+                self._recent = (
+                    {}
+                    if self.state_dir is None
+                    else _recent_checkpoints(self.workspace_root, self.state_dir, self.book.run_id)
+                )
+            return self._recent.get(sid)
 
 
 def _finish(run: _Run, jobs: int, progress_enabled: bool) -> dict[str, Any]:
@@ -501,11 +523,13 @@ def _stage_locked(run: _Run, stage: dict[str, Any], started: float) -> None:
     cache_key = digest(components)
     decision, explanation = _decide_stage(run, stage, components, cache_key)
 
-    if (
-        decision.action == "run"
-        and run.cache is not None
-        and stage["reuse"] == "auto"
-        and _reuse_from_cache(run, stage, components, cache_key, explanation, started)
+    if decision.action == "run" and run.cache is None:
+        explanation["cache"] = "the cache is off (--no-cache)"
+    elif decision.action == "run" and stage["reuse"] != "auto":
+        if f"reuse is {stage['reuse']!r}" not in explanation["reasons"]:
+            explanation["cache"] = f"not asked (reuse is {stage['reuse']!r})"
+    elif decision.action == "run" and _reuse_from_cache(
+        run, stage, components, cache_key, explanation, started
     ):
         return
     if decision.action == "reuse":
@@ -665,6 +689,9 @@ def _reuse_from_cache(
         entry, why = run.cache.lookup(cache_key)
         if entry is None:
             explanation["cache"] = why
+            explanation.update(
+                _since_last_checkpoint(run, sid, components, cache_key, why, explanation)
+            )
             return False
         problem, restored = _cached_outputs(run, entry, list(stage.get("outputs") or []), True)
     except OSError as exc:  # the cache folder, or the workspace, cannot be read or written
@@ -703,6 +730,81 @@ def _reuse_from_cache(
     )
     _persist_checkpoint(run, sid, rec, reused=True)
     return True
+
+
+def _since_last_checkpoint(
+    run: _Run,
+    sid: str,
+    components: Mapping[str, Any],
+    cache_key: str,
+    why: str,
+    explanation: Mapping[str, Any],
+) -> dict[str, Any]:
+    """For a cache that has no entry for `cache_key`: which run's checkpoint of the stage
+    it was compared with (`compared_with`) and what differs (`changes`), as `--resume`
+    names it; nothing when the reason is another (a damaged entry says so itself), when the
+    decision already named the changes, or when no earlier verified checkpoint is found.
+    Explaining never fails a stage."""
+    if not why.startswith("no cache entry") or "changes" in explanation:
+        return {}
+    try:
+        found = run.last_checkpoint(sid)
+        if found is None:
+            return {}
+        since, old, old_env = found
+        if old.get("cache_key") == cache_key:
+            return {"compared_with": since, "changes": []}
+        changes = _explain.diff_components(
+            old["cache_components"],
+            components,
+            old_env=old_env,
+            new_env=run.book.header.get("environment"),
+            checkpoints=run.prober,
+        )
+    except Exception:  # noqa: BLE001 - an explanation is never worth a failed stage
+        return {}
+    return {"compared_with": since, "changes": changes}
+
+
+def _recent_checkpoints(
+    workspace_root: Path, state_dir: Path, skip: str
+) -> dict[str, tuple[str, dict[str, Any], Any]]:
+    """Stage id -> (run id, record, environment) of its newest verified checkpoint among
+    the `RECENT_RUNS` most recently written run folders (but `skip`, this run) whose
+    receipts are trusted: what the cache last stored for the stage, as near as the state
+    folder knows without an index of the cache."""
+    runs_dir = state_dir / "runs"
+
+    def written(folder: Path) -> float:
+        try:
+            return folder.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    try:
+        folders = [f for f in runs_dir.iterdir() if f.name != skip]
+    except OSError:
+        return {}
+    receipts = []
+    for folder in sorted(folders, key=written, reverse=True)[:RECENT_RUNS]:
+        try:
+            receipts.append(read_receipt(workspace_root, state_dir, folder.name))
+        except (ValueError, OSError):  # ReceiptError is a ValueError: not trusted, skipped
+            continue
+    receipts.sort(key=lambda r: str(r.get("started_at") or ""), reverse=True)
+    found: dict[str, tuple[str, dict[str, Any], Any]] = {}
+    for receipt in receipts:
+        for rec in receipt.get("stages") or []:
+            if (
+                isinstance(rec, dict)
+                and isinstance(rec.get("id"), str)
+                and rec["id"] not in found
+                and rec.get("status") == "passed"
+                and rec.get("checkpoint_verified") is True
+                and isinstance(rec.get("cache_components"), dict)
+            ):
+                found[rec["id"]] = (str(receipt.get("run_id")), rec, receipt.get("environment"))
+    return found
 
 
 def _cached_outputs(
@@ -1113,5 +1215,7 @@ def _predict(
                     note += " (its outputs would be restored from the cache)"
                 return "reuse", [note], _produced(entry)
             why = problem
-        reasons.append(f"cache: {why}")
+        found = {**explanation, "cache": why}
+        found.update(_since_last_checkpoint(run, sid, components, cache_key, why, explanation))
+        reasons += _explain.cache_reasons(found)
     return "run", reasons, None

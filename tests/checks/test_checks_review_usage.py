@@ -1,0 +1,121 @@
+"""Defects a user-level review of `ratchet checks` found, one test (or a few) each, on real
+git repositories through the command line (`ratchet checks ...` in process, as
+`test_checks_review.py` does)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from typing import Any
+
+import pytest
+from checks_helpers import Workspace, by_id, check
+
+from ratchet.checks.common import read_json
+from ratchet.cli import main as ratchet_main
+
+
+def _common(ws: Workspace) -> list[str]:
+    return ["checks", "--workspace-root", str(ws.root), "--state-dir", str(ws.state_dir)]
+
+
+def _run(ws: Workspace, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    """`ratchet checks run --json EXTRA`: the receipt."""
+    ratchet_main([*_common(ws), "run", "--json", *extra])
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def _explain(
+    ws: Workspace, capsys: pytest.CaptureFixture[str], run_id: str, stage: str
+) -> tuple[str, dict[str, Any]]:
+    """`ratchet checks explain RUN STAGE`: its text (as `--json` has it: the terminal wraps
+    it), and its `--json` answer."""
+    assert ratchet_main([*_common(ws), "explain", run_id, stage]) == 0
+    printed = capsys.readouterr().out
+    assert ratchet_main([*_common(ws), "--json", "explain", run_id, stage]) == 0
+    answer: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert "".join(printed.split()) == "".join(answer["text"].split())
+    return answer["text"], answer
+
+
+# --- explain says why the cache did not serve a stage --------------------------------------
+
+
+def test_explain_names_a_damaged_cache_entry_or_altered_log_as_the_reason_a_stage_ran(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"])])
+    first = _run(ws, capsys)
+    (entry,) = sorted((ws.state_dir / "cache" / "entries").glob("*/*.json"))
+    damaged = read_json(entry)
+    damaged["origin_run_id"] = "someone-else"  # the seal no longer matches
+    entry.write_text(json.dumps(damaged))
+    second = _run(ws, capsys)
+    assert by_id(second)["a"].get("cache_hit") is None
+    text, answer = _explain(ws, capsys, second["run_id"], "a")
+    assert "does not match its seal" in answer["cache"]
+    assert f"- cache: cache entry {entry} does not match its seal" in text
+    assert answer["reasons"][-1] == f"cache: {answer['cache']}"
+
+    # The re-run stored a good entry again; now its log blob is altered.
+    log_sha = by_id(first)["a"]["log_sha256"]
+    with open(ws.state_dir / "cache" / "blobs" / log_sha[:2] / log_sha, "ab") as blob:
+        blob.write(b"x")
+    third = _run(ws, capsys)
+    assert by_id(third)["a"].get("cache_hit") is None
+    text, answer = _explain(ws, capsys, third["run_id"], "a")
+    assert "was altered" in answer["cache"] and "was altered" in text
+
+
+def test_explain_names_the_input_that_changed_since_the_last_cached_checkpoint(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"]), check("b", repos=["lib"])])
+    first = _run(ws, capsys)
+    shutil.move(ws.root / "app" / "main.py", ws.root / "app" / "renamed.py")
+    second = _run(ws, capsys)  # no --resume
+    assert by_id(second)["b"]["cache_hit"] is True
+    text, answer = _explain(ws, capsys, second["run_id"], "a")
+    assert answer["cache"] == "no cache entry"
+    assert answer["compared_with"] == first["run_id"]
+    assert "input file app/renamed.py added" in answer["reasons"]
+    assert any(r.startswith("input file app/main.py ") for r in answer["reasons"])
+    assert f"that of run {first['run_id']} (this stage's last verified checkpoint)" in text
+    assert "- input file app/renamed.py added" in text
+    # A dry run says the same before running anything.
+    dry = _run(ws, capsys, "--dry-run")
+    assert "input file app/renamed.py added" not in by_id(dry)["a"]["reasons"]  # cached now
+    (ws.root / "app" / "renamed.py").write_text("print('changed')\n")
+    dry = _run(ws, capsys, "--dry-run")
+    assert "input file app/renamed.py modified" in by_id(dry)["a"]["reasons"]
+
+
+def test_explain_says_the_entry_is_gone_when_the_key_is_unchanged(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"])])
+    first = _run(ws, capsys)
+    shutil.rmtree(ws.state_dir / "cache" / "entries")
+    second = _run(ws, capsys)
+    _, answer = _explain(ws, capsys, second["run_id"], "a")
+    assert answer["compared_with"] == first["run_id"] and answer["changes"] == []
+    same = f"run {first['run_id']} left a verified checkpoint with this same cache key"
+    assert same in answer["reasons"][-1]
+
+
+def test_explain_says_the_cache_was_off_or_not_asked(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"]), check("n", repos=["lib"], reuse="never")])
+    result = _run(ws, capsys, "--no-cache")
+    text, answer = _explain(ws, capsys, result["run_id"], "a")
+    assert answer["cache"] == "the cache is off (--no-cache)"
+    assert "- cache: the cache is off (--no-cache)" in text
+    result = _run(ws, capsys)
+    _, answer = _explain(ws, capsys, result["run_id"], "n")
+    assert answer["cache"] == "not asked (reuse is 'never')"

@@ -5,13 +5,16 @@ git repositories through the command line (`ratchet checks ...` in process, as
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 from checks_helpers import Workspace, by_id, check
 
-from ratchet.checks.common import read_json
+from ratchet.checks._run import _log_name
+from ratchet.checks.common import read_json, state_root
 from ratchet.cli import main as ratchet_main
 
 
@@ -119,3 +122,32 @@ def test_explain_says_the_cache_was_off_or_not_asked(
     result = _run(ws, capsys)
     _, answer = _explain(ws, capsys, result["run_id"], "n")
     assert answer["cache"] == "not asked (reuse is 'never')"
+
+
+# --- a very long check id or resource name is a file name that fits ------------------------
+
+
+def test_a_very_long_check_id_or_resource_name_runs_with_a_capped_unique_file_name(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    long_a, long_b = "x" * 300, "x" * 299 + "y"  # the same first 64 characters
+    resource = "r" * 300
+    ws.project(
+        [
+            check(long_a, "print('a')", repos=["app"], resources=[resource]),
+            check(long_b, "print('b')", repos=["app"], resources=[resource + "!"]),
+        ]
+    )
+    result = _run(ws, capsys)
+    assert result["status"] == "passed", result
+    logs = {Path(s["log_path"]).name: Path(s["log_path"]) for s in result["stages"]}
+    assert len(logs) == 2 and all(len(name) < 100 for name in logs)
+    assert {p.read_text() for p in logs.values()} == {"a\n", "b\n"}
+    assert all(name.startswith("x" * 64 + "-") for name in logs)
+    machine = Path(os.environ["RATCHET_CHECKS_LOCK_DIR"])
+    for folder in (state_root(ws.root) / "resource-locks", *machine.iterdir()):
+        locks = sorted(p.name for p in folder.iterdir())
+        assert len(locks) == 2 and all(len(n) < 100 and n.startswith("r" * 64) for n in locks)
+    # Short names keep the files they always had.
+    assert _log_name("build") == "build.log" and _log_name("../x") == ".._x-d6b96a97.log"

@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import math
 import os
-import re
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -63,10 +62,10 @@ from ratchet.checks.common import (
     LOCK_SCOPE_ENV,
     machine_lock_dir,
     resource_lock,
+    safe_file_name,
     scope_lock_dir,
     state_root,
 )
-from ratchet.store import sha256_bytes
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
@@ -78,7 +77,6 @@ if TYPE_CHECKING:
 
 __all__ = ["project_path", "run_checks"]
 
-_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 # How long a stage waits for a resource another process holds (--lock-timeout).
 DEFAULT_LOCK_TIMEOUT_SECONDS = 600.0
 LOCK_POLL_SECONDS = 0.05
@@ -1043,10 +1041,7 @@ def _persist_checkpoint(run: _Run, sid: str, rec: dict[str, Any], *, reused: boo
 
 
 def _log_name(sid: str) -> str:
-    safe = _SAFE.sub("_", sid)
-    if safe != sid:
-        safe = f"{safe}-{sha256_bytes(sid.encode('utf-8'))[:8]}"
-    return f"{safe}.log"
+    return safe_file_name(sid, ".log")
 
 
 # --- the end-of-run snapshot --------------------------------------------------------------

@@ -29,6 +29,7 @@ __all__ = [
     "read_json",
     "readable_json",
     "resource_lock",
+    "safe_file_name",
     "scope_lock_dir",
     "state_root",
 ]
@@ -133,13 +134,27 @@ def scope_lock_dir(lock_dir: str | os.PathLike[str], scope: str) -> Path:
     return Path(lock_dir) / f"{_SAFE_NAME.sub('_', scope)[:64]}-{digest}"
 
 
+# The most characters of a user's name (a check id, a resource) a file name keeps: file
+# systems take 255 bytes, and a longer name failed its stage with "File name too long".
+NAME_CAP = 64
+
+
+def safe_file_name(name: str, suffix: str) -> str:
+    """`name` as a file name ending in `suffix`. Characters other than `A-Za-z0-9._-`
+    become `_`; a name changed that way, or longer than `NAME_CAP`, keeps its first
+    `NAME_CAP` characters and gets a short digest of the whole name (`../x` ->
+    `.._x-d6b96a97.log`), so two names do not share a file and none is too long."""
+    safe = _SAFE_NAME.sub("_", name)
+    if safe != name or len(safe) > NAME_CAP:
+        digest = sha256_hex(name.encode("utf-8", "surrogatepass"))[:8]
+        safe = f"{safe[:NAME_CAP]}-{digest}"
+    return safe + suffix
+
+
 def _lock_file_name(name: str) -> str:
     if not name or not isinstance(name, str):
         raise InvalidArgumentError(f"resource name must be a non-empty string, got {name!r}")
-    safe = _SAFE_NAME.sub("_", name)
-    if safe != name:
-        safe = f"{safe}-{sha256_hex(name.encode('utf-8'))[:8]}"
-    return f"{safe}.lock"
+    return safe_file_name(name, ".lock")
 
 
 @contextlib.contextmanager

@@ -151,3 +151,61 @@ def test_a_very_long_check_id_or_resource_name_runs_with_a_capped_unique_file_na
         assert len(locks) == 2 and all(len(n) < 100 and n.startswith("r" * 64) for n in locks)
     # Short names keep the files they always had.
     assert _log_name("build") == "build.log" and _log_name("../x") == ".._x-d6b96a97.log"
+
+
+# --- a cwd that is not a folder is named as such ------------------------------------------
+
+
+def test_a_cwd_that_does_not_exist_is_refused_before_any_stage_runs(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    marker = ws.control / "ran"
+    (ws.root / "afile").write_text("x")
+    for cwd, what in (("nope", "does not exist"), ("afile", "is not a folder")):
+        ws.project(
+            [
+                check("first", f"open({str(marker)!r}, 'w')", repos=["app"]),
+                {"id": "y", "argv": ["true"], "cwd": cwd},
+            ]
+        )
+        for extra in ([], ["--dry-run"]):
+            assert ratchet_main([*_common(ws), "run", *extra]) == 2
+            err = capsys.readouterr().err
+            assert (
+                f"checks.project.json: checks[1].cwd (check 'y'): '{cwd}' ({ws.root / cwd}) " in err
+            )
+            assert f"{what}, and no stage runs before this one to make it" in err
+            assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+            assert "could not run" not in err
+    assert not marker.exists() and not (ws.state_dir / "runs").exists()
+
+
+def test_a_cwd_an_earlier_stage_makes_is_checked_when_the_stage_starts(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    make = "import os; os.makedirs('build', exist_ok=True)"  # outside every scope below
+    ws.project(
+        [
+            check("configure", make, repos=["app"]),
+            check("test", cwd="build", repos=["lib"], after=["configure"]),
+            check("other", cwd="elsewhere", repos=["lib"], after=["configure"]),
+            check(
+                "probe",
+                cwd="gone",
+                repos=["lib"],
+                after=["configure"],
+                runtime_inputs=[{"argv": ["true"]}],
+            ),
+        ]
+    )
+    result = _run(ws, capsys, "--no-cache")
+    stages = by_id(result)
+    assert stages["test"]["status"] == "passed"  # configure made its cwd first
+    assert stages["other"]["status"] == "failed"
+    error = stages["other"]["error"]
+    assert error.startswith(f"its cwd 'elsewhere' ({ws.root / 'elsewhere'}) does not exist when")
+    assert "could not run" not in error
+    probe = stages["probe"]["error"]
+    assert "its cwd 'gone' (" in probe and "its runtime input commands cannot run" in probe

@@ -36,6 +36,7 @@ from ratchet.checks._decide import (
 )
 from ratchet.checks._errors import (
     EmptyPlanError,
+    ProjectError,
     ReceiptError,
     ResumeRefusedError,
     StageTimeoutError,
@@ -114,6 +115,7 @@ def run_checks(
         exclude(project)
     for stage in planned:
         prober.scope(stage)  # unknown repositories fail before anything runs
+    _check_cwds(workspace_root, project, planned, stages)
     resume = getattr(args, "resume", None)
     if resume == "latest":
         resume = latest_run_id(workspace_root, state_dir)
@@ -231,6 +233,46 @@ def _check_state_dir(state_dir: Path, *, given: bool) -> None:
             f"{'--state-dir ' if given else 'state folder '}{state_dir} cannot be used: "
             f"{reason}; {fix}"
         )
+
+
+def _check_cwds(
+    workspace_root: Path,
+    project: Path | None,
+    planned: Sequence[Mapping[str, Any]],
+    given: Sequence[Mapping[str, Any]],
+) -> None:
+    """Refuse, before anything runs, a stage whose cwd is not a folder when no stage of the
+    plan runs before it (no `deps`, no `after`): nothing in this run can make it, so its
+    command could only fail, blamed on the program. A stage that runs after others may
+    have its cwd made by them (a build folder), so it is checked when it starts instead."""
+    for stage in planned:
+        if stage["deps"] or stage["after"]:
+            continue
+        problem = _missing_cwd(workspace_root, stage)
+        if problem is None:
+            continue
+        sid = stage["id"]
+        field = f"stage {sid!r} cwd"
+        with contextlib.suppress(Exception):  # naming the field must not hide the error
+            if project is not None and project.is_file():
+                ids = [c["id"] for c in load_project(project)["checks"]]
+                field = f"{project}: checks[{ids.index(sid)}].cwd (check {sid!r})"
+            else:
+                ids = [s.get("id") for s in given]
+                field = f"stages[{ids.index(sid)}].cwd (stage {sid!r})"
+        raise ProjectError(
+            f"{field}: {problem}, and no stage runs before this one to make it; fix the cwd "
+            "(it is relative to the workspace root), or create the folder"
+        )
+
+
+def _missing_cwd(workspace_root: Path, stage: Mapping[str, Any]) -> str | None:
+    """Why a stage's cwd cannot be a command's working folder, or None."""
+    path = workspace_root / stage["cwd"]
+    if path.is_dir():
+        return None
+    what = "is not a folder" if path.exists() else "does not exist"
+    return f"{stage['cwd']!r} ({path}) {what}"
 
 
 def project_path(workspace_root: Path, project: str | os.PathLike[str] | None) -> Path | None:
@@ -942,6 +984,9 @@ def _extra_components(
             for name in sorted(stage["env"])
         }
     if stage.get("runtime_inputs"):
+        missing = _missing_cwd(run.workspace_root, stage)
+        if missing is not None and any("argv" in item for item in stage["runtime_inputs"]):
+            raise OSError(f"its cwd {missing}, so its runtime input commands cannot run there")
         extra["runtime"] = runtime_identity(
             stage["runtime_inputs"],
             workspace_root=run.workspace_root,
@@ -985,6 +1030,12 @@ def _execute(
         run.book.update(sid, pgid=pgid, pgid_start=process_start(pgid))
         run.book.persist()
 
+    missing = _missing_cwd(run.workspace_root, stage)
+    if missing is not None:  # else the program is blamed: "could not run 'make': ..."
+        return None, (
+            f"its cwd {missing} when the stage starts: no stage before it made that folder; "
+            "fix the check's cwd, or have a stage it depends on (deps or after) create it"
+        )
     executor = run.seams.executor
     run.commands_started += 1
     run.prober.command_started()

@@ -209,3 +209,55 @@ def test_a_cwd_an_earlier_stage_makes_is_checked_when_the_stage_starts(
     assert "could not run" not in error
     probe = stages["probe"]["error"]
     assert "its cwd 'gone' (" in probe and "its runtime input commands cannot run" in probe
+
+
+# --- small usage errors --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", [["--resume", ""], ["--resume="]], ids=["space", "equals"])
+def test_an_empty_resume_run_id_is_a_usage_error(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str], spelling: list[str]
+) -> None:
+    ws = two_repos
+    ws.project([check("a", repos=["app"])])
+    assert ratchet_main([*_common(ws), "run", "--no-cache", *spelling]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "ratchet checks: error: --resume: an empty run id; pass a run id (`ratchet checks "
+        "list` shows them) or 'latest', or leave --resume out for a run that resumes nothing\n"
+    )
+    assert not (ws.state_dir / "runs").exists()
+
+
+def test_a_project_option_naming_a_folder_says_a_project_file_is_expected(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    for command in (["run", "--no-cache"], ["list"]):
+        assert ratchet_main([*_common(ws), "--project", str(ws.control), *command]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"ratchet checks: error: --project {ws.control} is a folder; a project file is "
+            f"expected there (e.g. {ws.control / 'checks.project.json'})\n"
+        )
+
+
+def test_control_characters_in_a_check_id_are_escaped_in_the_table(
+    two_repos: Workspace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws = two_repos
+    ids = ["a\x1b[31mb", "c\nd", "[bold]e"]
+    ws.project([check(cid, repos=["app"]) for cid in ids])
+    assert ratchet_main([*_common(ws), "run", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "c\nd" not in out
+    for shown in ("a\\x1b[31mb", "c\\nd", "[bold]e"):
+        assert shown in out
+    # The receipt (and --json) keep the ids as they are.
+    result = _run(ws, capsys, "--no-cache")
+    assert [s["id"] for s in result["stages"]] == ids
+    assert ratchet_main([*_common(ws), "list"]) == 0
+    listed = capsys.readouterr().out
+    assert "\x1b" not in listed and "  c\\nd: " in listed
+    assert ratchet_main([*_common(ws), "explain", result["run_id"], "c\nd"]) == 0
+    assert "stage c\\nd: passed" in capsys.readouterr().out

@@ -25,7 +25,7 @@ from ratchet.checks._plan import load_project, plan_stages
 from ratchet.checks._receipts import read_receipt, state_dir_for
 from ratchet.checks._recover import recover
 from ratchet.checks._run import project_path, run_checks
-from ratchet.checks.common import readable_json
+from ratchet.checks.common import printable, readable_json
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ def _handle_list(parsed: argparse.Namespace) -> dict[str, Any]:
         "checks": project["checks"],
         "profiles": project["profiles"],
         "runs": runs,
-        "text": "\n".join(lines),
+        "text": "\n".join(printable(line) for line in lines),
     }
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from ratchet.checks._errors import ProjectError
 from ratchet.checks._receipts import read_receipt
 from ratchet.checks.checkpoints import WORKSPACE_REST, diff_manifests
+from ratchet.checks.common import printable
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
@@ -278,5 +279,5 @@ def explain_record(receipt: Mapping[str, Any], record: Mapping[str, Any]) -> dic
         "changes": list(info.get("changes") or []),
         "cache": info.get("cache"),
         "compared_with": info.get("compared_with"),
-        "text": "\n".join(lines),
+        "text": "\n".join(printable(line) for line in lines),
     }

@@ -98,6 +98,16 @@ def load_project(path: str | os.PathLike[str]) -> dict[str, Any]:
         raw = _read_project_json(p)
     except FileNotFoundError as exc:
         raise ProjectError(f"{p}: project file not found") from exc
+    except IsADirectoryError:
+        raise ProjectError(
+            f"--project {p} is a folder; a project file is expected there (e.g. "
+            f"{p / 'checks.project.json'})"
+        ) from None
+    except OSError as exc:
+        raise ProjectError(
+            f"--project {p}: the project file cannot be read ({exc.strerror or exc}); "
+            "pass --project a project file you can read"
+        ) from None
     except ProjectError as exc:
         raise ProjectError(f"{p}: {exc}") from None
     except ValueError as exc:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 
+from ratchet.checks.common import printable
+
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
 if TYPE_CHECKING:
     from typing import Any, TextIO
@@ -76,8 +78,11 @@ class LiveProgress:
         if self._progress is None:
             return
         done = sum(1 for r in records if r["status"] in _FINAL)
+        from rich.markup import escape
+
         running = [r["id"] for r in records if r["status"] == "running"]
-        self._progress.update(self._task, completed=done, description=", ".join(running[:4]))
+        shown = escape(printable(", ".join(running[:4])))  # ids are text, never markup
+        self._progress.update(self._task, completed=done, description=shown)
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
@@ -87,6 +92,12 @@ class LiveProgress:
 def summary_table(result: Mapping[str, Any]) -> Table:
     """One row per stage: status, exit code, reuse, time, error."""
     from rich.table import Table
+    from rich.text import Text
+
+    def text(value: Any) -> Text:
+        """A cell of what a user or a command wrote (an id, an error): shown as it is
+        (never read as markup), control characters escaped."""
+        return Text(printable(str(value)))
 
     status = str(result.get("status"))
     if result.get("dry_run"):
@@ -103,12 +114,12 @@ def summary_table(result: Mapping[str, Any]) -> Table:
         st = str(s.get("prediction") or s.get("status"))
         secs = s.get("duration_seconds")
         table.add_row(
-            str(s.get("id")),
+            text(s.get("id")),
             f"[{_STYLE.get(st, 'bold')}]{st}[/]",
             "" if s.get("exit_code") is None else str(s.get("exit_code")),
-            str(s.get("reused_from") or ""),
+            text(s.get("reused_from") or ""),
             "" if secs is None else f"{secs:.2f}",
-            str(s.get("error") or s.get("snapshot_error") or "; ".join(s.get("reasons") or [])),
+            text(s.get("error") or s.get("snapshot_error") or "; ".join(s.get("reasons") or [])),
         )
     return table
 

@@ -97,6 +97,11 @@ def run_checks(
     """
     seams = seams if seams is not None else Seams()
     lock_timeout = _lock_timeout(args)  # a bad value is refused before anything is probed
+    if getattr(args, "resume", None) == "":  # not "no --resume": a script's unset variable
+        raise ConfigError(
+            "--resume: an empty run id; pass a run id (`ratchet checks list` shows them) or "
+            "'latest', or leave --resume out for a run that resumes nothing"
+        )
     workspace_root = Path(getattr(args, "workspace_root", None) or ".").resolve()
     state_dir = state_dir_for(workspace_root, getattr(args, "state_dir", None))
     _check_state_dir(state_dir, given=bool(getattr(args, "state_dir", None)))

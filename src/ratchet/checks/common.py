@@ -26,6 +26,7 @@ __all__ = [
     "LOCK_SCOPE_ENV",
     "atomic_json",
     "machine_lock_dir",
+    "printable",
     "read_json",
     "readable_json",
     "resource_lock",
@@ -44,6 +45,15 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 # held names makes the in-process case independent of the platform's lock semantics.
 _HELD: set[str] = set()
 _HELD_GUARD = threading.Lock()
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal: each character that is not printable (ESC, a newline, a bidi
+    override) escaped as `repr` writes it (`\\x1b`, `\\n`), so a check id or file name
+    cannot colour the terminal, move its cursor or split a line of a table."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def atomic_json(path: str | os.PathLike[str], payload: Any) -> None:

@@ -1307,12 +1307,15 @@ class JsonlSink(Sink):
         check_output_path(self.path)
         self._ids: set[str] = set()
         self._job: str | None = None
+        self._identity: JobIdentity | None = None
         self._fh: IO[bytes] | None = None
         self._checked: dict[str, tuple[dict[str, Any], str]] = {}
+        self._cut_back: int | None = None  # a failed append's start, not yet cut back to
 
     def open(self, job: JobIdentity | None) -> None:
         if self._fh is not None:
             return
+        self._identity = job
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fh = open(self.path, "ab")  # noqa: SIM115 - the sink's lifetime
@@ -1456,14 +1459,12 @@ class JsonlSink(Sink):
         every output): written as `write` writes records, each id once; returns how many
         lines it appended."""
         if self._fh is None:
-            self.open(None)
+            self.open(self._identity)
         assert self._fh is not None
         new = [(i, line) for i, line in lines if i not in self._ids]
         if not new:
             return 0
-        self._fh.write("".join(line for _i, line in new).encode("utf-8"))
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        self._append("".join(line for _i, line in new).encode("utf-8"))
         self._ids.update(i for i, _line in new)
         return len(new)
 
@@ -1477,7 +1478,9 @@ class JsonlSink(Sink):
 
     def write(self, records: list[dict[str, Any]]) -> int:
         if self._fh is None:
-            self.open(None)  # used without a Job (an Engine built by hand): not bound to one
+            # Without a Job (an Engine built by hand) it is bound to none; after a failed
+            # reopen (`_follow_the_path`), to the job it was opened for.
+            self.open(self._identity)
         assert self._fh is not None
         checked, self._checked = self._checked, {}
         lines = []
@@ -1488,12 +1491,62 @@ class JsonlSink(Sink):
             lines.append(hit[1] if hit is not None and hit[0] is rec else self._line(rec))
         if not lines:
             return 0
-        self._fh.write("".join(lines).encode("utf-8"))
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        self._append("".join(lines).encode("utf-8"))
         for rec in records:
             self._ids.add(rec["id"])
         return len(lines)
+
+    def _append(self, data: bytes) -> None:
+        """Append `data` and sync it, whole or not at all. A write that fails part way (a
+        full disk) leaves lines and part of one in the file, which the release's retry would
+        follow with the whole batch again: ids twice and a broken line. So the file is cut
+        back to where the write began, before the error goes on (or before the next write,
+        if even the cut failed). A file moved away or deleted since the last write (a
+        rotated output) is followed by a new one at the path, not written on unseen."""
+        self._follow_the_path()
+        assert self._fh is not None
+        fd = self._fh.fileno()
+        if self._cut_back is not None:
+            os.ftruncate(fd, self._cut_back)  # raises while it cannot: nothing is appended
+            self._cut_back = None
+        start = os.fstat(fd).st_size  # the only writer: the file is locked
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            self._cut_back = start
+            try:
+                os.ftruncate(fd, start)
+                self._cut_back = None
+            except OSError as exc:
+                log.warning("--output %s: could not cut a failed write back: %s", self.path, exc)
+            raise
+
+    def _follow_the_path(self) -> None:
+        """Reopen the output when its path no longer names the open file: it was moved away
+        or deleted (log rotation, a cleanup) while the job ran. Outputs written to the open
+        file would be lost unseen; they go to a new file at the path (checked as at start:
+        a file put there that holds another job's outputs is refused)."""
+        assert self._fh is not None
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            at_path = None
+        here = os.fstat(self._fh.fileno())
+        if at_path is not None and (at_path.st_dev, at_path.st_ino) == (here.st_dev, here.st_ino):
+            return
+        log.warning(
+            "--output %s was %s while the job ran; writing on in %s",
+            self.path, "deleted or moved away" if at_path is None else "replaced",
+            "a new file there" if at_path is None else "the file now there",
+        )  # fmt: skip
+        self._fh.close()
+        self._fh = None
+        self._ids = set()
+        self._cut_back = None
+        self.open(self._identity)
 
     def close(self) -> None:
         if self._fh is not None:

@@ -455,7 +455,7 @@ class Machine:
         note = JournalEntry(f"{FIRE_NOTE}{event_id}", run.next_dispatch, (), (), ())
         run.journal.append(note)
         self._dirty_runs.add(run.seq)
-        self._deliver(run, event_id, event)
+        self._deliver(run, event_id, event, live=True)
         self._drain(run)  # completes the run if the event started nothing and nothing is left
         if ks.run is run:
             self._settle_parking(run)
@@ -533,14 +533,39 @@ class Machine:
         run.timers[event_id] = (due, event)
         self.timers.append((run, event_id, due))
 
-    def _deliver(self, run: Run, event_id: str, event: Any) -> None:
-        """Dispatch an event, then any delayed event the journal says came next."""
-        self._dispatch_event(run, event_id, event)
+    def _deliver(self, run: Run, event_id: str, event: Any, live: bool = False) -> None:
+        """Dispatch an event, then any delayed event the journal says came next. `live`: a
+        delayed event falling due now (`fire`), not one a replay finds fired already."""
+        self._deliver_one(run, event_id, event, live)
         while run.fires:
             nxt = run.fires.pop(run.next_dispatch, None)
             if nxt is None:
                 break
-            self._dispatch_event(run, *nxt)
+            self._deliver_one(run, *nxt, False)
+
+    def _deliver_one(self, run: Run, event_id: str, event: Any, live: bool) -> None:
+        """A delayed output (`send_event(OutputEvent(...), delay=...)`) is an output when it
+        falls due, as it would have been when sent (no action listens to outputs: it was
+        dropped, the run "ok"); in a replay it went out already, with the checkpoint that
+        holds its fire note."""
+        is_output = run.is_output or self._is_output
+        if event_id == ROOT_EVENT_ID or not is_output(event):
+            self._dispatch_event(run, event_id, event)
+            return
+        if self._is_error is not None and self._is_error(event):
+            run.errors.append(event)
+        if live:
+            task_id, _, index = event_id.rpartition(".")
+            out = Output(
+                id=f"{run.key}:{run.seq}:{task_id}:{index}",
+                key=run.key,
+                seq=run.seq,
+                task_id=task_id,
+                index=int(index),
+                event=event,
+            )
+            self.outputs.append(out)
+            self._delta.outputs[out.id] = out
 
     def _dispatch_event(self, run: Run, event_id: str, event: Any) -> None:
         if len(event_id) > MAX_TASK_ID:

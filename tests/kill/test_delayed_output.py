@@ -42,7 +42,10 @@ class Remind(Agent):
 def setup(tmp: Path, delays: list[float]) -> list[str]:
     (tmp / "agent.py").write_text(AGENT_SRC)
     (tmp / "in.jsonl").write_text(
-        "".join(json.dumps({"key": f"k{i % 3}", "i": i, "delay": d}) + "\n" for i, d in enumerate(delays))
+        "".join(
+            json.dumps({"key": f"k{i % 3}", "i": i, "delay": d}) + "\n"
+            for i, d in enumerate(delays)
+        )
     )
     return [*RATCHET, "run", f"{tmp / 'agent.py'}:Remind", "--input", str(tmp / "in.jsonl"),
             "--output", str(tmp / "out.jsonl"), "--state", str(tmp / "state")]  # fmt: skip

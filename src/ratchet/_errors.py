@@ -9,6 +9,7 @@
     │   └── ServerUnreachableError    a connector's server cannot be reached (at start, or lost)
     ├── StateError                    a state directory cannot be used as it is; exit 2
     │   ├── StateInUseError           another process holds the state directory's lock
+    │   ├── StateWriteError           the disk holding the state is full or failed a write
     │   ├── ReceiptError              (also ValueError) a checks receipt cannot be trusted
     │   │   └── LegacyReceiptError    a receipt from before checkpoints: grants no reuse
     │   └── ResumeRefusedError        (also ValueError) a checks run cannot be resumed as it is
@@ -119,6 +120,21 @@ class StateInUseError(StateError):
     def __init__(self, message: str, holder: str = "another process") -> None:
         super().__init__(message)
         self.holder = holder
+
+
+class StateWriteError(StateError):
+    """The disk holding a state directory (`state_dir`) is full (`disk_full`), or failed an
+    I/O operation (a file size limit, a failing device). Not damage: SQLite rolled the failed
+    write back, so what was committed is kept; the fix is the disk's, then the same command
+    again. `problem` is the first half of the message, `fix` the second (the engine puts its
+    own words between them)."""
+
+    def __init__(self, problem: str, fix: str, *, state_dir: str, disk_full: bool) -> None:
+        super().__init__(f"{problem}: {fix}")
+        self.problem = problem
+        self.fix = fix
+        self.state_dir = state_dir
+        self.disk_full = disk_full
 
 
 class NonDeterminismError(RatchetError):

@@ -209,9 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         sqlite3 = sys.modules.get("sqlite3")
         if sqlite3 is None or not isinstance(exc, sqlite3.DatabaseError):
             raise
+        from ratchet.store._files import state_write_error
+
+        # A full or failing disk is not damage: its fix is the disk's, not a backup's.
+        failed = state_write_error(state if isinstance(state, str) else "", exc, "used")
         where = f" in {state}" if isinstance(state, str) else ""
         print(
-            f"ratchet: error: the state database{where} could not be read ({exc}): it is "
+            f"ratchet: error: {failed}"
+            if failed is not None
+            else f"ratchet: error: the state database{where} could not be read ({exc}): it is "
             "damaged, and nothing was changed; restore it from a backup or a savepoint, or "
             "point --state at another directory",
             file=sys.stderr,

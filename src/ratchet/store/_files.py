@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from pathlib import Path
 
-from ratchet._errors import CorruptDataError
+from ratchet._errors import CorruptDataError, StateWriteError
 from ratchet.store._digest import compare_digest, hmac_sha256_hex, sha256, sha256_hex
 
 TYPE_CHECKING = False  # `typing` is for the type checker: not imported at start-up
@@ -28,6 +29,57 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# A disk (or a quota, or a file size limit) with no room left for the write.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_CHECK_DISK = (
+    "check the disk holding {} (free space, quotas, a file size limit such as `ulimit -f`, I/O "
+    "errors in the system log)"
+)
+
+
+def disk_fault(exc: BaseException) -> str | None:
+    """'full' if `exc` says a disk had no room for a write (SQLITE_FULL; ENOSPC, EDQUOT, EFBIG),
+    'io' if it failed an I/O operation (SQLITE_IOERR and its extended codes, which a file size
+    limit also gives; EIO), else None. Neither damages a SQLite database (a failed write is
+    rolled back), so neither may be reported as damage, whose advice is to restore a backup."""
+    name = getattr(exc, "sqlite_errorname", None)
+    if isinstance(name, str):
+        if name == "SQLITE_FULL":
+            return "full"
+        return "io" if name.startswith("SQLITE_IOERR") else None
+    if isinstance(exc, OSError) and exc.errno is not None:
+        if exc.errno in _FULL_ERRNOS:
+            return "full"
+        return "io" if exc.errno == errno.EIO else None
+    return None
+
+
+def state_write_error(
+    state_dir: str | os.PathLike[str], exc: BaseException, doing: str = "written"
+) -> StateWriteError | None:
+    """The one line for a state directory whose disk is full or failed (`disk_fault`), naming
+    the directory and the fix: the disk's, then the same command. None for any other error."""
+    kind = disk_fault(exc)
+    if kind is None:
+        return None
+    kept = "a write that fails is rolled back, so nothing committed is lost"
+    named = f"the state directory {state_dir}".rstrip()  # "": a command's that is not known
+    if kind == "full":
+        return StateWriteError(
+            f"the disk holding {named} is full ({exc})",
+            f"free space there (or lift the quota or file size limit in the way) and run the "
+            f"same command again; {kept}",
+            state_dir=str(state_dir),
+            disk_full=True,
+        )
+    return StateWriteError(
+        f"{named} could not be {doing} ({exc})",
+        f"{_CHECK_DISK.format('it')} and run the same command again; {kept}",
+        state_dir=str(state_dir),
+        disk_full=False,
+    )
 
 
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import RatchetError, StateError, StateInUseError
+from ratchet._errors import RatchetError, StateError, StateInUseError, StateWriteError
 from ratchet.store import codec
 from ratchet.store._base import (
     FAILED_RUN,
@@ -53,7 +53,7 @@ from ratchet.store._base import (
     version_id,
     with_run_signals,
 )
-from ratchet.store._files import fsync_dir
+from ratchet.store._files import fsync_dir, state_write_error
 from ratchet.store._traces import unpack_trace
 
 DB_NAME = "ratchet.db"
@@ -484,6 +484,9 @@ class SqliteStore:
                 raise StateError(f"{path}: could not switch to WAL mode (got {mode})")
             result = conn.execute("PRAGMA quick_check").fetchone()[0]
         except sqlite3.DatabaseError as exc:
+            failed = state_write_error(path.parent, exc, "opened")
+            if failed is not None:  # opening a WAL database writes its -wal and -shm files
+                raise failed from exc
             raise StateError(
                 f"{path} is corrupted or not a ratchet state database ({exc}); it was left "
                 f"untouched; restore it from a backup or point --state at a new directory"
@@ -501,15 +504,23 @@ class SqliteStore:
         """One write transaction: committed if the block returns (rolled back instead with
         `commit=False`), rolled back if it raises."""
         c = self.conn
-        c.execute("BEGIN IMMEDIATE")
         try:
-            yield c
-            c.execute("COMMIT" if commit else "ROLLBACK")
-        except BaseException:
-            # A failed COMMIT (or an I/O error) may have rolled back already.
-            if c.in_transaction:
-                c.execute("ROLLBACK")
-            raise
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                yield c
+                c.execute("COMMIT" if commit else "ROLLBACK")
+            except BaseException:
+                # A failed COMMIT (or an I/O error) may have rolled back already.
+                if c.in_transaction:
+                    c.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            # A full or failing disk is not damage: said here, at the store's boundary, so
+            # that no caller reports it as a damaged database (whose fix loses work).
+            failed = state_write_error(self.path.parent, exc)
+            if failed is None:
+                raise
+            raise failed from exc
 
     @staticmethod
     def _apply(c: sqlite3.Connection, start: int, stop: int) -> None:
@@ -1105,7 +1116,7 @@ class SqliteStore:
                 counts = self.meta("counts")
                 counts["failed"] += 1
                 self._set_meta("counts", counts)
-        except sqlite3.Error:
+        except (sqlite3.Error, StateWriteError):
             pass
 
     @property

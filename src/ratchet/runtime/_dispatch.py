@@ -23,6 +23,7 @@ from ratchet.runtime._machine import Output, Task, TaskResult
 from ratchet.store._base import REPLAY_FN as _REPLAY_FN
 from ratchet.store._base import SIGNAL_FN as _SIGNAL_FN
 from ratchet.store._base import AgentVersion, CallRecord, DispatchTable, SignalRow
+from ratchet.store._files import resume_after
 
 log = logging.getLogger("ratchet.runtime")
 
@@ -434,10 +435,11 @@ class TaskCalls:
         try:
             back = release(self.seq, self.task_id, self.key).result()
         except Exception as exc:
+            what, then = resume_after(exc)
             raise CheckpointError(
                 f"the signals failed attempt {self.task_id} (input {self.seq}) took could not "
-                f"be given back for its retry: {type(exc).__name__}: {exc}. The last completed "
-                f"checkpoint is intact; restart to resume from it"
+                f"be given back for its retry: {what}. The last completed checkpoint is "
+                f"intact; {then}"
             ) from exc
         self._signals_back(back)
 

@@ -76,6 +76,7 @@ from ratchet.store._base import (
     SignalRow,
     signal_key_type,
 )
+from ratchet.store._files import resume_after
 from ratchet.store._traces import pack_rows, pack_trace
 
 __all__ = ["Binding", "Engine", "EngineConfig", "EngineResult", "TaskCalls"]
@@ -417,11 +418,11 @@ class _Writer(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - any storage fault is retried
                 attempt += 1
                 if attempt > self.tolerable_failures:
+                    what, then = resume_after(exc)
                     return CheckpointError(
                         f"durable-call records could not be written {attempt} time(s) in a row "
-                        f"(tolerable: {self.tolerable_failures}); last error: "
-                        f"{type(exc).__name__}: {exc}. The last completed checkpoint is intact; "
-                        f"restart to resume from it"
+                        f"(tolerable: {self.tolerable_failures}); last error: {what}. The last "
+                        f"completed checkpoint is intact; {then}"
                     )
                 log.warning("durable-call records not written (attempt %d): %s", attempt, exc)
                 self.clock.sleep_sync(min(0.01 * 2**attempt, 1.0))
@@ -1565,12 +1566,12 @@ class Engine:
                 self._report()
                 await asyncio.wrap_future(self._writer.submit(self.store.count_failed_checkpoint))
                 if self._failures_in_row > self.config.tolerable_checkpoint_failures:
+                    what, then = resume_after(exc)
                     raise CheckpointError(
                         f"{self._failures_in_row} checkpoint(s) failed in a row "
                         f"(tolerable: {self.config.tolerable_checkpoint_failures}); last error: "
-                        f"{type(exc).__name__}: {exc}. The last completed checkpoint "
-                        f"({(self.stats.latest_completed or {}).get('id')}) is intact; "
-                        f"restart to resume from it"
+                        f"{what}. The last completed checkpoint "
+                        f"({(self.stats.latest_completed or {}).get('id')}) is intact; {then}"
                     ) from exc
                 return None
             self.stats.in_progress = 0

@@ -82,6 +82,25 @@ def state_write_error(
     )
 
 
+def resume_after(exc: BaseException) -> tuple[str, str]:
+    """(what failed, what to do) for a job stopped by writes of its state that failed with
+    `exc` (the last completed checkpoint is intact): a full disk needs room before the same
+    command can resume, which a plain "restart" would not say."""
+    resume = "then run the same command to resume from it (nothing committed is lost)"
+    if isinstance(exc, StateWriteError):
+        if exc.disk_full:
+            return exc.problem, f"free space there, {resume}"
+        return exc.problem, f"{_CHECK_DISK.format('the state')}, {resume}"
+    what = f"{type(exc).__name__}: {exc}"
+    kind = disk_fault(exc)
+    where = getattr(exc, "filename", None) or "the state"
+    if kind == "full":
+        return what, f"free space on the disk holding {where}, {resume}"
+    if kind == "io":
+        return what, f"{_CHECK_DISK.format(where)}, {resume}"
+    return what, "restart to resume from it"
+
+
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 

@@ -98,6 +98,7 @@ def test_public_names_are_pinned() -> None:
         "State",
         "StateError",
         "StateInUseError",
+        "StateWriteError",
         "StructuredOutputError",
         "TokenBudget",
         "TokenBudgetExceededError",

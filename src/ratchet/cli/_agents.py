@@ -21,7 +21,7 @@ from ratchet._errors import (
     ServerUnreachableError,
     StateInUseError,
 )
-from ratchet.runtime._io import to_json_line
+from ratchet.runtime._io import to_json_text
 
 # The `run` parser and the destinations of its supervision options, kept so a supervised run can
 # derive its worker's command line from the parsed arguments (a new flag cannot be forgotten).
@@ -1021,7 +1021,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not memories:  # every row asked for is damaged: the error alone
         return report_damaged()
     if args.json:
-        print(to_json_line(_shown(memories, True, unregistered)))
+        print(to_json_text(_shown(memories, True, unregistered)))
         note_unregistered()
         return report_damaged()
     from rich.console import Console

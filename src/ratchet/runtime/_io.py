@@ -121,6 +121,12 @@ def _key_of(value: Any, key_field: str, where: str) -> tuple[Any, str | None]:
         return None, (
             f"{where}: key field {key_field!r} is {type(key).__name__}; keys must be strings or integers"
         )
+    if type(key) is str and not key.isascii() and _lone_surrogate(key):
+        return None, (
+            f"{where}: key field {key_field!r} holds a lone surrogate ({_lone_surrogate(key)}, "
+            f"the JSON escape of half a UTF-16 pair), which no state or output can hold as "
+            f"text; write the whole character (both halves of the pair) or another key"
+        )
     return key, None
 
 
@@ -214,7 +220,7 @@ def _parse(raw: bytes, line: int, path: object, key_field: str) -> Record | None
         )
     if type(value) is dict:
         key = value.get(key_field, _NO_KEY)
-        if type(key) is str or type(key) is int:
+        if type(key) is int or type(key) is str and (key.isascii() or not _lone_surrogate(key)):
             # Only a line with that many brackets can be that deep: a count costs ~0.1 us.
             if text.count(b"[") + text.count(b"{") > INPUT_MAX_DEPTH and _too_deep(value):
                 error = _TOO_DEEP.format(where=f"{path}:{line}")
@@ -964,8 +970,30 @@ _ENCODER = json.JSONEncoder(
 
 
 def to_json_line(record: dict[str, Any]) -> str:
-    """One output as one JSON line; bytes become {"$bytes": base64}, sets become lists."""
-    return _ENCODER.encode(record)
+    """One output as one JSON line; bytes become {"$bytes": base64}, sets become lists.
+
+    A str holding a lone surrogate (what a JSON input's "\\ud800" escape gives) has no UTF-8
+    form: refused here (UnicodeEncodeError), so a sink's `validate` puts an error record in
+    its place, instead of a write that fails at every release and holds back every output."""
+    line: str = _ENCODER.encode(record)
+    if not line.isascii():
+        line.encode("utf-8")
+    return line
+
+
+_ASCII_ENCODER = json.JSONEncoder(
+    default=_json_default, ensure_ascii=True, separators=(",", ":"), allow_nan=False
+)
+
+
+def to_json_text(record: dict[str, Any]) -> str:
+    """`to_json_line` for what a command prints (`inspect --json`): a lone surrogate, which
+    has no UTF-8 form, is printed as its JSON escape (the value is shown, not refused)."""
+    try:
+        return to_json_line(record)
+    except UnicodeEncodeError:
+        text: str = _ASCII_ENCODER.encode(record)
+        return text
 
 
 _JSON_KEYS = (str, int, float, bool, type(None))
@@ -983,6 +1011,12 @@ def _json_problem(record: dict[str, Any], exc: BaseException) -> str:
                 f"{where} is {value!r}, and JSON has no NaN or Infinity; write None or a "
                 f"string (e.g. 'NaN') instead"
             )
+        if isinstance(value, str) and _lone_surrogate(value):
+            return (
+                f"{where} holds a lone surrogate ({_lone_surrogate(value)}, as a JSON input's "
+                f"\\u escape of half a pair gives), which UTF-8 cannot hold; pass text, or "
+                f"bytes for binary data"
+            )
         if not isinstance(value, dict | list | tuple):
             continue
         if id(value) in outer:
@@ -990,6 +1024,11 @@ def _json_problem(record: dict[str, Any], exc: BaseException) -> str:
         inner = outer | {id(value)}
         if isinstance(value, dict):
             for k in value:
+                if isinstance(k, str) and _lone_surrogate(k):
+                    return (
+                        f"{where} has a key holding a lone surrogate ({_lone_surrogate(k)}), "
+                        f"which UTF-8 cannot hold"
+                    )
                 if not isinstance(k, _JSON_KEYS):
                     return (
                         f"{where} has a key {k!r} of type {type(k).__name__}; JSON object keys "
@@ -1000,6 +1039,17 @@ def _json_problem(record: dict[str, Any], exc: BaseException) -> str:
         else:
             stack.extend((f"{where}[{i}]", v, inner) for i, v in reversed(list(enumerate(value))))
     return f"it cannot be written as JSON: {type(exc).__name__}: {exc}"
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate in `text` as an escape (e.g. '\\ud800'), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(text[exc.start]):04x}"
+    return None
 
 
 _CODEC_ERROR = f"{CodecError.__module__}.{CodecError.__qualname__}"

@@ -925,6 +925,9 @@ def job_identity(
             f'{path} is not a ratchet job file ({exc}); restore it (its job id is the "job" '
             f"field of this job's output lines), or use a new --state directory"
         ) from exc
+    newer = newer_job_format(data)
+    if newer is not None:
+        raise StateError(f"{path} {newer}")
     if (
         not isinstance(data, dict)
         or data.get("format") != _JOB_FORMAT
@@ -937,6 +940,20 @@ def job_identity(
             f'"legacy_outputs"); restore it, or use a new --state directory'
         )
     return JobIdentity(data["job"], sdir, data["legacy_outputs"])
+
+
+def newer_job_format(data: Any) -> str | None:
+    """What to say of a job file written by a newer ratchet (a format above this one's), or
+    None: not damage to restore, but a state this version must not run or copy."""
+    if not isinstance(data, dict):
+        return None
+    fmt = data.get("format")
+    if type(fmt) is not int or fmt <= _JOB_FORMAT:
+        return None
+    return (
+        f"was written by a newer ratchet (job file format {fmt}; this version reads format "
+        f"{_JOB_FORMAT}): use that ratchet version (or newer) with this state directory"
+    )
 
 
 # -- outputs ---------------------------------------------------------------------------------------

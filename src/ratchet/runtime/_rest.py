@@ -7,6 +7,7 @@ and restored checkpoint, each with id, trigger timestamp, duration and size.
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -225,7 +226,8 @@ class InvalidPart(BaseModel):
 
 class Invalid(BaseModel):
     """A 422 answer: FastAPI's for a value out of range, ratchet's for an unknown query
-    parameter (both carry more fields at times)."""
+    parameter (both carry more fields at times: FastAPI's echoes the `input`, with NaN and
+    infinite numbers as the text "NaN", "Infinity", "-Infinity")."""
 
     detail: list[InvalidPart]
 
@@ -350,6 +352,8 @@ def create_app(
     that read it: keys and memory, runs, traces, dead letters, approvals.
     """
     from fastapi import Depends, FastAPI, Query
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from fastapi.security import HTTPBearer
 
@@ -376,6 +380,13 @@ def create_app(
             }
         },
     )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Any, exc: RequestValidationError) -> Any:
+        """FastAPI's own 422 answer, its echoed inputs made JSON: a body holding 1e400 or NaN
+        (which the JSON parser reads as floats) made the default answer fail, a 500 in plain
+        text and a traceback in the supervisor's log."""
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, 422)
 
     @app.middleware("http")
     async def known_query_parameters(request: Any, call_next: Any) -> Any:
@@ -589,6 +600,18 @@ def create_app(
     # Outermost: a body over the limit is refused before the token and query checks read it.
     app.add_middleware(_BodyLimit, limit=MAX_BODY)
     return app
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float as the text JSON has no number for ("NaN",
+    "Infinity", "-Infinity"): a JSON answer cannot hold them as numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 class _BodyLimit:

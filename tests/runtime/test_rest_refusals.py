@@ -1,0 +1,74 @@
+"""The REST API's refusals of what a user can send it: a body holding a number JSON cannot
+answer with (1e400, NaN) is a 422 in JSON like any invalid body (it was a 500 in plain text
+and a traceback in the supervisor's log)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from test_rest_metrics import free_port, get_json, poll, stop
+
+AGENT_SRC = """
+from ratchet import Agent, InputEvent, OutputEvent, action
+
+class Waiter(Agent):
+    @action(InputEvent)
+    async def go(self, event, ctx):
+        got = await ctx.wait_for_signal(event.input["signal"])
+        ctx.send_event(OutputEvent(output={"got": got}))
+"""
+
+
+def supervised(tmp: Path, lines: list[dict[str, str]], port: int) -> subprocess.Popen[bytes]:
+    (tmp / "agent.py").write_text(AGENT_SRC)
+    (tmp / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "ratchet.cli", "run", f"{tmp / 'agent.py'}:Waiter",
+           "--input", str(tmp / "in.jsonl"), "--output", str(tmp / "out.jsonl"),
+           "--state", str(tmp / "state"), "--supervise", "--follow",
+           "--rest-port", str(port)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def post_raw(port: int, path: str, body: str) -> tuple[int, str, bytes]:
+    """POST `body` as it is (json.dumps cannot write 1e400): status, content type, body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("content-type") or "", resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_body_with_a_number_json_has_not_is_a_422_in_json(tmp_path: Path) -> None:
+    port = free_port()
+    proc = supervised(tmp_path, [{"key": "a", "signal": "go"}], port)
+    try:
+        poll("the wait", lambda: get_json(port, "/v1/job")["waiting"])
+        redrive = "/v1/dead-letters/redrive"
+        for path, body in [
+            (redrive, '{"id":1e400}'),
+            (redrive, '{"key":1e400}'),
+            (redrive, '{"id":NaN}'),
+            (redrive, '{"all":NaN}'),
+            (redrive, '{"key":"k5","key_type":-1e400}'),
+            ("/v1/keys/a/signals/go", '{"valu":NaN}'),
+            ("/v1/keys/a/signals/go", '{"value":1,"extra":1e400}'),
+        ]:
+            status, content_type, answer = post_raw(port, path, body)
+            assert status == 422, (body, status, answer)
+            assert content_type == "application/json", (body, content_type)
+            detail = json.loads(answer)["detail"]  # strict JSON: no NaN, no Infinity
+            assert detail and all({"loc", "msg", "type"} <= set(d) for d in detail), detail
+            echoed = json.dumps([d.get("input") for d in detail])
+            assert '"NaN"' in echoed or 'Infinity"' in echoed, (body, echoed)
+        status, _, answer = post_raw(port, "/v1/keys/a/signals/go", '{"value":1e400}')
+        assert status == 400, answer  # a value that is no JSON: refused by the sender as before
+        assert get_json(port, "/v1/job")["waiting"], "a refused body woke the run"
+    finally:
+        err = stop(proc)
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err

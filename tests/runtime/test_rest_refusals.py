@@ -1,6 +1,7 @@
 """The REST API's refusals of what a user can send it: a body holding a number JSON cannot
 answer with (1e400, NaN) is a 422 in JSON like any invalid body (it was a 500 in plain text
-and a traceback in the supervisor's log)."""
+and a traceback in the supervisor's log); a signal whose name holds "/" is sent with the name
+percent-encoded (it reached no route: 404)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_rest_metrics import free_port, get_json, poll, stop
+from test_rest_metrics import free_port, get_json, poll, request, stop
 
 AGENT_SRC = """
 from ratchet import Agent, InputEvent, OutputEvent, action
@@ -72,3 +73,27 @@ def test_a_body_with_a_number_json_has_not_is_a_422_in_json(tmp_path: Path) -> N
     finally:
         err = stop(proc)
     assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+
+
+def test_a_signal_name_holding_a_slash_is_sent_percent_encoded(tmp_path: Path) -> None:
+    port = free_port()
+    lines = [{"key": "team/a", "signal": "a/b"}, {"key": "k", "signal": "s/signals/t"}]
+    proc = supervised(tmp_path, lines, port)
+    try:
+        poll("both waits", lambda: len(get_json(port, "/v1/job")["waiting"] or []) == 2)
+        for path, key, name in [
+            ("/v1/keys/team%2Fa/signals/a%2Fb", "team/a", "a/b"),
+            ("/v1/keys/k/signals/s%2Fsignals%2Ft", "k", "s/signals/t"),
+            ("/v1/keys/team/z/signals/c/d", "team/z", "c/d"),  # not encoded: kept for team/z
+        ]:
+            status, body, _ = request(port, "POST", path, body={"value": name})
+            assert status == 202, (path, status, body)
+            sent = json.loads(body)
+            assert (sent["key"], sent["name"]) == (key, name), sent
+        out = tmp_path / "out.jsonl"
+        poll("both outputs", lambda: out.exists() and len(out.read_text().splitlines()) == 2)
+        got = sorted(json.loads(line)["output"]["got"] for line in out.read_text().splitlines())
+        assert got == ["a/b", "s/signals/t"], got
+    finally:
+        err = stop(proc)
+    assert "Traceback" not in err, err

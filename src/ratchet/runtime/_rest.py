@@ -351,7 +351,7 @@ def create_app(
     `open_state` opens the job's state read-only (`ratchet.open_state`) for the endpoints
     that read it: keys and memory, runs, traces, dead letters, approvals.
     """
-    from fastapi import Depends, FastAPI, Query
+    from fastapi import Depends, FastAPI, Query, Request
     from fastapi.encoders import jsonable_encoder
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -507,17 +507,8 @@ def create_app(
     if signal is not None:
         send = signal
 
-        @app.post(
-            "/v1/keys/{key:path}/signals/{name}",
-            status_code=202,
-            response_model=SignalSent,
-            responses={
-                404: {"model": Unavailable, "description": "key_type=int and a key no integer has"},
-                **bad_request,
-            },
-            summary="send a signal to a key: stored durably before the answer",
-        )
         def post_signal(
+            request: Any,
             key: str,
             name: str,
             body: SignalBody,
@@ -530,6 +521,7 @@ def create_app(
             from ratchet._errors import RatchetError
             from ratchet.runtime._shards import int_text
 
+            key, name = _signal_target(request.scope, key, name)
             if key_type == "int" and not int_text(key):
                 return JSONResponse(
                     {"detail": f"key {key!r} is not an integer: no integer key has that text"},
@@ -539,6 +531,24 @@ def create_app(
                 return send(key, name, body.value, key_type)
             except RatchetError as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=400)
+
+        # The class, not its name: this module's annotations are text, which FastAPI reads in
+        # the module's globals, and fastapi is imported only here (the server extra).
+        post_signal.__annotations__["request"] = Request
+        # `{name:path}`: the server decodes %2F before routing, so a name holding "/" (sent
+        # as %2F) reached no route; the key and name are read from the path as sent.
+        app.post(
+            "/v1/keys/{key:path}/signals/{name:path}",
+            status_code=202,
+            response_model=SignalSent,
+            responses={
+                404: {"model": Unavailable, "description": "key_type=int and a key no integer has"},
+                **bad_request,
+            },
+            summary="send a signal to a key: stored durably before the answer",
+            description="The name is what follows the last `/signals/` of the path as sent: "
+            "percent-encode a `/` in it as `%2F`.",
+        )(post_signal)
 
     if redrive is not None:
         ask = redrive
@@ -600,6 +610,25 @@ def create_app(
     # Outermost: a body over the limit is refused before the token and query checks read it.
     app.add_middleware(_BodyLimit, limit=MAX_BODY)
     return app
+
+
+def _signal_target(scope: Any, key: str, name: str) -> tuple[str, str]:
+    """The key and the signal name of `POST /v1/keys/{key}/signals/{name}`, from the path as
+    sent: the name is what follows its last `/signals/`, so a name holding "/" is reached
+    sent as %2F (decoded before routing, it split the name), and a key holding "/" too.
+    `key` and `name` (from the decoded path) when the server gives no such path."""
+    from urllib.parse import unquote
+
+    raw = scope.get("raw_path")
+    prefix = f"/{API_VERSION}/keys/"
+    try:
+        sent = raw.decode("ascii") if isinstance(raw, bytes) else ""
+    except UnicodeDecodeError:
+        return key, name
+    head, found, tail = sent.rpartition("/signals/")
+    if not found or not head.startswith(prefix):
+        return key, name
+    return unquote(head.removeprefix(prefix)), unquote(tail)
 
 
 def _json_safe(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """The REST API's refusals of what a user can send it: a body holding a number JSON cannot
 answer with (1e400, NaN) is a 422 in JSON like any invalid body (it was a 500 in plain text
 and a traceback in the supervisor's log); a signal whose name holds "/" is sent with the name
-percent-encoded (it reached no route: 404)."""
+percent-encoded (it reached no route: 404); a key whose type must be said is refused naming
+REST's ?key_type= (it named only the CLI's --key-type and Python's way)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from test_rest_metrics import free_port, get_json, poll, request, stop
+
+import ratchet
+from ratchet._errors import ConfigError
+from ratchet.runtime._shards import shard_of
 
 AGENT_SRC = """
 from ratchet import Agent, InputEvent, OutputEvent, action
@@ -24,7 +31,7 @@ class Waiter(Agent):
 """
 
 
-def supervised(tmp: Path, lines: list[dict[str, str]], port: int) -> subprocess.Popen[bytes]:
+def supervised(tmp: Path, lines: list[dict[str, Any]], port: int) -> subprocess.Popen[bytes]:
     (tmp / "agent.py").write_text(AGENT_SRC)
     (tmp / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     cmd = [sys.executable, "-m", "ratchet.cli", "run", f"{tmp / 'agent.py'}:Waiter",
@@ -97,3 +104,39 @@ def test_a_signal_name_holding_a_slash_is_sent_percent_encoded(tmp_path: Path) -
     finally:
         err = stop(proc)
     assert "Traceback" not in err, err
+
+
+def test_a_key_of_either_type_is_refused_naming_the_query_parameter(tmp_path: Path) -> None:
+    port = free_port()
+    proc = supervised(tmp_path, [{"key": "7", "signal": "go"}, {"key": 7, "signal": "go"}], port)
+    try:
+        poll("both waits", lambda: len(get_json(port, "/v1/job")["waiting"] or []) == 2)
+        status, body, _ = request(port, "POST", "/v1/keys/7/signals/go", body={"value": 1})
+        assert status == 400, body
+        detail = json.loads(body)["detail"]
+        assert "holds both the string key '7' and the integer key 7" in detail, detail
+        assert "REST: ?key_type=str or ?key_type=int" in detail, detail
+        status, body, _ = request(port, "POST", "/v1/keys/7/signals/go?key_type=int", body={})
+        assert status == 202 and json.loads(body)["key_type"] == "int", body
+    finally:
+        err = stop(proc)
+    assert "Traceback" not in err, err
+
+
+def test_a_sharded_key_of_either_type_is_refused_naming_the_query_parameter(
+    tmp_path: Path,
+) -> None:
+    """The other refusal of a text key: the job is sharded, its two keys live in two shards,
+    and neither is held."""
+    text = next(str(i) for i in range(1000) if shard_of(str(i), 2) != shard_of(i, 2))
+    (tmp_path / "agent.py").write_text(AGENT_SRC)
+    (tmp_path / "in.jsonl").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli", "run", f"{tmp_path / 'agent.py'}:Waiter",
+         "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+         "--state", str(tmp_path / "state"), "--workers", "2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(ConfigError, match=r"could be the text .*; REST: \?key_type=str or"):
+        ratchet.send_signal(tmp_path / "state", text, "go", key_type="auto")

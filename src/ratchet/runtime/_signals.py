@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ratchet._clock import SYSTEM_CLOCK, Clock
-from ratchet._errors import BadInputError, InvalidArgumentError, InvalidTypeError, StateError
+from ratchet._errors import (
+    BadInputError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    StateError,
+)
 from ratchet.runtime._shards import (
     Moved,
     chosen_key_type,
@@ -131,7 +137,14 @@ def send_signal(
         layout = read_layout(sdir)
         target = sdir
         if layout.workers > 1:  # the key's shard: its worker's engine takes the signal
-            target = layout.dirs[shard_for_text(sdir, layout, key_text, key_type)]
+            try:
+                target = layout.dirs[shard_for_text(sdir, layout, key_text, key_type)]
+            except ConfigError as exc:
+                if key_type != "auto":
+                    raise
+                # A text whose two keys live in two shards, neither held: the refusal names
+                # the CLI's flag and Python's way; REST's is the query parameter.
+                raise ConfigError(f"{exc}; REST: ?key_type=str or ?key_type=int") from None
         path = target / DB_NAME
         if not path.exists():
             raise StateError(
@@ -172,8 +185,8 @@ def _held_type(conn: sqlite3.Connection, text: str, sdir: Path) -> str | None:
         "auto",
         lambda: set(held),
         sdir,
-        "say which one the signal is for (--key-type str or --key-type int; from Python, pass "
-        "the key as a str or an int)",
+        "say which one the signal is for (--key-type str or --key-type int; REST: "
+        "?key_type=str or ?key_type=int; from Python, pass the key as a str or an int)",
     )
 
 

@@ -256,3 +256,60 @@ def test_status_url_takes_the_address_the_supervisor_printed(tmp_path: Path) -> 
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_an_ipv6_rest_host_is_printed_in_brackets(tmp_path: Path) -> None:
+    """`--rest-host ::1` printed http://::1:PORT/..., which neither a browser nor curl takes."""
+    import re
+    import socket
+    import urllib.request
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = supervised(
+        tmp_path, [{"key": "a"}], "--follow", "--rest-port", "0", "--rest-host", "::1"
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline().decode()
+        found = re.search(r"REST API on (http://\[::1\]:\d+)/v1/job, dashboard on (\S+) ", line)
+        assert found and found[2] == f"{found[1]}/", line
+        assert f"`ratchet status --url {found[1]}`" in line
+        deadline = time.monotonic() + 20
+        while True:  # the address as printed is one a client takes
+            try:
+                with urllib.request.urlopen(f"{found[1]}/v1/job", timeout=2) as resp:
+                    if json.loads(resp.read())["state"] == "running":
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, line
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+def test_a_rest_port_in_use_is_one_line_and_nothing_is_created(tmp_path: Path) -> None:
+    """It was uvicorn's `[Errno 98] ... address already in use`, a ratchet line that did not
+    say why, and a state directory holding only the supervisor's lock."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = supervised(tmp_path, [{"key": "a"}], "--rest-port", str(port))
+        _, err = proc.communicate(timeout=60)
+    text = err.decode()
+    assert proc.returncode == 2, text
+    assert text.splitlines() == [
+        f"ratchet: error: --rest-port {port} is already in use on 127.0.0.1: give another port "
+        f"(--rest-port 0 picks a free one), or stop what listens on it (another supervised "
+        f"job?)"
+    ], text
+    assert not (tmp_path / "state").exists()

@@ -20,7 +20,7 @@ the supervisor lives. Checkpoint counts are durable (kept in the state) and expo
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import importlib
 import ipaddress
 import json
@@ -30,6 +30,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import threading
 import uuid
@@ -168,6 +169,63 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL holds it: an IPv6 address in brackets (`http://[::1]:8765/`; without
+    them a browser or curl reads the address's colons as the port)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for the REST API on `host`:`port` (each address the host has, as
+    uvicorn would bind them), bound before anything else is made: a port in use is one line
+    naming --rest-port and the fix, exit 2 (it was uvicorn's `[Errno 98]` line, a ratchet line
+    that did not say why, and a state directory holding only the supervisor's lock)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(
+            bare or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ConfigError(
+            f"--rest-host {host}: not an address to listen on ({reason}); give an address of "
+            f"this machine, such as 127.0.0.1 (the default)"
+        ) from None
+    addresses = list(dict.fromkeys((family, addr) for family, _, _, _, addr in infos))
+    sockets: list[socket.socket] = []
+    try:
+        for family, addr in addresses:
+            if port == 0 and sockets:  # the other addresses of the host: the port chosen
+                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # as asyncio binds: each family its own socket
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+                sock.listen(2048)  # listening: no other socket may bind the port meanwhile
+            except OSError:
+                sock.close()
+                if port == 0 and sockets:
+                    continue  # the port chosen for the first is taken here: serve the first
+                raise
+            sockets.append(sock)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"--rest-port {port} is already in use on {host}: give another port "
+                f"(--rest-port 0 picks a free one), or stop what listens on it (another "
+                f"supervised job?)"
+            ) from None
+        raise ConfigError(
+            f"--rest-host {host} --rest-port {port}: cannot listen there "
+            f"({exc.strerror or exc}); give another port or an address of this machine"
+        ) from None
+    return sockets
 
 
 def require_rest_server() -> None:
@@ -460,7 +518,8 @@ class Supervisor:
                 self.s.ended_counts[name] = self.s.ended_counts.get(name, 0.0) + value
             self.s.worker_counts = {}  # the next worker counts from zero
 
-    def _start_rest(self) -> None:
+    def _start_rest(self, sockets: list[socket.socket]) -> None:
+        """Serve the REST API on `sockets` (from `listen`) in a thread of its own."""
         if self.rest_port is None:
             return
         import uvicorn
@@ -484,17 +543,16 @@ class Supervisor:
         # uvicorn installs signal handlers only from the main thread; this one is not, so the
         # supervisor's own SIGTERM/SIGINT handlers stay in charge.
         self._server = server
-        thread = threading.Thread(target=server.run, name="ratchet-rest", daemon=True)
+        thread = threading.Thread(
+            target=server.run, kwargs={"sockets": sockets}, name="ratchet-rest", daemon=True
+        )
         thread.start()
         deadline = self.clock.monotonic() + 10
         while not server.started and thread.is_alive() and self.clock.monotonic() < deadline:
             self.clock.sleep_sync(0.01)
+        base = f"http://{url_host(self.rest_host)}:{self.rest_port}"
         if not server.started:
-            raise ConfigError(f"the REST API could not listen on {self.rest_host}:{self.rest_port}")
-        with contextlib.suppress(AttributeError, IndexError, OSError):
-            # --rest-port 0: the port the system chose (it printed ":0")
-            self.rest_port = int(server.servers[0].sockets[0].getsockname()[1])
-        base = f"http://{self.rest_host}:{self.rest_port}"
+            raise ConfigError(f"the REST API could not start on {base}")
         self._say(
             logging.INFO,
             f"REST API on {base}/v1/job, dashboard on {base}/ (`ratchet status --url {base}`)",
@@ -571,7 +629,12 @@ class Supervisor:
         # The stop handlers first: a SIGTERM from the moment the supervisor holds its lock
         # (what a caller can see) is a clean stop, not the default death.
         previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        sockets: list[socket.socket] = []
         try:
+            if self.rest_port is not None:  # before the state directory is made
+                sockets = listen(self.rest_host, self.rest_port)
+                # --rest-port 0: the port the system chose
+                self.rest_port = int(sockets[0].getsockname()[1])
             try:
                 self.state_dir.mkdir(parents=True, exist_ok=True)
                 lock = StateLock(self.state_dir, name=SUPERVISOR_LOCK_NAME)
@@ -579,13 +642,16 @@ class Supervisor:
             except OSError as exc:
                 raise state_dir_error(self.state_dir, exc) from exc
             try:
-                self._start_rest()
+                self._start_rest(sockets)
                 return self._supervise()
             finally:
                 if self._server is not None:
                     self._server.should_exit = True
                 lock.release()
         finally:
+            if self._server is None:  # never served: uvicorn closes those it served on
+                for sock in sockets:
+                    sock.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 

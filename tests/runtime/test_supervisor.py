@@ -258,8 +258,10 @@ def test_status_url_takes_the_address_the_supervisor_printed(tmp_path: Path) -> 
     assert proc.returncode == 0
 
 
-def test_an_ipv6_rest_host_is_printed_in_brackets(tmp_path: Path) -> None:
-    """`--rest-host ::1` printed http://::1:PORT/..., which neither a browser nor curl takes."""
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_rest_host_is_printed_in_brackets(tmp_path: Path, host: str) -> None:
+    """`--rest-host ::1` printed http://::1:PORT/..., which neither a browser nor curl takes
+    (and `[::1]`, as a URL has it, could not be listened on)."""
     import re
     import socket
     import urllib.request
@@ -269,9 +271,7 @@ def test_an_ipv6_rest_host_is_printed_in_brackets(tmp_path: Path) -> None:
             probe.bind(("::1", 0))
     except OSError:
         pytest.skip("no IPv6 loopback here")
-    proc = supervised(
-        tmp_path, [{"key": "a"}], "--follow", "--rest-port", "0", "--rest-host", "::1"
-    )
+    proc = supervised(tmp_path, [{"key": "a"}], "--follow", "--rest-port", "0", "--rest-host", host)
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline().decode()

@@ -50,6 +50,7 @@ class World:
         self.log = tmp / "log.jsonl"
         self.migrations = tmp / "migrations.jsonl"
         self.stuck = tmp / "stuck.txt"
+        self.fail = tmp / "fail"
 
     def env(self, phase: str) -> dict[str, str]:
         return dict(
@@ -57,6 +58,7 @@ class World:
             UPGRADE_LOG=str(self.log),
             UPGRADE_MIGRATIONS=str(self.migrations),
             UPGRADE_STUCK=str(self.stuck),
+            UPGRADE_FAIL=str(self.fail),
             UPGRADE_PHASE=phase,
         )
 
@@ -591,3 +593,50 @@ def test_status_counts_only_pinned_runs_still_in_flight(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     now = w.status()
     assert now["in_flight_runs"] == 0 and now["runs_on_earlier_versions"] == 0, now
+
+
+def killed_in_the_second_retry_backoff(w: World) -> None:
+    """Run Asks on one input until `ask`'s second attempt failed (the model answers 503),
+    SIGKILL it in the backoff before the third, and make the model answer again."""
+    w.input.write_text(json.dumps({"key": "a", "n": 0}) + "\n")
+    w.fail.touch()
+    v1 = w.start("Asks", "v1")
+    asks = lambda: [e["phase"] for e in w.lines(w.log) if e["what"] == "ask"]  # noqa: E731
+    wait_for(v1, lambda: len(asks()) == 2, "the 2nd attempt's call")  # the state exists by then
+    retries = lambda: [r for r in call_rows(w.state) if r[3] == "ratchet.retry"]  # noqa: E731
+    wait_for(v1, lambda: len(retries()) == 2, "the 2nd failure recorded")
+    kill(v1)  # in the 1 s backoff before the third attempt
+    assert asks() == ["v1", "v1"]
+    assert any(str(r[1]).endswith(">ask#2") for r in call_rows(w.state)), call_rows(w.state)
+    w.fail.unlink()
+
+
+@pytest.mark.parametrize("version", ["AsksAudited", "AsksMid"])
+def test_a_compatible_change_continues_a_run_killed_in_its_second_retry_backoff(
+    tmp_path: Path, version: str
+) -> None:
+    """The run's second attempt recorded its call under the task id `r>ask#2`. A version
+    that adds an action, or changes only ask's listener, continues the run: one output, and
+    no failed call made again. Before the fix the start refused it: "its action 'ask#2' was
+    removed" (the attempt suffix was read as part of the action's name)."""
+    w = World(tmp_path)
+    killed_in_the_second_retry_backoff(w)
+    v2 = w.start(version, "v2")
+    _, err = v2.communicate(timeout=120)
+    assert v2.returncode == 0 and "was removed" not in err, err
+    assert [o["output"] for o in w.lines(w.output)] == [{"n": 0, "answer": "answer 0"}]
+    asks = [e["phase"] for e in w.lines(w.log) if e["what"] == "ask"]
+    assert asks == ["v1", "v1", "v2"], asks  # the third attempt only
+    assert not [e for e in w.lines(w.log) if e["what"] == "audit"]  # not in the pinned run
+
+
+def test_removing_an_action_in_its_second_retry_backoff_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    """The other side of the fix: a removed action is still refused, named as it is."""
+    w = World(tmp_path)
+    killed_in_the_second_retry_backoff(w)
+    v2 = w.start("AsksGone", "v2")
+    _, err = v2.communicate(timeout=120)
+    assert v2.returncode == 2 and "Traceback" not in err, err
+    assert "key 'a', run of input 0: task r>ask" in err and "action 'ask' was removed" in err

@@ -3,7 +3,8 @@
 Side effects go to files named by environment variables (outside the state), so a test can
 count what really ran: UPGRADE_LOG (one JSON line per action run or call made),
 UPGRADE_MIGRATIONS (one line per migration run), UPGRADE_STUCK (while this file exists, the
-`slow` action of a key listed in it parks after its durable call returned).
+`slow` action of a key listed in it parks after its durable call returned), UPGRADE_FAIL
+(while this file exists, the model `Asks` calls answers 503).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ratchet import Agent, Event, InputEvent, OutputEvent, action, migration
+from ratchet import Agent, Event, InputEvent, OutputEvent, Retry, action, migration
 
 
 class Mid(Event):
@@ -316,3 +317,53 @@ class GatePatched(Gate):
         approval = await ctx.wait_for_signal("approve")
         receipt = await ctx.durable_execute_async(pay, str(ctx.key), n, "EUR")
         ctx.send_event(OutputEvent(output={"n": n, "paid": receipt, "approval": approval, "by": 2}))
+
+
+def ask_model(key: str, n: int) -> str:
+    """A model that answers 503 while the file UPGRADE_FAIL exists."""
+    log(what="ask", key=key, n=n)
+    if Path(os.environ.get("UPGRADE_FAIL") or "/nonexistent").exists():
+        raise RuntimeError("503 Service Unavailable")
+    return f"answer {n}"
+
+
+# Attempts at 0 and 0.2 s, then a 1 s backoff (where a test kills the job).
+ASK_RETRY = Retry(max_attempts=4, initial_delay=0.2, backoff=5)
+
+
+class Asks(Agent):
+    """`ask` calls the model with a retry policy, and outputs its answer; `count` counts."""
+
+    @action(InputEvent)
+    def count(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("count", ctx.short_term_memory.get("count", 0) + 1)
+
+    @action(InputEvent, retry=ASK_RETRY)
+    async def ask(self, event: InputEvent, ctx: Any) -> None:
+        answer = await ctx.durable_execute_async(ask_model, str(ctx.key), event.input["n"])
+        ctx.send_event(OutputEvent(output={"n": event.input["n"], "answer": answer}))
+
+
+class AsksAudited(Asks):
+    """A compatible change: an action added."""
+
+    @action(InputEvent)
+    def audit(self, event: InputEvent, ctx: Any) -> None:
+        log(what="audit", key=str(ctx.key), n=event.input["n"])
+
+
+class AsksMid(Asks):
+    """A compatible change: `ask` also listens to Mid (its body is the same)."""
+
+    @action(InputEvent, Mid, retry=ASK_RETRY)
+    async def ask(self, event: InputEvent, ctx: Any) -> None:
+        answer = await ctx.durable_execute_async(ask_model, str(ctx.key), event.input["n"])
+        ctx.send_event(OutputEvent(output={"n": event.input["n"], "answer": answer}))
+
+
+class AsksGone(Agent):
+    """`ask` removed: a run with its calls recorded is refused at start."""
+
+    @action(InputEvent)
+    def count(self, event: InputEvent, ctx: Any) -> None:
+        ctx.short_term_memory.set("count", ctx.short_term_memory.get("count", 0) + 1)

@@ -48,6 +48,18 @@ SIGNAL_FN = _SIGNAL_FN  # (defined with the store, which reads a delivered signa
 # retry calls again instead of being answered with the failed attempt's records.
 RETRY_FN = "ratchet.retry"
 ATTEMPT_SEP = "#"
+
+
+def split_attempt(task_id: str) -> tuple[str, int]:
+    """(task id, attempt number) of a call record's task id: `r>ask#2` is attempt 2 of
+    `r>ask`, so code that reads the action from it must not take `ask#2` for a name (action
+    names never hold a "#")."""
+    base, sep, n = task_id.rpartition(ATTEMPT_SEP)
+    if sep and n.isdigit():
+        return base, int(n)
+    return task_id, 1
+
+
 # Written (status "intent") with the first new record of a task that re-executes with records
 # from before a restart, at index -F where F is that first new index (negative: the indexes of
 # calls stay as they were): the records from F on come from an attempt whose replay was never
@@ -465,10 +477,10 @@ class CallJournal:
         self._attempts: dict[tuple[int, str], dict[int, dict[int, CallRecord]]] = {}
 
     def add(self, record: CallRecord) -> None:
-        base, sep, n = record.task_id.rpartition(ATTEMPT_SEP)
-        if sep and n.isdigit():
+        base, n = split_attempt(record.task_id)
+        if base != record.task_id:
             by_attempt = self._attempts.setdefault((record.seq, base), {})
-            by_attempt.setdefault(int(n), {})[record.idx] = record
+            by_attempt.setdefault(n, {})[record.idx] = record
             return
         self._by_task.setdefault((record.seq, record.task_id), {})[record.idx] = record
 

@@ -42,6 +42,7 @@ from ratchet.runtime._dispatch import (
     FusedRunners,
     Outcome,
     TaskCalls,
+    split_attempt,
     take_all,
 )
 from ratchet.runtime._io import Sink, Source, stopped_at_bad_input, writable
@@ -177,9 +178,10 @@ def check_upgrade(
     for rec in calls:
         if rec.seq not in adopted.pinned or rec.fn == REPLAY_FN:  # a marker, not a call
             continue
-        action = rec.task_id.rpartition(">")[2]
+        task_id = split_attempt(rec.task_id)[0]  # a later attempt's records: `r>ask#2`
+        action = task_id.rpartition(">")[2]
         run = by_seq.get(rec.seq)
-        done = run is not None and any(e.task_id == rec.task_id for e in run.journal)
+        done = run is not None and any(e.task_id == task_id for e in run.journal)
         if action not in known and not done:
             key = run.key if run is not None else "?"
             raise IncompatibleChangeError(

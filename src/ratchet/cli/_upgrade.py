@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from ratchet._argtypes import add_key_type
 from ratchet._errors import EXIT_OK
 from ratchet.cli._trace import seq_number
 
@@ -51,6 +52,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p = runs_sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--state", required=True, help="the stopped job's state directory")
         p.add_argument("--key", required=True, help="the run's key, as `ratchet runs list` shows")
+        add_key_type(p, unless=", unless --seq names the run")
         p.add_argument(
             "--seq", type=seq_number, default=None, help="the run's input seq (optional)"
         )
@@ -107,6 +109,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
     from ratchet.runtime._upgrade import list_runs
+    from ratchet.store._base import signal_key_type
 
     found = list_runs(args.state)
     if args.json:
@@ -118,9 +121,14 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     table = Table(title=f"runs in flight in {args.state}")
     for col in ("key", "input seq", "journaled tasks", "call records", "agent version"):
         table.add_column(col)
+    # The integer key 7 and the string key "7" read alike: typed where both are in flight.
+    types: dict[str, set[str]] = {}
     for r in found["in_flight"]:
+        types.setdefault(str(r["key"]), set()).add(signal_key_type(r["key"]))
+    for r in found["in_flight"]:
+        text = str(r["key"])
         table.add_row(
-            str(r["key"]),
+            f"{text} ({signal_key_type(r['key'])})" if len(types[text]) > 1 else text,
             str(r["seq"]),
             "?" if r["journaled_tasks"] is None else str(r["journaled_tasks"]),
             f"{r['call_records']} ({r['calls_returned']} returned)",
@@ -137,15 +145,21 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
 
 def cmd_runs_discard(args: argparse.Namespace) -> int:
     from ratchet.runtime._upgrade import discard_run
+    from ratchet.store._base import int_text
 
     abandon = args.runs_action == "abandon"
     done: dict[str, Any] = discard_run(
-        args.state, args.key, args.seq, dead_letter_reason=args.reason if abandon else None
+        args.state,
+        args.key,
+        args.seq,
+        dead_letter_reason=args.reason if abandon else None,
+        key_type=args.key_type,
     )
     if args.json:
         print(json.dumps(dict(done, action=args.runs_action), indent=2, default=str))
         return EXIT_OK
-    head = f"key {done['key']} input {done['seq']}"
+    kind = f" ({done['key_type']})" if int_text(done["key"]) else ""  # as `trace` shows it
+    head = f"key {done['key']}{kind} input {done['seq']}"
     tasks = done["journaled_tasks"]
     lost = (
         f"discarded its journal of {'?' if tasks is None else tasks} task(s), "

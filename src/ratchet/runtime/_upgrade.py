@@ -18,8 +18,9 @@ from ratchet._clock import SYSTEM_CLOCK, Clock
 from ratchet._errors import StateError, StateInUseError
 from ratchet.runtime._dispatch import Binding
 from ratchet.runtime._journal import decode_memory, decoded, encode_memory
-from ratchet.runtime._shards import read_layout
+from ratchet.runtime._shards import chosen_key_type, read_layout
 from ratchet.store import codec
+from ratchet.store._base import int_text, signal_key_type
 from ratchet.store._sqlite import (
     DB_NAME,
     LOCK_NAME,
@@ -183,20 +184,58 @@ def _migrate_one(
     return result
 
 
-def find_run(store: SqliteStore, key: str, seq: int | None) -> dict[str, Any]:
-    """The in-flight run of `key` (by its text), or of input `seq` of that key."""
+def find_run(
+    store: SqliteStore, key: str, seq: int | None, key_type: str | None = None
+) -> dict[str, Any]:
+    """The in-flight run of `key` (by its text; of `key_type` 'str' or 'int' when given, as
+    `run_key_type` chose it), or of input `seq` of that key."""
     runs = store.runs_in_flight()
-    mine = [r for r in runs if str(r["key"]) == key]
+    mine = [r for r in runs if _is_key(r, key, key_type)]
     if seq is not None:
         mine = [r for r in mine if r["seq"] == seq]
     if not mine:
-        held = ", ".join(f"{r['key']!s} (input {r['seq']})" for r in runs[:10]) or "none"
-        what = f"key {key!r}" + (f" input {seq}" if seq is not None else "")
+        held = ", ".join(f"{_shown(r)} (input {r['seq']})" for r in runs[:10]) or "none"
+        what = _typed(key, key_type) + (f" input {seq}" if seq is not None else "")
         raise StateError(
             f"{store.path.parent} has no run in flight for {what}; runs in flight: {held} "
             f"(`ratchet runs list --state {store.path.parent}` lists them all)"
         )
     return mine[0]
+
+
+def _is_key(run: dict[str, Any], text: str, key_type: str | None) -> bool:
+    return str(run["key"]) == text and key_type in (None, signal_key_type(run["key"]))
+
+
+def _typed(text: str, key_type: str | None) -> str:
+    return f"key {text!r}" if key_type is None else f"the {key_type} key {text!r}"
+
+
+def _shown(run: dict[str, Any]) -> str:
+    """A run's key as the messages show it: the integer key 7 and the string key "7" apart."""
+    text = str(run["key"])
+    return f"{text} ({signal_key_type(run['key'])})" if int_text(text) else text
+
+
+def run_key_type(
+    runs: list[dict[str, Any]], text: str, seq: int | None, key_type: str, where: Path | str
+) -> str | None:
+    """Which of the two keys of a text like "7" `runs restart`/`abandon --key` mean (`runs`:
+    those in flight): as `ratchet signal` decides it (`chosen_key_type`), from the runs in
+    flight, so a state with runs of both keys is refused until --key-type says which (it
+    took whichever was listed first). With `seq`, which names one run, it is that run's key."""
+    return chosen_key_type(
+        text,
+        key_type,
+        lambda: {
+            signal_key_type(r["key"])
+            for r in runs
+            if str(r["key"]) == text and seq in (None, r["seq"])
+        },
+        where,
+        "say which run (--key-type str or --key-type int; `ratchet runs list` shows each "
+        "one's key type)",
+    )
 
 
 def discard_run(
@@ -205,28 +244,40 @@ def discard_run(
     seq: int | None,
     *,
     dead_letter_reason: str | None = None,
+    key_type: str = "auto",
     clock: Clock = SYSTEM_CLOCK,
 ) -> dict[str, Any]:
     """`runs restart` (no reason) or `runs abandon` (a reason): what was discarded. Of a
-    sharded job: in the shard whose runs hold it."""
+    sharded job: in the shard whose runs hold it. `key_type`: which of the keys of a text
+    like "7" (`run_key_type`)."""
     layout = read_layout(state_dir)
     if layout.workers == 1:
         with stopped_state(state_dir, clock) as store:
-            run = find_run(store, key, seq)
+            typed = run_key_type(store.runs_in_flight(), key, seq, key_type, Path(state_dir))
+            run = find_run(store, key, seq, typed)
             counts = store.discard_run(run["seq"], dead_letter_reason)
-        return {"key": str(run["key"]), "seq": run["seq"], **counts}
+        return {"key": str(run["key"]), "key_type": signal_key_type(run["key"]), "seq": run["seq"],
+                **counts}  # fmt: skip
     with _job_stopped(Path(state_dir)):
-        for d in layout.dirs:
-            if not (d / DB_NAME).exists():
-                continue
+        dirs = [d for d in layout.dirs if (d / DB_NAME).exists()]
+        flying: list[dict[str, Any]] = []
+        for d in dirs:  # every shard's: the string key "7" and the integer key 7 may be in two
+            reader = SqliteStore.open_readonly(d)
+            try:
+                flying += reader.runs_in_flight()
+            finally:
+                reader.close()
+        typed = run_key_type(flying, key, seq, key_type, Path(state_dir))
+        for d in dirs:
             with stopped_state(d, clock, whole_job=False) as store:
                 try:
-                    run = find_run(store, key, seq)
+                    run = find_run(store, key, seq, typed)
                 except StateError:
                     continue
                 counts = store.discard_run(run["seq"], dead_letter_reason)
-            return {"key": str(run["key"]), "seq": run["seq"], "shard": d.name, **counts}
-    what = f"key {key!r}" + (f" input {seq}" if seq is not None else "")
+            return {"key": str(run["key"]), "key_type": signal_key_type(run["key"]),
+                    "seq": run["seq"], "shard": d.name, **counts}  # fmt: skip
+    what = _typed(key, typed) + (f" input {seq}" if seq is not None else "")
     raise StateError(
         f"no shard of {state_dir} has a run in flight for {what} (`ratchet runs list --state "
         f"{state_dir}` lists them all)"

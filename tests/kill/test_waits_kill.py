@@ -139,17 +139,29 @@ def test_an_approval_sent_while_the_job_is_down_completes_the_run_once(tmp_path:
     assert status["waiting"] == [] and status["pending_signals"] == []
 
 
-def test_a_bounded_job_leaves_a_waiting_run_parked_and_says_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_bounded_job_leaves_a_waiting_run_parked_and_says_so(
+    tmp_path: Path, workers: str
+) -> None:
+    """With --workers 2 the parked runs of both shards are added up, and the job says so as
+    one process does (it ended with "stopped_by": "end of input" and said nothing)."""
     job = Job(tmp_path, "Refunds")
-    job.write({"key": "t-2", "amount": 5})
-    err = finish(job.start())
-    assert "1 run(s) waiting for signals" in err and "ratchet signal" in err
-    assert job.outputs() == [{"approval_requested": 5}]
-    job.run_cli(
-        "signal", "--state", str(job.state), "--key", "t-2", "approve", "--value", '{"ok": false}'
-    )
-    finish(job.start())
-    assert job.outputs() == [{"approval_requested": 5}, {"refused": 5}]
+    keys = ["t-0", "t-1", "t-2", "t-3"]  # both shards get some
+    job.write(*({"key": k, "amount": 5} for k in keys))
+    err = finish(job.start("--workers", workers))
+    assert "ratchet: 4 run(s) waiting for signals; they stay parked" in err, err
+    assert "ratchet signal" in err
+    assert job.outputs() == [{"approval_requested": 5}] * 4
+    for k in keys:
+        done = job.run_cli(
+            "signal", "--state", str(job.state), "--key", k, "approve", "--value", '{"ok": false}'
+        )
+        assert done.returncode == 0, done.stderr
+    again = job.start("--workers", workers, "--json")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    assert json.loads(out)["stopped_by"] == "end of input" and "waiting" not in err, (out, err)
+    assert job.outputs()[4:] == [{"refused": 5}] * 4
 
 
 @pytest.mark.slow

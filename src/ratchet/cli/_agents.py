@@ -612,14 +612,21 @@ def _run_here(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, default=str))
     elif tty:
         print(_done_line(summary), file=sys.stderr)
-    if "waiting for signals" in result.stopped_by and not args.json:
+    _say_parked(result, args)
+    return code
+
+
+def _say_parked(result: Any, args: argparse.Namespace) -> None:
+    """The line of a bounded job that ended with runs parked on signals (one process or N)."""
+    from ratchet.runtime._engine import runs_waiting_for_signals
+
+    if runs_waiting_for_signals(result.stopped_by) and not args.json:
         print(
             f"ratchet: {result.stopped_by}; they stay parked in {args.state} and go on when the "
             f"job next runs after their signal is sent (`ratchet status --state {args.state}` "
             f"lists them; `ratchet signal --state {args.state} --key KEY NAME --value JSON`)",
             file=sys.stderr,
         )
-    return code
 
 
 def _run_sharded(args: argparse.Namespace) -> int:
@@ -683,7 +690,9 @@ def _run_sharded(args: argparse.Namespace) -> int:
         stopped_for_max_errors(result.stopped_by) or not (args.follow or args.allow_errors)
     ):
         print(_errors_line(result, args.state), file=sys.stderr)
+        _say_parked(result, args)
         return EXIT_ERRORS
+    _say_parked(result, args)
     return EXIT_OK
 
 

@@ -560,6 +560,22 @@ def stopped_for_max_errors(stopped_by: str) -> bool:
     return MAX_ERRORS_STOP in stopped_by
 
 
+WAITING_FOR_SIGNALS = " run(s) waiting for signals"
+
+
+def waiting_for_signals(runs: int) -> str:
+    """The `stopped_by` of a bounded job that ended with `runs` runs parked on signals
+    (`ratchet run` then says they stay parked)."""
+    return f"{runs}{WAITING_FOR_SIGNALS}"
+
+
+def runs_waiting_for_signals(stopped_by: str) -> int:
+    """How many runs a `stopped_by` says are parked on signals (0: none, or another stop):
+    a sharded job adds its shards' up, to end as one process does."""
+    count, _, rest = stopped_by.partition(" ")
+    return int(count) if count.isdigit() and f" {rest}" == WAITING_FOR_SIGNALS else 0
+
+
 def _first_match(
     pending: collections.deque[tuple[int, bytes, float, str | None]],
     waiters: collections.deque[_SignalWait],
@@ -1161,9 +1177,7 @@ class Engine:
                     if not self.source.follow and await self._only_signal_waits_left():
                         # Nothing can move without a signal: the runs stay parked in the state,
                         # and the next start (or `ratchet signal` meanwhile) picks them up.
-                        self._stop_reason = (
-                            f"{len(self.machine.waiting_runs())} run(s) waiting for signals"
-                        )
+                        self._stop_reason = waiting_for_signals(len(self.machine.waiting_runs()))
                         break
                     await self._wait_wake()  # poked when a run completes, parks or wakes
             finally:

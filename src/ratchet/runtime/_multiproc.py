@@ -43,7 +43,13 @@ from typing import Any
 from ratchet import _errors
 from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import BadInputError, RatchetError, ServerUnreachableError, StateError
-from ratchet.runtime._engine import EngineConfig, EngineResult, stopped_for_max_errors
+from ratchet.runtime._engine import (
+    EngineConfig,
+    EngineResult,
+    runs_waiting_for_signals,
+    stopped_for_max_errors,
+    waiting_for_signals,
+)
 from ratchet.runtime._forking import ForkedWorker, fork_unsafe, fork_worker, start_method
 from ratchet.runtime._io import (
     JsonlSink,
@@ -939,7 +945,15 @@ class Coordinator:
             add_counts(r, s.result or {})
             for got in s.partials:
                 add_counts(r, got)
-        r.stopped_by = self._stop_reason or "end of input"
+        # A bounded job whose shards ended with runs parked on signals says so, as one
+        # process does (and `ratchet run` then says they stay parked): it said "end of input".
+        parked = sum(
+            runs_waiting_for_signals(str((s.result or {}).get("stopped_by") or ""))
+            for s in self.shards
+        )
+        r.stopped_by = self._stop_reason or (
+            waiting_for_signals(parked) if parked else "end of input"
+        )
         r.checkpoints = {str(s.index): (s.result or {}).get("checkpoints", {}) for s in self.shards}
         r.metrics = {"workers": float(len(self.shards))}
 

@@ -812,7 +812,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    """A time as status shows it; one past what the platform's clock can show (a wait's
+    deadline of `ctx.sleep(1e300)` or a timeout of sys.maxsize) as how far off it is, not a
+    traceback (OverflowError, OSError)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        years = (ts - SYSTEM_CLOCK.now()) / (365.25 * 86400)
+        return f"far in the future (in {years:.3g} years)" if years > 0 else "long ago"
 
 
 def _key_forms(text: str) -> dict[str, bytes]:

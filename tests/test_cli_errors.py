@@ -380,3 +380,13 @@ def test_an_otlp_endpoint_variable_that_is_not_an_http_url_is_refused(
         proc, f"{variable} 'collector:4318' is not an http:// or https:// URL", "(or unset it)"
     )
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("flag", ["--url", "--jobmanager", "--state"])
+def test_status_with_an_empty_place_is_one_line_naming_the_flag(flag: str) -> None:
+    """`status --url ""` (or --jobmanager) fell through to read a state of None: a TypeError
+    traceback."""
+    proc = subprocess.run(
+        [*RATCHET, "status", flag, ""], capture_output=True, text=True, timeout=60
+    )
+    assert_refused(proc, f"{flag} is empty: give {flag} ")

@@ -718,6 +718,15 @@ def _errors_line(result: Any, state: str) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from ratchet.store._sqlite import SqliteStore
 
+    # An empty value chose its way and named nothing: tested as `if args.url:` it fell through
+    # to the state, which is None then (a TypeError traceback).
+    for flag, value, example in (
+        ("--state", args.state, "--state DIR, the job's state directory"),
+        ("--url", args.url, "--url http://127.0.0.1:8765, the job's REST address"),
+        ("--jobmanager", args.jobmanager, "--jobmanager HOST:PORT, the JobManager's REST port"),
+    ):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty: give {example}")
     if args.url:
         return _status_url(args)
     if args.jobmanager:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -278,6 +279,91 @@ def test_a_lost_database_of_a_state_that_has_run_is_refused(
     assert "has run before" in again.stderr and "Traceback" not in again.stderr
     assert (tmp_path / "o.jsonl").read_bytes() == outputs
     assert (db.exists() and db.stat().st_size == 0) if damage == "truncated" else not db.exists()
+
+
+# --- a shard of a sharded state lost, or a layout that names shards that are not there -------------
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A job run to its end with --workers 2; each test damages its own copy."""
+    base = tmp_path_factory.mktemp("sharded")
+    (base / "in.jsonl").write_text(
+        "".join(json.dumps({"key": f"k{i % 10}", "value": i}) + "\n" for i in range(40))
+    )
+    env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(base / "exec.log"))
+    argv = [*RATCHET, "run", AGENT, "--input", str(base / "in.jsonl"), "--output",
+            str(base / "o.jsonl"), "--state", str(base / "st"), "--workers", "2"]  # fmt: skip
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert first.returncode == 0, first.stderr
+    assert {d.name for d in (base / "st" / "shards").iterdir() if d.is_dir()} == {
+        "0-of-2",
+        "1-of-2",
+    }
+    return base
+
+
+def _layout(state: Path, workers: int | None) -> None:
+    path = state / "shards" / "layout.json"
+    if workers is None:
+        path.unlink()
+    else:
+        path.write_text(json.dumps({"format": 1, "hash": "blake2b-64", "workers": workers}))
+
+
+LOST_SHARD = {
+    # A run made the shard afresh: its keys' inputs redone, every durable call repeated, exit 0.
+    "shard directory removed": (lambda st: shutil.rmtree(st / "shards" / "1-of-2"),
+                                "{st}/shards/1-of-2 is missing"),
+    # Read commands showed the other shard's keys as all of them, exit 0.
+    "shard database removed": (lambda st: (st / "shards" / "1-of-2" / DB_NAME).unlink(),
+                               "{st}/shards/1-of-2/ratchet.db is missing"),
+    # `run --workers 2` redid every input, then re-sharded over the shards that hold the work.
+    "layout naming 4 workers": (lambda st: _layout(st, 4),
+                                "{st}/shards/0-of-4, {st}/shards/1-of-4, {st}/shards/2-of-4 and "
+                                "1 more are missing"),
+    "layout removed": (lambda st: _layout(st, None), "{st}/shards/layout.json is missing"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", list(LOST_SHARD), ids=lambda s: s.replace(" ", "-"))
+def test_a_sharded_state_missing_a_shard_is_refused_by_run_and_read_commands(
+    sharded_run: Path, tmp_path: Path, damage: str
+) -> None:
+    state = tmp_path / "st"
+    shutil.copytree(sharded_run / "st", state)
+    shutil.copy(sharded_run / "o.jsonl", tmp_path / "o.jsonl")
+    (tmp_path / "exec.log").write_bytes(calls := (sharded_run / "exec.log").read_bytes())
+    hurt, said = LOST_SHARD[damage]
+    hurt(state)
+    said = said.format(st=state)
+    files = sorted(str(p.relative_to(state)) for p in state.rglob("*") if "lock" not in p.name)
+    outputs = (tmp_path / "o.jsonl").read_bytes()
+    env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp_path / "exec.log"))
+    run_argv = [*RATCHET, "run", AGENT, "--input", str(sharded_run / "in.jsonl"), "--output",
+                str(tmp_path / "o.jsonl"), "--state", str(state)]  # fmt: skip
+    commands = [[*run_argv, "--workers", "2"], run_argv]
+    if damage != "layout removed":  # then it reads as a state with no database, exit 2 too
+        commands += [
+            [*RATCHET, *cmd, "--state", str(state)]
+            for cmd in (["status"], ["inspect"], ["dead-letters"], ["runs", "list"],
+                        ["redrive", "--all"], ["trace", "--key", "k5"])
+        ]  # fmt: skip
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for argv in commands
+    ]
+    for argv, proc in zip(commands, procs, strict=True):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, (argv[3:], proc.returncode, out, err)
+        assert said in err and "has run before" in err, (argv[3:], err)
+        assert f"remove {state} and write to a new output" in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert (tmp_path / "exec.log").read_bytes() == calls  # no durable call repeated
+    assert (tmp_path / "o.jsonl").read_bytes() == outputs
+    assert sorted(str(p.relative_to(state)) for p in state.rglob("*") if "lock" not in p.name) == (
+        files
+    )
 
 
 # --- a write-ahead log removed after a kill --------------------------------------------------------

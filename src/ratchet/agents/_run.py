@@ -254,6 +254,19 @@ def _refuse_lost_history(state_dir: Path, store: SqliteStore, sink: Sink, job: J
     raise lost_history_error(state_dir, sink, job)
 
 
+def _refuse_lost_layout(state_dir: Path) -> None:
+    """A sharded state whose `shards/layout.json` was removed looks like a one-process state
+    that lost its database: said as what it is, with the number of workers to write back."""
+    from ratchet.runtime._shards import SHARDS_DIR, lost_layout_error
+
+    if (
+        not (state_dir / DB_NAME).exists()
+        and (state_dir / JOB_FILE).exists()
+        and (state_dir / SHARDS_DIR).is_dir()
+    ):
+        raise lost_layout_error(state_dir)
+
+
 def restored_from_savepoint(store: SqliteStore) -> bool:
     from ratchet.runtime._savepoints import SAVEPOINT_META
 
@@ -322,6 +335,7 @@ class Job:
             raise
         store: SqliteStore | None = None
         try:
+            _refuse_lost_layout(self.state_dir)
             store = SqliteStore.open(
                 self.state_dir,
                 self.binding.name,

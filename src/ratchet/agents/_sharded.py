@@ -68,6 +68,7 @@ from ratchet.runtime._shards import (
     first_redrive_seq,
     frozen,
     int_text,
+    lost_layout_error,
     read_layout,
     read_position,
     reshard,
@@ -374,6 +375,8 @@ def _change_workers(
     check_no_timers(layout.dirs, workers, layout.workers)
     if layout.workers == 1:
         if not (sdir / DB_NAME).exists():
+            if (sdir / JOB_FILE).exists():  # not a new state: its database or layout is lost
+                raise lost_layout_error(sdir)
             return reshard(sdir, layout, workers, binding.name, binding.fingerprint,
                            binding.action_names, position=(0, {})), None  # fmt: skip
         # Finish what the single-process state holds, admitting nothing new.

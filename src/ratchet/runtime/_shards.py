@@ -90,7 +90,72 @@ def read_layout(state_dir: str | os.PathLike[str]) -> Layout:
             f"{path} is not a shard layout this ratchet knows (format {_LAYOUT_FORMAT}, hash "
             f"{HASH_NAME}, workers >= 2); use the ratchet version that wrote it"
         )
-    return Layout(n, tuple(shard_dir(sdir, i, n) for i in range(n)))
+    layout = Layout(n, tuple(shard_dir(sdir, i, n) for i in range(n)))
+    lost = [d / DB_NAME if d.exists() else d for d in layout.dirs if not (d / DB_NAME).exists()]
+    if lost:
+        raise lost_shards_error(sdir, lost, n)
+    return layout
+
+
+def lost_shards_error(sdir: Path, lost: list[Path], workers: int | None) -> StateError:
+    """A layout in force is never missing a shard: a re-sharding builds every shard it names
+    (each with its database) before it writes `layout.json`. A shard gone, or a layout that
+    names shards that are not there (edited), would have its keys' inputs redone and their
+    durable calls repeated by a run that made it afresh, and a read command would show part
+    of the job as all of it: refused, naming what is missing (`lost`) and the fix.
+    `workers` None: the state has no layout, but its job has run (its job.json exists)."""
+    shown = [str(p) for p in lost]
+    what = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    verb = "is" if len(shown) == 1 else "are"
+    if workers is None:
+        named = "its job.json exists"
+    else:
+        named = f"{SHARDS_DIR}/{LAYOUT_FILE} names {workers} shards"
+    hint = ""
+    # Only when none of the shards named is there: beside a shard lost from a layout in force,
+    # whole shards of another number are the leftovers of an earlier change, not its state.
+    others = _shard_sets(sdir, exclude=workers) if len(lost) == (workers or 1) else []
+    if others:
+        m = others[-1]
+        hint = (
+            f' ({sdir / SHARDS_DIR} holds the {m} whole shards of a job with "workers": {m}: '
+            f"if {LAYOUT_FILE} was edited or removed, write that number back)"
+        )
+    gone = "its committed work is gone"
+    if lost == [sdir / SHARDS_DIR / LAYOUT_FILE]:
+        gone = "without it no shard's committed work is read"
+    return StateError(
+        f"{what} {verb} missing, but the job in {sdir} has run before ({named}): {gone}, "
+        f"and a run would redo its inputs and repeat every durable call. Restore the state "
+        f"directory from a backup{hint}; to start the job over, remove {sdir} and write to a "
+        f"new output"
+    )
+
+
+def lost_layout_error(sdir: Path) -> StateError:
+    """`lost_shards_error` of a state with no layout and no database whose job has run: what
+    is missing is `layout.json` when whole shards are there, else the database."""
+    gone = sdir / SHARDS_DIR / LAYOUT_FILE if _shard_sets(sdir, None) else sdir / DB_NAME
+    return lost_shards_error(sdir, [gone], None)
+
+
+def _shard_sets(sdir: Path, exclude: int | None) -> list[int]:
+    """The numbers of workers M (other than `exclude`) whose every shard `i-of-M`, with its
+    database, is in `sdir/shards`: what a layout that names none of them may have said."""
+    try:
+        names = [p.name for p in (sdir / SHARDS_DIR).iterdir() if p.is_dir()]
+    except OSError:
+        return []
+    counts: dict[int, int] = {}
+    for name in names:
+        _, sep, m = name.partition("-of-")
+        if sep and m.isdigit() and int(m) >= 2 and int(m) != exclude:
+            counts[int(m)] = counts.get(int(m), 0) + 1
+    return sorted(
+        m
+        for m, held in counts.items()
+        if held >= m and all((shard_dir(sdir, i, m) / DB_NAME).exists() for i in range(m))
+    )
 
 
 def is_sharded(state_dir: str | os.PathLike[str]) -> bool:

@@ -421,6 +421,76 @@ def test_a_removed_write_ahead_log_after_outputs_is_refused(tmp_path: Path) -> N
     assert (tmp_path / "o.jsonl").read_bytes() == outputs
 
 
+def test_a_savepoint_of_a_state_that_lost_its_write_ahead_log_is_refused(tmp_path: Path) -> None:
+    # `run` refused the state, but `savepoint` copied it (no checkpoint, 0 keys, exit 0), and
+    # a run continued from that savepoint redid every input and repeated every durable call.
+    argv, state = _killed_after_outputs(tmp_path, 30)
+    for name in (DB_NAME + "-wal", DB_NAME + "-shm"):
+        (state / name).unlink()
+    sp = tmp_path / "sp.db"
+    taken = subprocess.run(
+        [*RATCHET, "savepoint", "--state", str(state), str(sp)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert taken.returncode == 2, (taken.stdout, taken.stderr)
+    assert f"cannot take a savepoint of {state}: {state / DB_NAME} has no completed" in taken.stderr
+    assert "ratchet.db-wal was removed" in taken.stderr and "Traceback" not in taken.stderr
+    assert len(taken.stderr.strip().splitlines()) == 1, taken.stderr
+    assert not sp.exists() and not list(tmp_path.glob(".sp.db.*"))
+
+
+def test_a_savepoint_with_no_checkpoint_is_not_continued_past_the_jobs_outputs(
+    tmp_path: Path,
+) -> None:
+    # Taken while the job ran, before its first checkpoint (allowed: the job is alive); the
+    # job then released outputs. Continuing from the savepoint redid every input and repeated
+    # every durable call, exit 0 (the output file dropped the repeated lines as duplicates).
+    inp, out, state, sp = (tmp_path / x for x in ("in.jsonl", "o.jsonl", "st", "sp.db"))
+    inp.write_text("")
+    env = dict(os.environ, RATCHET_TEST_EXEC_LOG=str(tmp_path / "exec.log"))
+    job = subprocess.Popen(
+        [*RATCHET, "run", AGENT, "--input", str(inp), "--output", str(out), "--state",
+         str(state), "--follow", "--checkpoint-interval", "60000"],
+        env=env, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not (state / "job.json").exists():  # its database is built before its job file
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.01)
+        taken = subprocess.run(
+            [*RATCHET, "savepoint", "--state", str(state), str(sp), "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert taken.returncode == 0, taken.stderr
+        assert json.loads(taken.stdout)["checkpoint_id"] is None
+        inp.write_text(
+            "".join(json.dumps({"key": f"k{i % 3}", "value": i}) + "\n" for i in range(9))
+        )
+        while not out.exists() or not out.read_bytes():  # the first output's checkpoint
+            assert job.poll() is None and time.monotonic() < deadline, "no outputs"
+            time.sleep(0.01)
+    finally:
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+    calls = (tmp_path / "exec.log").read_bytes()
+    outputs = out.read_bytes()
+    for workers in ("1", "2"):
+        again = subprocess.run(
+            [*RATCHET, "run", AGENT, "--input", str(inp), "--output", str(out), "--state",
+             str(tmp_path / f"restored{workers}"), "--from-savepoint", str(sp), "--workers",
+             workers],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert again.returncode == 2, again.stderr
+        last = again.stderr.strip().splitlines()[-1]
+        assert "was restored from a savepoint of" in last, again.stderr
+        assert "holds no completed checkpoint, but --output" in last, again.stderr
+        assert "Traceback" not in again.stderr
+        assert (tmp_path / "exec.log").read_bytes() == calls  # nothing ran again
+        assert out.read_bytes() == outputs
+
+
 def _shard_of_key(state: Path, key: str) -> Path:
     from ratchet.runtime._shards import read_layout, shard_of
 

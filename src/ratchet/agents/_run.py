@@ -249,9 +249,33 @@ def _refuse_lost_history(state_dir: Path, store: SqliteStore, sink: Sink, job: J
     history (an output is released only after its checkpoint completed): ratchet.db's
     write-ahead log removed, or the file copied without it. Running would redo every input
     and repeat every durable call."""
-    if restored_from_savepoint(store) or not sink.holds_outputs_of(job):
-        return  # a savepoint's outputs may run ahead of it: the job was rolled back to it
+    if not sink.holds_outputs_of(job):
+        return
+    if restored_from_savepoint(store):
+        # A savepoint's outputs may run ahead of it (the job was rolled back to it), but one
+        # with no completed checkpoint holds nothing of the job: taken before its first
+        # checkpoint, or of a state that had lost its write-ahead log. Going on from it would
+        # redo every input whose output is out and repeat every durable call.
+        raise _empty_savepoint_error(state_dir, store, sink, job)
     raise lost_history_error(state_dir, sink, job)
+
+
+def _empty_savepoint_error(
+    state_dir: Path, store: SqliteStore, sink: Sink, job: JobIdentity
+) -> StateError:
+    from ratchet.runtime._savepoints import SAVEPOINT_META
+
+    record = store.meta(SAVEPOINT_META)
+    of = record.get("state_dir") if isinstance(record, dict) else None
+    listed = f" (`ratchet checkpoints --state {of}` lists its savepoints)" if of else ""
+    return StateError(
+        f"{state_dir} was restored from a savepoint{f' of {of}' if of else ''} that holds no "
+        f"completed checkpoint, but {sink.describe()} holds outputs of its job {job.id}: the "
+        f"savepoint was taken before the job's first checkpoint, or of a state that had lost "
+        f"its write-ahead log, and going on from it would redo every input and repeat every "
+        f"durable call. Continue from a savepoint taken at a checkpoint{listed} into a new "
+        f"--state; to start the job over, remove {state_dir} and write to a new output"
+    )
 
 
 def _refuse_lost_layout(state_dir: Path) -> None:
@@ -284,9 +308,9 @@ def lost_history_error(
         f"outputs of its job {job.id}: the state lost its committed work (its write-ahead "
         f"log {DB_NAME}-wal was removed, or {DB_NAME} was copied without it) and a run would "
         f"redo every input and repeat every durable call. Restore {DB_NAME} together with "
-        f"its {DB_NAME}-wal file, or continue from a savepoint (--state NEW --from-savepoint "
-        f"PATH); to start the job over, remove {job_dir or state_dir} and write to a new "
-        f"output"
+        f"its {DB_NAME}-wal file, or continue from a savepoint taken before (--state NEW "
+        f"--from-savepoint PATH); to start the job over, remove {job_dir or state_dir} and "
+        f"write to a new output"
     )
 
 

@@ -531,6 +531,8 @@ def take_savepoint(
                     "memory_version": meta.get("memory_version", 1),
                     "schema_version": meta["schema_version"],
                 }
+                if record["checkpoint_id"] is None:
+                    _refuse_lost_history(sdir, job, meta)
                 _set_meta(dest, SAVEPOINT_META, record)
                 _check(
                     dest,
@@ -557,6 +559,57 @@ def take_savepoint(
     }
     result["logged"], result["log_error"] = _log_savepoint(sdir, result)
     return result
+
+
+def _refuse_lost_history(sdir: Path, job: str | None, meta: dict[str, Any]) -> None:
+    """A savepoint of a state with no completed checkpoint whose job has run (its job.json
+    exists), that no process runs now, and that is not a restore or a re-sharding's seed:
+    the state lost its committed work (its write-ahead log removed after a kill; `ratchet
+    run` refuses it) or was killed before its first checkpoint. Such a savepoint holds
+    nothing of the job, and continuing from it redid every input and repeated every durable
+    call: refused, naming the fix. A running job before its first checkpoint is let through
+    (it passed that check as it started); `run --from-savepoint` asks the output then."""
+    counts = meta.get("counts")
+    completed = counts.get("completed", 0) if isinstance(counts, dict) else 0
+    if (
+        job is None
+        or completed
+        or meta.get("source")
+        or meta.get(SAVEPOINT_META) is not None
+        or _owned(sdir)
+    ):
+        return
+    raise StateError(
+        f"cannot take a savepoint of {sdir}: {sdir / DB_NAME} has no completed checkpoint, "
+        f"but its job {job} has run (its {JOB_FILE} exists) and no process runs it now: the "
+        f"state lost its committed work (its write-ahead log {DB_NAME}-wal was removed after "
+        f"a kill, or {DB_NAME} was copied without it), or its job was killed before its first "
+        f"checkpoint; a savepoint of it holds no checkpoint, and continuing from one would "
+        f"redo every input and repeat every durable call. Restore {DB_NAME} together with its "
+        f"{DB_NAME}-wal file, or continue from a savepoint taken before (`ratchet checkpoints "
+        f"--state {sdir}` lists them); a job killed before its first checkpoint lost nothing: "
+        f"run it on with --state {sdir}"
+    )
+
+
+def _owned(sdir: Path) -> bool:
+    """Whether a process holds the state's lock or its supervisor's (a job runs it), asked
+    without taking either: holding one even for a moment would make a job that starts then
+    fail as "in use"."""
+    from ratchet.runtime._io import _flock_holder
+    from ratchet.store._sqlite import SUPERVISOR_LOCK_NAME
+
+    for name in (LOCK_NAME, SUPERVISOR_LOCK_NAME):
+        try:
+            fd = os.open(sdir / name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if _flock_holder(fd) is not None:
+                return True
+        finally:
+            os.close(fd)
+    return False
 
 
 def _log_savepoint(state_dir: Path, result: dict[str, Any]) -> tuple[bool, str | None]:

@@ -64,7 +64,8 @@ class Layout:
 
 
 def read_layout(state_dir: str | os.PathLike[str]) -> Layout:
-    """The layout in force; a state without `shards/layout.json` is a single-process state."""
+    """The layout in force; a state without `shards/layout.json` is a single-process state.
+    A layout naming a shard whose database is not there is refused (`lost_shards_error`)."""
     sdir = Path(state_dir)
     path = sdir / SHARDS_DIR / LAYOUT_FILE
     if sdir.exists() and not sdir.is_dir():

@@ -52,3 +52,19 @@ def test_run_says_the_state_is_a_newer_ratchets(newer_state: tuple[Path, list[st
     assert "job.json was written by a newer ratchet (job file format 2; this version reads " in line
     assert "use that ratchet version (or newer) with this state directory" in line
     assert "not a ratchet job file" not in line
+
+
+@pytest.mark.parametrize("command", ["savepoint", "fork", "checkpoints"])
+def test_copies_and_descriptions_refuse_the_state_of_a_newer_ratchet(
+    newer_state: tuple[Path, list[str]], command: str
+) -> None:
+    tmp, _run = newer_state
+    state = str(tmp / "state")
+    argv = {
+        "savepoint": ["savepoint", "--state", state, str(tmp / "sp.db")],
+        "fork": ["fork", "--state", state, "--to", str(tmp / "forked")],
+        "checkpoints": ["checkpoints", "--state", state],
+    }[command]
+    line = said(subprocess.run([*RATCHET, *argv], capture_output=True, text=True, timeout=60))
+    assert "job.json was written by a newer ratchet (job file format 2" in line, line
+    assert not (tmp / "sp.db").exists() and not (tmp / "forked").exists()

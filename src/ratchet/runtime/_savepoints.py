@@ -46,7 +46,7 @@ from ratchet._errors import (
     InternalError,
     StateError,
 )
-from ratchet.runtime._io import JOB_FILE, job_identity
+from ratchet.runtime._io import JOB_FILE, job_identity, newer_job_format
 from ratchet.runtime._shards import chosen_key_type, int_text
 from ratchet.store import codec
 from ratchet.store._base import signal_key_type
@@ -216,6 +216,9 @@ def _read_job(state_dir: Path) -> tuple[str | None, bool]:
             f'{path} is not a ratchet job file ({exc}); restore it (its job id is the "job" field '
             f"of this job's output lines) before copying this state"
         ) from exc
+    newer = newer_job_format(data)
+    if newer is not None:  # a copy made here would be this version's job.json: refused
+        raise StateError(f"{path} {newer}")
     job = data.get("job") if isinstance(data, dict) else None
     legacy = data.get("legacy_outputs") if isinstance(data, dict) else None
     if not isinstance(job, str) or not job or not isinstance(legacy, bool):

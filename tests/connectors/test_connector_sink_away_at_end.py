@@ -77,15 +77,11 @@ def finish(proc: subprocess.Popen[bytes], log: Path) -> str:
     return text
 
 
-@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
-def test_a_nats_sink_away_at_the_end_of_the_input_is_waited_for(
-    own_nats: Nats,  # noqa: F811 - the fixture imported above
-    tmp_path: Path,
-    workers: str,
-) -> None:
-    nats = own_nats
+def waiting_for_nats(nats: Nats, tmp: Path, workers: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """A job writing to a stream of `nats`, whose server went away before its last release:
+    it waits for the server (it said so), its last input done."""
     nats.add_stream("OUT", ["out.x"])
-    proc, log, gate = run_held(tmp_path, f"{nats.url}?stream=OUT&subject=out.x", workers)
+    proc, log, gate = run_held(tmp, f"{nats.url}?stream=OUT&subject=out.x", workers)
     try:
         wait_for(proc, log, lambda: nats.count("OUT") >= N - 1, f"{N - 1} outputs")
         nats.down()
@@ -95,6 +91,21 @@ def test_a_nats_sink_away_at_the_end_of_the_input_is_waited_for(
         gate.touch()
         waiting = WAITING.format(server="NATS", port=nats.port)
         wait_for(proc, log, lambda: waiting in log.read_text(), repr(waiting))
+    except BaseException:
+        kill(proc)
+        raise
+    return proc, log
+
+
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
+def test_a_nats_sink_away_at_the_end_of_the_input_is_waited_for(
+    own_nats: Nats,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+    workers: str,
+) -> None:
+    nats = own_nats
+    proc, log = waiting_for_nats(nats, tmp_path, workers)
+    try:
         nats.up()
     except BaseException:
         kill(proc)
@@ -148,15 +159,8 @@ def test_a_sigterm_while_it_waits_keeps_the_outputs_for_the_next_run(
     """A batch job the operator stops while it waits for the sink's server: it ends at once,
     the last output kept in the state; the next run, with the server back, writes it once."""
     nats = own_nats
-    nats.add_stream("OUT", ["out.x"])
-    proc, log, gate = run_held(tmp_path, f"{nats.url}?stream=OUT&subject=out.x", "1")
+    proc, log = waiting_for_nats(nats, tmp_path, "1")
     try:
-        wait_for(proc, log, lambda: nats.count("OUT") >= N - 1, f"{N - 1} outputs")
-        nats.down()
-        wait_for(proc, log, lambda: "disconnected from NATS" in log.read_text(), "disconnect")
-        gate.touch()
-        waiting = WAITING.format(server="NATS", port=nats.port)
-        wait_for(proc, log, lambda: waiting in log.read_text(), repr(waiting))
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=BOUND)
     finally:

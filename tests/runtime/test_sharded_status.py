@@ -78,3 +78,23 @@ def test_a_new_sharded_job_restored_nothing_and_a_restart_says_what_it_restored(
     latest = second["latest_restored"]
     assert latest is not None and latest["trigger_timestamp"] > 0
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 4
+
+
+def test_what_re_sharding_wrote_carries_the_time_it_was_written(tmp_path: Path) -> None:
+    """Each new shard's seed checkpoint was written at time 0: `ratchet checkpoints` listed
+    `#1 1970-01-01T00:00:00.000Z` after the job went back to one worker."""
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"key": "k{i}"}}\n' for i in range(20)))
+    _run(tmp_path)
+    back = [*RATCHET, "run", f"{tmp_path / 'echo.py'}:Echo", "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "o.jsonl"), "--state", str(tmp_path / "st"),
+            "--workers", "1"]  # fmt: skip
+    done = subprocess.run(back, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    listed = subprocess.run(
+        [*RATCHET, "checkpoints", "--state", str(tmp_path / "st"), "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert rows, listed.stdout
+    assert all(not r["time"].startswith("1970") for r in rows), rows

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ratchet._clock import SYSTEM_CLOCK
 from ratchet._errors import ConfigError, InvalidArgumentError, StateError
 from ratchet.store import codec
 from ratchet.store._base import KEEPS_SIGNALS, CheckpointRows, signal_key_type
@@ -397,8 +398,9 @@ def reshard(
                     moved[i].keys.append((bytes(k), str(text), int(nd), bytes(mem), int(version)))
             finally:
                 src.close()
+        now = SYSTEM_CLOCK.now()  # when the keys moved in (`ratchet checkpoints` shows it)
         for store, rows in zip(stores, moved, strict=True):
-            store.write_checkpoint(rows, 0.0)
+            store.write_checkpoint(rows, now)
             store.mark_reshard_seed()
         for i, store in enumerate(stores):
             store.ensure_tables()  # a new shard makes traces on first use: they come now

@@ -97,7 +97,8 @@ def waiting_for_nats(nats: Nats, tmp: Path, workers: str) -> tuple[subprocess.Po
     return proc, log
 
 
-@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
+@pytest.mark.slow  # about 4 s; the SIGTERM test below waits for NATS the same way, in make test
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_nats_sink_away_at_the_end_of_the_input_is_waited_for(
     own_nats: Nats,  # noqa: F811 - the fixture imported above
     tmp_path: Path,

@@ -82,6 +82,7 @@ def test_a_delayed_output_goes_out_when_it_falls_due(tmp_path: Path) -> None:
     assert took >= 0.5  # the job waited for it (not a timing assertion on speed)
 
 
+@pytest.mark.slow  # up to four kills and a last run, each waiting out real delays
 def test_delayed_outputs_go_out_once_across_sigkills(tmp_path: Path) -> None:
     seed = int(os.environ.get("RATCHET_TEST_SEED") or random.randrange(1 << 32))
     rng = random.Random(seed)

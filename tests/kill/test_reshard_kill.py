@@ -24,7 +24,7 @@ import pytest
 from ratchet.runtime._shards import read_layout
 from ratchet.store._sqlite import DB_NAME
 
-pytestmark = pytest.mark.kill
+pytestmark = [pytest.mark.kill, pytest.mark.slow]  # six kill points, each a real job
 
 AGENT = f"{Path(__file__).with_name('kill_agent.py')}:KillAgent"
 RATCHET = [sys.executable, "-m", "ratchet.cli"]

@@ -76,6 +76,7 @@ def wait_for(proc: subprocess.Popen[bytes], log: Path, text: str) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # 22 MB of output through a real job
 def test_a_disk_that_fills_and_frees_mid_run_leaves_every_output_once_and_whole(
     tmp_path: Path,
 ) -> None:

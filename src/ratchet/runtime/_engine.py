@@ -1196,10 +1196,7 @@ class Engine:
                 if self._stop or self._bad is not None:
                     # A stop asked for (a signal, --max-errors) or a bad input ends the job
                     # now, as it would have: what the sink refused waits in the outbox.
-                    log.warning(
-                        "%d output(s) the sink refused (%s) are kept in the state and written "
-                        "when the job runs again", len(self._unreleased), self._sink_error,
-                    )  # fmt: skip
+                    self._say_kept()
                 else:
                     await self._deliver_what_is_left()
             if self._bad is not None:
@@ -1724,10 +1721,7 @@ class Engine:
                 await self._forget_released()
                 return
             if self._stop:  # a stop asked for while it waited: they wait in the outbox
-                log.warning(
-                    "%d output(s) the sink refused (%s) are kept in the state and written "
-                    "when the job runs again", len(self._unreleased), self._sink_error,
-                )  # fmt: skip
+                self._say_kept()
                 return
             tries += 1
             away = self._sink_away
@@ -1758,11 +1752,19 @@ class Engine:
                 )  # fmt: skip
             delay = min(delay * 2, _LEFT_MAX_DELAY)
 
+    def _say_kept(self) -> None:
+        log.warning(
+            "%d output(s) the sink refused (%s) are kept in the state and written when the "
+            "job runs again", len(self._unreleased), self._sink_error,
+        )  # fmt: skip
+
     async def _pause(self, seconds: float) -> None:
         """Real time (a test's fake clock must not hold it), cut short by a stop request."""
+        if self._stop:
+            return
         wake = self._wake
-        if wake is None or self._stop:
-            await asyncio.sleep(0 if self._stop else seconds)
+        if wake is None:
+            await asyncio.sleep(seconds)
             return
         wake.clear()
         try:
